@@ -1,0 +1,101 @@
+"""Configuration dataclasses with documented defaults."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Callable, Sequence, Union
+
+MODES = ("full_recompute", "prefix_caching", "full_reuse", "cacheblend")
+
+
+@dataclass(frozen=True)
+class BlendConfig:
+    """How the CacheBlend fusor picks the tokens it recomputes.
+
+    recompute_ratio: fraction of the context (chunk) tokens recomputed on the layers after the
+        filtering schedule has finished (paper section 4.3: ~15% keeps quality).
+    criterion: how a recomputed token's KV deviation is scored on a check layer; one of
+        ``cacheblend_rag.selector.CRITERIA`` ("value" is the paper's, "key" is LMCache's,
+        "query_value" weights the value deviation by the question's attention) or a callable.
+    filter_layers: gradual filtering (paper 4.3, Fig. 9): layer 0 recomputes every non-exact
+        context token, then layers 0..filter_layers-1 each keep a geometrically smaller subset
+        of the tokens they recomputed, reaching ``recompute_ratio`` after the last of them.
+        1 means "pick once after the first layer", which is what the public implementations do.
+    schedule: an explicit schedule instead: ``((layer, fraction), ...)`` with strictly
+        increasing layers and non-increasing fractions of the context tokens kept after each
+        check layer. Overrides ``filter_layers``; the last fraction is the final ratio.
+    boundary_tokens: the first N tokens of every non-exact chunk are always recomputed. A chunk
+        cached behind the instruction prefix starts where the prompt's attention sink used to
+        be, so its first tokens tend to deviate most; counted inside the budget.
+    """
+
+    recompute_ratio: float = 0.15
+    criterion: Union[str, Callable] = "value"
+    filter_layers: int = 3
+    schedule: tuple[tuple[int, float], ...] | None = None
+    boundary_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.recompute_ratio <= 1.0:
+            raise ValueError(
+                f"recompute_ratio={self.recompute_ratio} is outside [0, 1]: it is the fraction of "
+                "context tokens recomputed per layer (0.15 is the paper's default)"
+            )
+        if self.filter_layers < 1:
+            raise ValueError(f"filter_layers={self.filter_layers} must be >= 1")
+        if self.boundary_tokens < 0:
+            raise ValueError(f"boundary_tokens={self.boundary_tokens} must be >= 0")
+        if self.schedule is not None:
+            layers = [l for l, _ in self.schedule]
+            fracs = [f for _, f in self.schedule]
+            if not self.schedule or layers != sorted(set(layers)) or layers[0] < 0:
+                raise ValueError(
+                    f"schedule={self.schedule!r}: give ((layer, fraction), ...) with strictly "
+                    "increasing, non-negative layer indices"
+                )
+            if any(not 0.0 <= f <= 1.0 for f in fracs) or fracs != sorted(fracs, reverse=True):
+                raise ValueError(
+                    f"schedule={self.schedule!r}: fractions must lie in [0, 1] and never grow"
+                )
+
+    def with_ratio(self, ratio: float | None) -> "BlendConfig":
+        return self if ratio is None else replace(self, recompute_ratio=ratio, schedule=None)
+
+    def check_points(self) -> list[tuple[int, float]]:
+        """The (layer, fraction of context kept after it) pairs of this schedule."""
+        if self.schedule is not None:
+            return list(self.schedule)
+        r, n = self.recompute_ratio, self.filter_layers
+        if r <= 0.0:
+            return [(i, 0.0) for i in range(n)]
+        # Geometric shrink: each check layer keeps the same share of what it recomputed.
+        return [(i, math.pow(r, (i + 1) / n)) for i in range(n)]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Decoding settings. temperature=0 is greedy (the benchmark default)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: Sequence[str] = field(default_factory=tuple)
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
+    return mode

@@ -1,0 +1,435 @@
+"""CacheBlendEngine: per-chunk KV caching and the four prefill modes behind one ``generate``."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from . import attention
+from .config import BlendConfig, SamplingParams, check_mode
+from .fusor import FusionPlan, fuse
+from .generation import DecodeState, decode, model_cache_kwarg
+from .kv_store import KVStore, chunk_key
+from .loader import ChunkLost, LayerAssembler, LoadSpec
+from .prompt import DEFAULT_INSTRUCTION, PromptBuilder, PromptLayout, Segment
+from .selector import resolve_criterion
+
+log = logging.getLogger("cacheblend_rag.engine")
+
+
+@dataclass
+class PrefillResult:
+    cache: DynamicCache
+    logits: torch.Tensor  # [vocab] float32
+    layout: PromptLayout
+    stats: dict[str, Any]
+    selected: list[torch.Tensor] | None = None  # per layer recomputed positions (fused modes)
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    ttft_s: float
+    total_s: float
+    finish_reason: str
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def _layer_kv(cache: DynamicCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    lay = cache.layers[layer]
+    return lay.keys, lay.values
+
+
+class CacheBlendEngine:
+    """Answer questions over retrieved chunks, reusing each chunk's cached KV.
+
+    ``model`` is a transformers causal LM with rotary position embeddings (Llama, Mistral, Qwen2,
+    Qwen3, ...), ``store`` the chunk KV store (a fresh temporary one when omitted).
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        store: KVStore | None = None,
+        config: BlendConfig | None = None,
+        instruction: str = DEFAULT_INSTRUCTION,
+        model_id: str = "custom",
+        fingerprint: str | None = None,
+        pipelined: bool = True,
+    ):
+        from .models import check_rope_support, model_fingerprint
+
+        check_rope_support(model)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.config = config or BlendConfig()
+        self.pipelined = pipelined
+        attention.install(self.model)
+        self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+        self.fingerprint = fingerprint or model_fingerprint(model, tokenizer, self.dtype)
+        self.store = store if store is not None else KVStore(None, fingerprint=self.fingerprint)
+        self.prompts = PromptBuilder(tokenizer, instruction)
+        cfg = model.config
+        self.num_layers = cfg.num_hidden_layers
+        self.kv_shape = (
+            cfg.num_key_value_heads or cfg.num_attention_heads,
+            getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        )
+        self.context_window = int(getattr(cfg, "max_position_embeddings", 0) or 0) or 2048
+        self._prefix_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._lock = threading.Lock()
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="cacheblend-writeback")
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | str = torch.float32,
+        cache_dir: str | None = None,
+        store_dir: str | None = None,
+        store_size_limit: int = 8 * 2**30,
+        **kwargs: Any,
+    ) -> "CacheBlendEngine":
+        """Load ``model`` (default: the bundled SmolLM2-135M-Instruct) and open its KV store.
+
+        The store lives in ``store_dir`` (default ``<cache home>/kv``) so chunk caches outlive
+        the process; entries are keyed by the model fingerprint, so models never mix.
+        """
+        from .models import default_cache_dir, load_model
+
+        loaded = load_model(model, device=device, dtype=dtype, cache_dir=cache_dir)
+        home = default_cache_dir() if cache_dir is None else cache_dir
+        store = KVStore(
+            store_dir or f"{home}/kv", size_limit=store_size_limit, fingerprint=loaded.fingerprint
+        )
+        return cls(
+            loaded.model,
+            loaded.tokenizer,
+            store=store,
+            model_id=loaded.model_id,
+            fingerprint=loaded.fingerprint,
+            **kwargs,
+        )
+
+    # ------------------------------------------------------------------ chunk caches
+    def chunk_key(self, segment: Segment, context_ids: Sequence[int] | None = None) -> str:
+        ctx = self.prompts.prefix_ids if context_ids is None else context_ids
+        return chunk_key(self.fingerprint, ctx, segment.token_ids)
+
+    def is_cached(self, text: str) -> bool:
+        return self.store.contains(self.chunk_key(self.prompts.chunk_segment(text)))
+
+    def _prefix_cache(self) -> DynamicCache:
+        with self._lock:
+            if self._prefix_kv is None:
+                ids = torch.tensor([self.prompts.prefix_ids], device=self.device)
+                with torch.inference_mode():
+                    out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
+                cache = _output_cache(out)
+                self._prefix_kv = [_layer_kv(cache, i) for i in range(self.num_layers)]
+            return _cache_from(self._prefix_kv)
+
+    def compute_chunk(self, segment: Segment) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Prefill one chunk behind the instruction prefix; return its own K/V per layer."""
+        plen = len(self.prompts.prefix_ids)
+        n = len(segment)
+        cache = self._prefix_cache()
+        with torch.inference_mode():
+            self.model(
+                input_ids=torch.tensor([segment.token_ids], device=self.device),
+                position_ids=torch.arange(plen, plen + n, device=self.device)[None],
+                use_cache=True,
+                logits_to_keep=1,
+                **{model_cache_kwarg(self.model): cache},
+            )
+        return [
+            (k[0, :, plen:].contiguous(), v[0, :, plen:].contiguous())
+            for k, v in (_layer_kv(cache, i) for i in range(self.num_layers))
+        ]
+
+    def precompute(self, texts: Iterable[str], *, progress: bool = True) -> int:
+        """Compute and store the KV of every chunk not cached yet. Returns how many were computed."""
+        segments = [self.prompts.chunk_segment(t) for t in dict.fromkeys(_check_texts(texts))]
+        computed = 0
+        for seg in tqdm(segments, desc="precompute KV", unit="chunk", disable=not progress):
+            self._check_fits(len(self.prompts.prefix_ids) + len(seg), f"chunk {seg.text[:40]!r}...")
+            key = self.chunk_key(seg)
+            if self.store.contains(key):
+                continue
+            self.store.put(key, self.compute_chunk(seg))
+            computed += 1
+        return computed
+
+    def flush(self) -> None:
+        """Wait for background write-backs to finish."""
+        self._writer.submit(lambda: None).result()
+
+    # ------------------------------------------------------------------ prefill
+    def build_layout(self, question: str, chunks: Sequence[str]) -> PromptLayout:
+        layout = self.prompts.build(question, chunks)
+        self._check_fits(len(layout), "the prompt (instruction + chunks + question)")
+        return layout
+
+    def _check_fits(self, n: int, what: str, reserve: int = 0) -> None:
+        if n + reserve > self.context_window:
+            raise ValueError(
+                f"{what} is {n} tokens{f' plus {reserve} to generate' if reserve else ''}, more than "
+                f"the model's context window of {self.context_window} tokens: retrieve fewer or "
+                "shorter chunks (split long documents) or lower max_new_tokens"
+            )
+
+    def prefill(
+        self,
+        layout: PromptLayout,
+        mode: str = "cacheblend",
+        config: BlendConfig | None = None,
+        *,
+        pipelined: bool | None = None,
+    ) -> PrefillResult:
+        check_mode(mode)
+        config = config or self.config
+        t0 = time.perf_counter()
+        ids = torch.tensor(layout.token_ids, dtype=torch.long, device=self.device)
+        if mode == "full_recompute":
+            with torch.inference_mode():
+                out = self.model(input_ids=ids[None], use_cache=True, logits_to_keep=1)
+            stats = self._stats(mode, layout, hits=0, misses=0, recomputed=[len(layout)] * self.num_layers)
+            stats["prefill_s"] = time.perf_counter() - t0
+            return PrefillResult(_output_cache(out), out.logits[0, -1].float(), layout, stats)
+        for attempt in range(2):
+            try:
+                return self._fused_prefill(layout, ids, mode, config, pipelined, t0)
+            except ChunkLost as lost:
+                # A record went bad or was evicted after the lookup: drop it and recompute.
+                log.warning("chunk record %s lost during load; recomputing it", lost.key[:16])
+                self.store.discard(lost.key)
+        raise RuntimeError("chunk caches kept disappearing during load; is another process clearing the store?")
+
+    def _fused_prefill(self, layout, ids, mode, config, pipelined, t0) -> PrefillResult:
+        length = len(layout)
+        offsets = layout.offsets()
+        prefix = self.prompts.prefix_ids
+        always = torch.zeros(length, dtype=torch.bool, device=self.device)
+        candidate = torch.zeros_like(always)
+        forced = torch.zeros_like(always)
+        specs: list[LoadSpec] = []
+        writebacks: list[tuple[str, int, int]] = []
+        hits = misses = 0
+        miss_s = 0.0
+        token_ids = layout.token_ids
+
+        if mode == "prefix_caching":
+            exact_end = 0
+            for seg, off in zip(layout.segments[:-1], offsets):
+                key = chunk_key(self.fingerprint, token_ids[:off], seg.token_ids)
+                if exact_end == off and self.store.contains(key):
+                    specs.append(LoadSpec(off, len(seg), key, 0))
+                    exact_end = off + len(seg)
+                    hits += seg.reusable
+                else:
+                    writebacks.append((key, off, len(seg)))
+                    misses += seg.reusable
+            always[exact_end:] = True
+        else:
+            for seg, off in zip(layout.segments, offsets):
+                span = slice(off, off + len(seg))
+                if not seg.reusable:
+                    always[span] = True
+                    continue
+                key = self.chunk_key(seg)
+                kv = None
+                if self.store.contains(key):
+                    hits += 1
+                else:
+                    misses += 1
+                    tm = time.perf_counter()
+                    kv = self.compute_chunk(seg)
+                    miss_s += time.perf_counter() - tm
+                    self._writer.submit(self.store.put, key, kv)
+                specs.append(LoadSpec(off, len(seg), key, off - len(prefix), kv))
+                exact = off == len(prefix) and tuple(token_ids[:off]) == tuple(prefix)
+                if not exact:
+                    candidate[span] = True
+                    if config.boundary_tokens:
+                        forced[off : off + min(config.boundary_tokens, len(seg))] = True
+
+        checks: dict[int, int] = {}
+        if mode == "cacheblend":
+            n_ctx = layout.num_context_tokens
+            n_forced = int(forced.sum())
+            for layer, frac in config.check_points():
+                if layer < self.num_layers:
+                    checks[layer] = max(0, math.ceil(frac * n_ctx) - n_forced)
+        plan = FusionPlan(
+            input_ids=ids,
+            always=always,
+            candidate=candidate,
+            forced=forced,
+            recompute_first_layer=mode == "cacheblend",
+            checks=checks,
+            num_query=len(layout.segments[-1]),
+        )
+        loader = LayerAssembler(
+            self.store,
+            specs,
+            length,
+            self.kv_shape,
+            self.dtype,
+            self.device,
+            self.model.model.rotary_emb,
+            self.num_layers,
+            pipelined=self.pipelined if pipelined is None else pipelined,
+        )
+        try:
+            out = fuse(self.model, plan, loader, resolve_criterion(config.criterion))
+        finally:
+            loader.close()
+        cache = _cache_from(list(zip(out.keys, out.values)))
+        for key, off, n in writebacks:
+            kv = [(k[0, :, off : off + n].contiguous(), v[0, :, off : off + n].contiguous()) for k, v in zip(out.keys, out.values)]
+            self._writer.submit(self.store.put, key, kv)
+        stats = self._stats(mode, layout, hits, misses, out.stats.recomputed_per_layer)
+        total_load = sum(loader.load_s_per_layer)
+        stats.update(
+            miss_compute_s=miss_s,
+            load_s=total_load,
+            load_exposed_s=out.stats.load_s,
+            load_hidden_s=max(0.0, total_load - out.stats.load_s) if loader._pool else 0.0,
+            compute_s=out.stats.compute_s,
+            load_s_per_layer=list(loader.load_s_per_layer),
+            compute_s_per_layer=out.stats.compute_s_per_layer,
+            prefill_s=time.perf_counter() - t0,
+        )
+        if mode == "cacheblend":
+            stats.update(criterion=getattr(config.criterion, "__name__", config.criterion), recompute_ratio=config.recompute_ratio)
+        return PrefillResult(cache, out.logits, layout, stats, out.selected)
+
+    def _stats(self, mode: str, layout: PromptLayout, hits: int, misses: int, recomputed: list[int]) -> dict[str, Any]:
+        total = len(layout) * self.num_layers
+        return {
+            "mode": mode,
+            "prompt_tokens": len(layout),
+            "context_tokens": layout.num_context_tokens,
+            "chunks": sum(s.reusable for s in layout.segments),
+            "chunk_hits": hits,
+            "chunk_misses": misses,
+            "recomputed_per_layer": recomputed,
+            "recompute_fraction": sum(recomputed) / total if total else 0.0,
+        }
+
+    # ------------------------------------------------------------------ answering
+    def next_token_logits(
+        self, question: str, chunks: Sequence[str], mode: str = "cacheblend", *, recompute_ratio: float | None = None, config: BlendConfig | None = None
+    ) -> torch.Tensor:
+        layout = self.build_layout(question, chunks)
+        return self.prefill(layout, mode, (config or self.config).with_ratio(recompute_ratio)).logits
+
+    def stream(
+        self,
+        question: str,
+        chunks: Sequence[str],
+        *,
+        mode: str = "cacheblend",
+        recompute_ratio: float | None = None,
+        config: BlendConfig | None = None,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop: Sequence[str] | str | None = None,
+        seed: int | None = None,
+    ) -> "GenerationStream":
+        """Iterate over the answer's text deltas; ``.result`` holds the full result afterwards."""
+        t0 = time.perf_counter()
+        check_mode(mode)
+        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, tuple([stop] if isinstance(stop, str) else stop or ()), seed)
+        layout = self.build_layout(question, chunks)
+        self._check_fits(len(layout), "the prompt (instruction + chunks + question)", reserve=max_new_tokens)
+        return GenerationStream(self, layout, mode, (config or self.config).with_ratio(recompute_ratio), params, t0)
+
+    def generate(self, question: str, chunks: Sequence[str], *, on_token: Callable[[str], None] | None = None, **kwargs: Any) -> GenerationResult:
+        """Answer ``question`` over ``chunks``. Keyword arguments as for :meth:`stream`."""
+        stream = self.stream(question, chunks, **kwargs)
+        for delta in stream:
+            if on_token is not None:
+                on_token(delta)
+        assert stream.result is not None
+        return stream.result
+
+    def close(self) -> None:
+        self._writer.shutdown(wait=True)
+        self.store.close()
+
+
+class GenerationStream:
+    """Iterator of text deltas. Time to first token counts from the ``stream``/``generate`` call."""
+
+    def __init__(self, engine: CacheBlendEngine, layout, mode, config, params, t0: float):
+        self.engine, self.layout, self.mode, self.config, self.params, self.t0 = engine, layout, mode, config, params, t0
+        self.result: GenerationResult | None = None
+        self._iter: Iterator[str] | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        if self._iter is None:
+            self._iter = self._run()
+        return self._iter
+
+    def __next__(self) -> str:
+        return next(iter(self))
+
+    def _run(self) -> Iterator[str]:
+        eng = self.engine
+        pre = eng.prefill(self.layout, self.mode, self.config)
+        ttft = [0.0]
+
+        def first() -> None:
+            ttft[0] = time.perf_counter() - self.t0
+
+        state: DecodeState = yield from decode(eng.model, eng.tokenizer, pre.cache, pre.logits, len(self.layout), self.params, first)
+        total = time.perf_counter() - self.t0
+        stats = dict(pre.stats, ttft_s=ttft[0], total_s=total, generated_tokens=len(state.token_ids))
+        self.result = GenerationResult(state.text, state.token_ids, ttft[0], total, state.finish_reason, stats)
+
+
+def _output_cache(out) -> DynamicCache:
+    # transformers 5.24 renamed the output's `past_key_values` to `cache` (the old name warns).
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def _cache_from(kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    cache = DynamicCache()
+    for i, (k, v) in enumerate(kv):
+        # DynamicLayer.update concatenates into new storage, so the inputs are never aliased.
+        cache.update(k if k.dim() == 4 else k[None], v if v.dim() == 4 else v[None], i)
+    return cache
+
+
+def _check_texts(texts: Iterable[str]) -> list[str]:
+    if isinstance(texts, str):
+        raise TypeError("precompute takes a list of chunk texts, got a single str; wrap it as [text]")
+    out = list(texts)
+    for i, t in enumerate(out):
+        if not isinstance(t, str):
+            raise TypeError(f"chunk {i} is a {type(t).__name__}, not a str")
+        if not t.strip():
+            raise ValueError(f"chunk {i} is empty or whitespace: drop it before precomputing")
+    return out

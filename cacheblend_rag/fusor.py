@@ -1,0 +1,177 @@
+"""The fusor: a layer-by-layer prefill that recomputes only selected tokens (paper 4.1, 4.3).
+
+On each layer the selected tokens' hidden states go through transformers' own decoder layer with
+their real positions and an exact causal mask. The layer's cache is a ``ScatterKV`` that writes their
+fresh K/V into the loaded (reused) K/V at their positions and hands the full K/V to attention, so a
+selected token attends to every earlier token, reused or fresh, and to no later one. On check
+layers the fresh-vs-cached deviation ranks the tokens and the next layer keeps only the top ones
+(gradual filtering): a token recomputed on layer i+1 was recomputed on layer i, so its input hidden
+state exists.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .attention import PROBE_KWARG, AttentionProbe
+from .selector import Criterion, Deviation, top_k
+
+LayerLoader = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class FusionPlan:
+    """Which prompt positions are computed, reused exactly, or reused and selectable.
+
+    always: recomputed on every layer (instruction prefix, question, text between chunks).
+    candidate: reused from a cache that may deviate (non-prefix chunks); selectable.
+    forced: candidates recomputed on every layer regardless of score (chunk boundaries).
+    Positions in none of these are reused exactly (a chunk cached behind the same prefix).
+    checks: check layer -> number of candidate tokens kept after it (empty: the initial set stays).
+    num_query: trailing positions whose attention the query-aware criteria read (the question).
+    """
+
+    input_ids: torch.Tensor
+    always: torch.Tensor
+    candidate: torch.Tensor
+    forced: torch.Tensor
+    recompute_first_layer: bool
+    checks: dict[int, int] = field(default_factory=dict)
+    num_query: int = 0
+
+    def initial_selection(self) -> torch.Tensor:
+        sel = self.always | self.forced
+        if self.recompute_first_layer:
+            sel = sel | self.candidate
+        return sel.nonzero().flatten()
+
+
+@dataclass
+class FusionStats:
+    recomputed_per_layer: list[int] = field(default_factory=list)
+    load_s_per_layer: list[float] = field(default_factory=list)
+    compute_s_per_layer: list[float] = field(default_factory=list)
+
+    @property
+    def load_s(self) -> float:
+        return sum(self.load_s_per_layer)
+
+    @property
+    def compute_s(self) -> float:
+        return sum(self.compute_s_per_layer)
+
+
+@dataclass
+class FusionOutput:
+    keys: list[torch.Tensor]  # per layer [1, kv_heads, L, head_dim]
+    values: list[torch.Tensor]
+    logits: torch.Tensor  # [vocab] float32, next-token logits at the last position
+    selected: list[torch.Tensor]  # per layer, the positions recomputed
+    stats: FusionStats
+
+
+class ScatterKV:
+    """A one-layer stand-in for a transformers Cache: scatter fresh K/V into the loaded K/V."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, keep_cached: torch.Tensor | None):
+        self.keys, self.values, self.positions = keys, values, positions
+        self.keep_cached = keep_cached  # rows whose cached K/V must be kept for the deviation
+        self.deviation: Deviation | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        pos = self.positions
+        if self.keep_cached is not None:
+            rows = self.keep_cached
+            self.deviation = Deviation(
+                fresh_k=key_states[0][:, rows],
+                fresh_v=value_states[0][:, rows],
+                cached_k=self.keys[0][:, pos[rows]].clone(),
+                cached_v=self.values[0][:, pos[rows]].clone(),
+            )
+        self.keys[:, :, pos] = key_states.to(self.keys.dtype)
+        self.values[:, :, pos] = value_states.to(self.values.dtype)
+        return self.keys, self.values
+
+
+def _cache_kwarg(layer: torch.nn.Module) -> str:
+    # transformers 5.24 renamed the decoder layer's `past_key_values` keyword to `cache`.
+    params = inspect.signature(layer.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def causal_mask(positions: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive [1, 1, len(positions), length] mask: row i sees keys 0..positions[i] only."""
+    keys = torch.arange(length, device=positions.device)
+    allowed = keys[None, :] <= positions[:, None]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=positions.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+@torch.inference_mode()
+def fuse(model, plan: FusionPlan, load: LayerLoader, criterion: Criterion) -> FusionOutput:
+    backbone = model.model
+    layers = backbone.layers
+    length = plan.input_ids.numel()
+    device = plan.input_ids.device
+    cache_kw = _cache_kwarg(layers[0])
+    stats = FusionStats()
+    keys_out: list[torch.Tensor] = []
+    values_out: list[torch.Tensor] = []
+    selected_log: list[torch.Tensor] = []
+
+    sel = plan.initial_selection()
+    hidden = backbone.embed_tokens(plan.input_ids[sel])[None]
+    dtype = hidden.dtype
+    for i, layer in enumerate(layers):
+        t0 = time.perf_counter()
+        k_full, v_full = load(i)
+        t1 = time.perf_counter()
+        check = i in plan.checks
+        cand_rows = (plan.candidate[sel] & ~plan.forced[sel]).nonzero().flatten() if check else None
+        kv = ScatterKV(k_full, v_full, sel, cand_rows)
+        pos = sel[None]
+        extra = {}
+        probe = None
+        if check and getattr(criterion, "needs_attention", False) and plan.num_query > 0:
+            probe = AttentionProbe(plan.num_query)
+            extra[PROBE_KWARG] = probe
+        out = layer(
+            hidden,
+            attention_mask=causal_mask(sel, length, dtype),
+            position_ids=pos,
+            position_embeddings=backbone.rotary_emb(hidden, pos),
+            use_cache=True,
+            **{cache_kw: kv},
+            **extra,
+        )
+        hidden = out[0] if isinstance(out, tuple) else out
+        keys_out.append(kv.keys)
+        values_out.append(kv.values)
+        selected_log.append(sel)
+        stats.recomputed_per_layer.append(int(sel.numel()))
+
+        if check:
+            dev = kv.deviation
+            assert dev is not None and cand_rows is not None
+            if probe is not None and probe.weights is not None:
+                dev.question_attention = probe.weights[sel[cand_rows]]
+            keep = top_k(criterion(dev), plan.checks[i]) if cand_rows.numel() else cand_rows
+            rows = torch.zeros(sel.numel(), dtype=torch.bool, device=device)
+            rows |= plan.always[sel] | plan.forced[sel]
+            rows[cand_rows[keep]] = True
+            hidden = hidden[:, rows]
+            sel = sel[rows]
+        stats.load_s_per_layer.append(t1 - t0)
+        stats.compute_s_per_layer.append(time.perf_counter() - t1)
+
+    if sel.numel() == 0 or int(sel[-1]) != length - 1:
+        raise RuntimeError("internal error: the last prompt position must be recomputed on every layer")
+    last = backbone.norm(hidden[:, -1:])
+    logits = model.lm_head(last)[0, -1].float()
+    return FusionOutput(keys_out, values_out, logits, selected_log, stats)

@@ -1,0 +1,177 @@
+"""Binary record for one transformer layer's K and V of one chunk.
+
+The KV store keeps these records on disk and may share its directory with other
+processes, so a record is treated as untrusted input: it is raw bytes described
+by a fixed ``struct`` header, never a pickle, and decoding only ever copies bytes
+into a tensor. Every inconsistency raises :class:`CorruptRecordError`, which the
+store turns into "recompute this chunk".
+
+Layout (little-endian, 64-byte header, then the payload)::
+
+    offset size field
+    0      4    magic b"CBKV"
+    4      2    format version (1)
+    6      1    dtype code (see DTYPE_CODES)
+    7      1    reserved, must be 0
+    8      12   shape: num_kv_heads, num_tokens, head_dim (uint32 each)
+    20     32   blake2b-256 digest of the model fingerprint string
+    52     8    payload length in bytes (uint64)
+    60     4    CRC-32 of header bytes 0..59 followed by the payload
+    64     ...  K bytes, then V bytes (row-major, native element encoding)
+
+The CRC covers the header too: a flipped dtype code (float16 <-> bfloat16 have
+the same size) would otherwise decode to a silently wrong tensor. CRC-32 detects
+every burst error of up to 32 bits, so any single corrupted byte is caught, and it
+is cheap enough (GB/s) for the hot path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import zlib
+
+import torch
+
+__all__ = [
+    "CorruptRecordError",
+    "DTYPE_CODES",
+    "HEADER_SIZE",
+    "MAGIC",
+    "FORMAT_VERSION",
+    "decode_layer",
+    "dtype_from_name",
+    "dtype_name",
+    "encode_layer",
+    "fingerprint_digest",
+    "validate_layer",
+]
+
+MAGIC = b"CBKV"
+FORMAT_VERSION = 1
+
+# Codes are part of the on-disk format: never renumber, only append.
+DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 1,
+    torch.float16: 2,
+    torch.bfloat16: 3,
+    torch.float64: 4,
+}
+_CODE_TO_DTYPE: dict[int, torch.dtype] = {code: dt for dt, code in DTYPE_CODES.items()}
+
+# magic, version, dtype code, reserved, 3 shape dims, fingerprint digest, payload len, crc
+_HEADER = struct.Struct("<4sHBB3I32sQI")
+HEADER_SIZE = _HEADER.size  # 64
+_CRC_OFFSET = HEADER_SIZE - 4  # the CRC field is last, so the prefix before it is hashed
+_MAX_DIM = 2**32 - 1
+
+
+class CorruptRecordError(ValueError):
+    """A stored record failed validation; the message says which check failed."""
+
+
+def fingerprint_digest(fingerprint: str) -> bytes:
+    """Fixed 32-byte digest so the header size does not depend on the fingerprint."""
+    if not isinstance(fingerprint, str):
+        raise TypeError(f"fingerprint must be str, got {type(fingerprint).__name__}")
+    return hashlib.blake2b(fingerprint.encode("utf-8"), digest_size=32).digest()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'torch.bfloat16' -> 'bfloat16' (the spelling stored in chunk metadata)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    for dt in DTYPE_CODES:
+        if dtype_name(dt) == name:
+            return dt
+    raise ValueError(f"unsupported KV dtype name {name!r}")
+
+
+def validate_layer(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.dtype, tuple[int, int, int]]:
+    """Check a (K, V) pair is storable; returns its dtype and shape. Raises ValueError."""
+    if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
+        raise ValueError(f"K and V must be tensors, got {type(k).__name__} and {type(v).__name__}")
+    if k.dim() != 3:
+        raise ValueError(f"K must be [num_kv_heads, num_tokens, head_dim], got shape {tuple(k.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"K and V shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if k.dtype != v.dtype:
+        raise ValueError(f"K and V dtypes differ: {k.dtype} vs {v.dtype}")
+    if k.dtype not in DTYPE_CODES:
+        supported = ", ".join(dtype_name(d) for d in DTYPE_CODES)
+        raise ValueError(f"unsupported KV dtype {k.dtype}; supported: {supported}")
+    shape = (int(k.shape[0]), int(k.shape[1]), int(k.shape[2]))
+    if max(shape) > _MAX_DIM:
+        raise ValueError(f"shape {shape} does not fit the record header")
+    return k.dtype, shape
+
+
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    # Reinterpreting as uint8 works for every dtype, including bfloat16 which has no
+    # numpy equivalent; the result is a zero-copy view of the contiguous CPU tensor.
+    flat = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    return memoryview(flat.numpy())
+
+
+def encode_layer(k: torch.Tensor, v: torch.Tensor, fingerprint: str) -> bytes:
+    """Serialize one layer's K and V (same shape/dtype, [heads, tokens, head_dim])."""
+    dtype, shape = validate_layer(k, v)
+    kb, vb = _raw_bytes(k), _raw_bytes(v)
+    payload_len = kb.nbytes + vb.nbytes
+    prefix = _HEADER.pack(
+        MAGIC, FORMAT_VERSION, DTYPE_CODES[dtype], 0, *shape,
+        fingerprint_digest(fingerprint), payload_len, 0,
+    )[:_CRC_OFFSET]
+    crc = zlib.crc32(vb, zlib.crc32(kb, zlib.crc32(prefix)))
+    return b"".join((prefix, struct.pack("<I", crc), kb, vb))
+
+
+def _tensor_from(buf: memoryview, dtype: torch.dtype, shape: tuple[int, int, int]) -> torch.Tensor:
+    if buf.nbytes == 0:
+        return torch.empty(shape, dtype=dtype)  # frombuffer rejects empty buffers
+    # bytearray copies once and gives the tensor memory it owns and may write to
+    # (frombuffer on immutable bytes would alias read-only memory and warn).
+    return torch.frombuffer(bytearray(buf), dtype=dtype).view(shape)
+
+
+def decode_layer(
+    blob: bytes, fingerprint: str, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Parse a record made by :func:`encode_layer`; raise CorruptRecordError on any mismatch."""
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise CorruptRecordError(f"record is {type(blob).__name__}, expected bytes")
+    mv = memoryview(blob).cast("B")
+    if mv.nbytes < HEADER_SIZE:
+        raise CorruptRecordError(f"truncated record: {mv.nbytes} bytes, header alone needs {HEADER_SIZE}")
+    magic, version, code, reserved, heads, tokens, head_dim, digest, payload_len, crc = _HEADER.unpack_from(mv)
+    if magic != MAGIC:
+        raise CorruptRecordError(f"bad magic {magic!r}, expected {MAGIC!r}")
+    if version != FORMAT_VERSION:
+        raise CorruptRecordError(f"unsupported format version {version} (this build reads {FORMAT_VERSION})")
+    actual = mv.nbytes - HEADER_SIZE
+    if actual < payload_len:
+        raise CorruptRecordError(f"truncated payload: header says {payload_len} bytes, found {actual}")
+    if actual > payload_len:
+        raise CorruptRecordError(f"payload length mismatch: header says {payload_len} bytes, found {actual} (trailing bytes)")
+    payload = mv[HEADER_SIZE:]
+    if zlib.crc32(payload, zlib.crc32(mv[:_CRC_OFFSET])) != crc:
+        raise CorruptRecordError("checksum mismatch: record bytes were altered")
+    # Checked after the CRC: an intact record from another model is a mismatch, not damage.
+    if digest != fingerprint_digest(fingerprint):
+        raise CorruptRecordError("fingerprint mismatch: record was written for a different model")
+    dtype = _CODE_TO_DTYPE.get(code)
+    if dtype is None or reserved != 0:
+        raise CorruptRecordError(f"dtype mismatch: unknown dtype code {code} / reserved byte {reserved}")
+    shape = (heads, tokens, head_dim)
+    half = heads * tokens * head_dim * dtype.itemsize
+    if 2 * half != payload_len:
+        raise CorruptRecordError(
+            f"dtype/shape mismatch: {dtype_name(dtype)} {list(shape)} needs {2 * half} payload bytes, header says {payload_len}"
+        )
+    k = _tensor_from(payload[:half], dtype, shape)
+    v = _tensor_from(payload[half:], dtype, shape)
+    if device is not None and torch.device(device).type != "cpu":
+        k, v = k.to(device), v.to(device)
+    return k, v

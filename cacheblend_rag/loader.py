@@ -1,0 +1,92 @@
+"""Assembles one layer's K/V for a whole prompt from the chunk store, optionally one layer ahead.
+
+``fetch_kv`` of the paper: every reused segment's cached K/V for a layer is read from the store,
+its keys re-rotated to the segment's new offset, and laid into a prompt-length tensor. With
+``pipelined=True`` a background thread loads layer i+1 while the fusor computes layer i; calling
+the loader for layer i is the synchronisation point (paper section 5, "synchronize").
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .rope import shift_keys
+
+
+class ChunkLost(RuntimeError):
+    """A chunk's record vanished or failed its checks between lookup and load."""
+
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+@dataclass
+class LoadSpec:
+    start: int  # first prompt position of the segment
+    length: int
+    key: str  # store key
+    delta: int  # positions to shift the cached keys by
+    kv: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None  # computed during this request
+
+
+class LayerAssembler:
+    def __init__(
+        self,
+        store,
+        specs: Sequence[LoadSpec],
+        length: int,
+        shape: tuple[int, int],  # (kv_heads, head_dim)
+        dtype: torch.dtype,
+        device: torch.device,
+        rotary_emb: torch.nn.Module,
+        num_layers: int,
+        pipelined: bool = False,
+    ):
+        self.store, self.specs, self.length = store, list(specs), length
+        self.shape, self.dtype, self.device = shape, dtype, device
+        self.rotary_emb, self.num_layers = rotary_emb, num_layers
+        self.load_s_per_layer = [0.0] * num_layers  # time spent loading, hidden or not
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="cacheblend-load") if pipelined else None
+        self._pending: dict[int, Future] = {}
+        if self._pool is not None:
+            self._pending[0] = self._pool.submit(self._load, 0)
+
+    def _load(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t0 = time.perf_counter()
+        heads, dim = self.shape
+        k_full = torch.zeros(1, heads, self.length, dim, dtype=self.dtype, device=self.device)
+        v_full = torch.zeros_like(k_full)
+        for spec in self.specs:
+            if spec.kv is not None:
+                k, v = spec.kv[layer]
+            else:
+                got = self.store.get_layer(spec.key, layer, device=self.device)
+                if got is None:
+                    raise ChunkLost(spec.key)
+                k, v = got
+            end = spec.start + spec.length
+            k_full[0, :, spec.start : end] = shift_keys(self.rotary_emb, k.to(self.dtype), spec.delta)
+            v_full[0, :, spec.start : end] = v
+        self.load_s_per_layer[layer] = time.perf_counter() - t0
+        return k_full, v_full
+
+    def __call__(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._pool is None:
+            return self._load(layer)
+        fut = self._pending.pop(layer, None) or self._pool.submit(self._load, layer)
+        if layer + 1 < self.num_layers:
+            self._pending[layer + 1] = self._pool.submit(self._load, layer + 1)
+        return fut.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            for fut in self._pending.values():
+                fut.cancel()
+            self._pool.shutdown(wait=True)
+            self._pending.clear()

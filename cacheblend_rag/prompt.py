@@ -1,0 +1,142 @@
+"""Prompt layout: the instruction prefix, the chunks and the question as separately tokenized segments.
+
+Every mode tokenizes the same segments the same way, so full prefill, prefix caching, full reuse and
+CacheBlend are compared on identical token ids. A chunk's tokens never depend on its neighbours,
+which is what lets its KV be cached once and reused anywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Sequence
+
+DEFAULT_INSTRUCTION = (
+    "You are a helpful assistant. Answer the question using the documents the user gives. "
+    "Reply with a short answer of a few words, without explanation."
+)
+CHUNK_SEPARATOR = "\n\n"
+_SENTINEL = "\x00CACHEBLEND_USER_CONTENT\x00"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of prompt tokens. ``reusable`` segments are chunks whose KV may come from the store."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    reusable: bool
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class PromptLayout:
+    segments: tuple[Segment, ...]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for s in self.segments for t in s.token_ids]
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self.segments)
+
+    def offsets(self) -> list[int]:
+        out, pos = [], 0
+        for s in self.segments:
+            out.append(pos)
+            pos += len(s)
+        return out
+
+    @property
+    def num_context_tokens(self) -> int:
+        return sum(len(s) for s in self.segments if s.reusable)
+
+
+def validate_question(question: object) -> str:
+    if not isinstance(question, str):
+        raise TypeError(f"question must be a str, got {type(question).__name__}")
+    if not question.strip():
+        raise ValueError("question is empty: pass the user's question as a non-empty string")
+    return question
+
+
+def normalize_chunks(chunks: object) -> list[str]:
+    """Validate retrieved chunks; exact duplicates are dropped (first occurrence kept).
+
+    A duplicated chunk adds no information and would only double its tokens' attention mass.
+    """
+    if isinstance(chunks, (str, bytes)) or not isinstance(chunks, Sequence):
+        raise TypeError(
+            "chunks must be a list of strings (the retrieved passages), got "
+            f"{type(chunks).__name__}; wrap a single passage as [text]"
+        )
+    if len(chunks) == 0:
+        raise ValueError("no chunks given: CacheBlend answers over retrieved chunks; pass at least one")
+    seen: dict[str, None] = {}
+    for i, c in enumerate(chunks):
+        if not isinstance(c, str):
+            raise TypeError(f"chunk {i} is a {type(c).__name__}, not a str: pass the passage text")
+        if not c.strip():
+            raise ValueError(f"chunk {i} is empty or whitespace: drop it before asking")
+        seen.setdefault(c, None)
+    return list(seen)
+
+
+class PromptBuilder:
+    """Splits the model's chat template around the user content.
+
+    Layout: [system + user header] [chunk 1] ... [chunk n] [question + assistant header].
+    Chunks are cached behind the exact same header (``prefix_ids``), so the first chunk's cached
+    KV equals what a full prefill computes.
+    """
+
+    def __init__(self, tokenizer, instruction: str = DEFAULT_INSTRUCTION, separator: str = CHUNK_SEPARATOR):
+        self.tokenizer = tokenizer
+        self.instruction = instruction
+        self.separator = separator
+        head, tail = self._split_template()
+        self.prefix_text = head + "Documents:\n"
+        self.tail_text = tail
+        self.prefix_ids: tuple[int, ...] = self.encode(self.prefix_text)
+        self._chunk_ids = lru_cache(maxsize=65536)(self._encode_chunk)
+
+    def _split_template(self) -> tuple[str, str]:
+        tok = self.tokenizer
+        if getattr(tok, "chat_template", None):
+            for messages in (
+                [{"role": "system", "content": self.instruction}, {"role": "user", "content": _SENTINEL}],
+                # Templates without a system role get the instruction inside the user turn.
+                [{"role": "user", "content": self.instruction + "\n\n" + _SENTINEL}],
+            ):
+                try:
+                    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                except Exception:  # template rejects the system role
+                    continue
+                if isinstance(text, str) and text.count(_SENTINEL) == 1:
+                    head, tail = text.split(_SENTINEL)
+                    return head, tail
+        return self.instruction + "\n\n", "\nAnswer:"
+
+    def encode(self, text: str) -> tuple[int, ...]:
+        return tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _encode_chunk(self, text: str) -> tuple[int, ...]:
+        return self.encode(text + self.separator)
+
+    def chunk_segment(self, text: str) -> Segment:
+        return Segment(text, self._chunk_ids(text), reusable=True)
+
+    def question_text(self, question: str) -> str:
+        return f"Question: {question.strip()}" + self.tail_text
+
+    def build(self, question: str, chunks: Sequence[str]) -> PromptLayout:
+        question = validate_question(question)
+        chunks = normalize_chunks(chunks)
+        q = self.question_text(question)
+        return PromptLayout(
+            (Segment(self.prefix_text, self.prefix_ids, reusable=False),)
+            + tuple(self.chunk_segment(c) for c in chunks)
+            + (Segment(q, self.encode(q), reusable=False),)
+        )
