@@ -169,6 +169,7 @@ class CacheBlendEngine:
         """Compute and store the KV of every chunk not cached yet. Returns how many were computed."""
         segments = [self.prompts.chunk_segment(t) for t in dict.fromkeys(_check_texts(texts))]
         computed = 0
+        self._store_prefix()
         for seg in tqdm(segments, desc="precompute KV", unit="chunk", disable=not progress):
             self._check_fits(len(self.prompts.prefix_ids) + len(seg), f"chunk {seg.text[:40]!r}...")
             key = self.chunk_key(seg)
@@ -177,6 +178,15 @@ class CacheBlendEngine:
             self.store.put(key, self.compute_chunk(seg))
             computed += 1
         return computed
+
+    def _store_prefix(self) -> None:
+        """Store the instruction prefix as a segment with an empty context, so prefix caching finds it."""
+        seg = Segment(self.prompts.prefix_text, self.prompts.prefix_ids, reusable=False)
+        key = self.chunk_key(seg, context_ids=())
+        if not self.store.contains(key):
+            self._prefix_cache()
+            assert self._prefix_kv is not None
+            self.store.put(key, [(k[0], v[0]) for k, v in self._prefix_kv])
 
     def flush(self) -> None:
         """Wait for background write-backs to finish."""

@@ -6,64 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 REPO = Path(__file__).resolve().parents[1]
 MUSIQUE = REPO.parent / "shared" / "data" / "musique_dev.json"
 
-CORPUS = [
-    "The Eiffel Tower is in Paris, the capital of France.",
-    "Marie Curie won two Nobel prizes, in physics and in chemistry.",
-    "The river Thames flows through London and Oxford.",
-    "Alice was born in 1980 and Bob is thirteen years older than Alice.",
-    "Question: Answer: Documents: who what where when why how many years old",
-    "You are a helpful assistant. Answer the question using the documents.",
-]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def make_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(CORPUS * 4, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token="<|endoftext|>"
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
-
-
-def make_model(arch: str = "llama", seed: int = 0, layers: int = 4, **overrides):
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
-
-    common = dict(
-        vocab_size=400,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-    )
-    common.update(overrides)
-    cfg = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch](**common)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
-    return model.eval()
+from cacheblend_rag.testing import make_model, make_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,108 @@
+"""``cacheblend-rag``: ask questions over documents, run the sweep, benchmarks and profiles."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+# Subcommand modules; each defines ``register(subparsers)``.
+SUBCOMMANDS = ("cacheblend_rag.sweep",)
+
+
+def split_text(text: str, tokenizer, max_tokens: int) -> list[str]:
+    """Split a document into chunks of whole paragraphs, each at most ``max_tokens`` tokens."""
+    chunks: list[str] = []
+    current: list[str] = []
+    size = 0
+    for para in (p.strip() for p in text.split("\n\n")):
+        if not para:
+            continue
+        n = len(tokenizer(para, add_special_tokens=False)["input_ids"])
+        if current and size + n > max_tokens:
+            chunks.append("\n\n".join(current))
+            current, size = [], 0
+        current.append(para)
+        size += n
+    if current:
+        chunks.append("\n\n".join(current))
+    return chunks
+
+
+def read_chunks(paths: list[str], tokenizer, max_tokens: int) -> list[str]:
+    chunks: list[str] = []
+    for p in paths:
+        path = Path(p)
+        if not path.is_file():
+            raise SystemExit(f"error: {p}: no such file (pass text files or a .json list of chunks)")
+        if path.suffix == ".json":
+            data = json.loads(path.read_text())
+            if not isinstance(data, list):
+                raise SystemExit(f"error: {p}: expected a JSON list of strings or of {{'text': ...}} objects")
+            chunks += [d["text"] if isinstance(d, dict) else d for d in data]
+        else:
+            chunks += split_text(path.read_text(encoding="utf-8"), tokenizer, max_tokens)
+    return chunks
+
+
+def _ask(args: argparse.Namespace) -> int:
+    from .engine import CacheBlendEngine
+
+    engine = CacheBlendEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
+    chunks = read_chunks(args.files, engine.tokenizer, args.chunk_tokens)
+    if args.precompute:
+        engine.precompute(chunks)
+    stream = engine.stream(
+        args.question,
+        chunks,
+        mode=args.mode,
+        recompute_ratio=args.ratio,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+    )
+    for delta in stream:
+        print(delta, end="", flush=True)
+    print()
+    res = stream.result
+    assert res is not None
+    s = res.stats
+    print(
+        f"[{s['mode']}] time to first token {res.ttft_s:.2f}s, {s['chunks']} chunks "
+        f"({s['chunk_hits']} cached, {s['chunk_misses']} computed now), "
+        f"recomputed {100 * s['recompute_fraction']:.0f}% of token-layers",
+        file=sys.stderr,
+    )
+    engine.close()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cacheblend-rag", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    ask = sub.add_parser("ask", help="answer a question over text files or a JSON list of chunks")
+    ask.add_argument("question")
+    ask.add_argument("files", nargs="+", help="text files (split into paragraph chunks) or .json lists of chunks")
+    ask.add_argument("--model", default=None, help="model dir, .gguf file or hub id (default: bundled SmolLM2-135M-Instruct)")
+    ask.add_argument("--mode", default="cacheblend", choices=["full_recompute", "prefix_caching", "full_reuse", "cacheblend"])
+    ask.add_argument("--ratio", type=float, default=None, help="recompute ratio (default 0.15)")
+    ask.add_argument("--chunk-tokens", type=int, default=256, help="max tokens per chunk when splitting text files")
+    ask.add_argument("--max-new-tokens", type=int, default=64)
+    ask.add_argument("--temperature", type=float, default=0.0)
+    ask.add_argument("--device", default="cpu")
+    ask.add_argument("--dtype", default="float32")
+    ask.add_argument("--precompute", action="store_true", help="precompute chunk caches first (not counted in TTFT)")
+    ask.set_defaults(func=_ask)
+    for name in SUBCOMMANDS:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

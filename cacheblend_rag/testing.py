@@ -1,0 +1,71 @@
+"""Tiny random RoPE models with an offline tokenizer, for tests and examples (built in milliseconds).
+
+Nothing here downloads: the tokenizer is a byte-level BPE trained on a few sentences, the models are
+random transformers configs. Use them to exercise the engine's mechanics, never for answer quality.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CORPUS = [
+    "The Eiffel Tower is in Paris, the capital of France.",
+    "Marie Curie won two Nobel prizes, in physics and in chemistry.",
+    "The river Thames flows through London and Oxford.",
+    "Alice was born in 1980 and Bob is thirteen years older than Alice.",
+    "Question: Answer: Documents: who what where when why how many years old",
+    "You are a helpful assistant. Answer the question using the documents.",
+]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token="<|endoftext|>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_model(arch: str = "llama", seed: int = 0, layers: int = 4, **overrides):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=400,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    common.update(overrides)
+    cfg = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch](**common)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+    return model.eval()
+
+
+def make_engine(arch: str = "llama", seed: int = 0, store_dir=None, **engine_kwargs):
+    """A ``CacheBlendEngine`` over a tiny random model (store in ``store_dir`` or a temp dir)."""
+    from .engine import CacheBlendEngine
+    from .kv_store import KVStore
+
+    return CacheBlendEngine(make_model(arch, seed), make_tokenizer(), store=KVStore(store_dir), **engine_kwargs)

