@@ -19,7 +19,7 @@ from . import attention
 from .config import BlendConfig, SamplingParams, check_mode
 from .fusor import FusionPlan, fuse
 from .generation import DecodeState, decode, model_cache_kwarg
-from .kv_store import KVStore, chunk_key
+from .kv_store import KVStore, KVStoreOpenError, chunk_key
 from .loader import ChunkLost, LayerAssembler, LoadSpec
 from .prompt import DEFAULT_INSTRUCTION, PromptBuilder, PromptLayout, Segment
 from .selector import resolve_criterion
@@ -69,6 +69,7 @@ class CacheBlendEngine:
         model_id: str = "custom",
         fingerprint: str | None = None,
         pipelined: bool = True,
+        controller=None,
     ):
         from .models import check_rope_support, model_fingerprint
 
@@ -78,6 +79,9 @@ class CacheBlendEngine:
         self.model_id = model_id
         self.config = config or BlendConfig()
         self.pipelined = pipelined
+        # Optional cacheblend_rag.controller.LoadingController: picks the recompute ratio of a
+        # request that does not name one (stream/generate with recompute_ratio=None).
+        self.controller = controller
         attention.install(self.model)
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
@@ -111,15 +115,22 @@ class CacheBlendEngine:
         """Load ``model`` (default: the bundled SmolLM2-135M-Instruct) and open its KV store.
 
         The store lives in ``store_dir`` (default ``<cache home>/kv``) so chunk caches outlive
-        the process; entries are keyed by the model fingerprint, so models never mix.
+        the process; entries are keyed by the model fingerprint, so models never mix. If that
+        directory cannot be opened (read-only, not a directory, broken database) a warning is
+        logged and a temporary store, deleted on ``close()``, is used instead.
         """
         from .models import default_cache_dir, load_model
 
         loaded = load_model(model, device=device, dtype=dtype, cache_dir=cache_dir)
         home = default_cache_dir() if cache_dir is None else cache_dir
-        store = KVStore(
-            store_dir or f"{home}/kv", size_limit=store_size_limit, fingerprint=loaded.fingerprint
-        )
+        try:
+            store = KVStore(
+                store_dir or f"{home}/kv", size_limit=store_size_limit, fingerprint=loaded.fingerprint
+            )
+        except KVStoreOpenError as exc:
+            # The store is an optimisation: answer from a throw-away store rather than not at all.
+            log.warning("%s; using a temporary KV store instead (chunk caches will not persist)", exc)
+            store = KVStore(None, size_limit=store_size_limit, fingerprint=loaded.fingerprint)
         return cls(
             loaded.model,
             loaded.tokenizer,
@@ -224,16 +235,25 @@ class CacheBlendEngine:
             stats = self._stats(mode, layout, hits=0, misses=0, recomputed=[len(layout)] * self.num_layers)
             stats["prefill_s"] = time.perf_counter() - t0
             return PrefillResult(_output_cache(out), out.logits[0, -1].float(), layout, stats)
-        for attempt in range(2):
+        lost_keys: set[str] = set()
+        for attempt in range(len(layout.segments) + 1):
             try:
-                return self._fused_prefill(layout, ids, mode, config, pipelined, t0)
+                return self._fused_prefill(layout, ids, mode, config, pipelined, t0, avoid=lost_keys)
             except ChunkLost as lost:
-                # A record went bad or was evicted after the lookup: drop it and recompute.
+                # A record went bad, was evicted or its storage failed after the lookup: drop it and
+                # recompute it on the retry. The retry never loads a lost key again (even if a broken
+                # store still claims to hold it), so this loop ends: each attempt loses a new key.
                 log.warning("chunk record %s lost during load; recomputing it", lost.key[:16])
-                self.store.discard(lost.key)
+                if lost.key in lost_keys:
+                    break
+                lost_keys.add(lost.key)
+                try:
+                    self.store.discard(lost.key)
+                except Exception as exc:  # noqa: BLE001 - a failing store must not fail the answer
+                    log.warning("could not discard chunk %s: %r", lost.key[:16], exc)
         raise RuntimeError("chunk caches kept disappearing during load; is another process clearing the store?")
 
-    def _fused_prefill(self, layout, ids, mode, config, pipelined, t0) -> PrefillResult:
+    def _fused_prefill(self, layout, ids, mode, config, pipelined, t0, avoid=frozenset()) -> PrefillResult:
         length = len(layout)
         offsets = layout.offsets()
         prefix = self.prompts.prefix_ids
@@ -250,7 +270,7 @@ class CacheBlendEngine:
             exact_end = 0
             for seg, off in zip(layout.segments[:-1], offsets):
                 key = chunk_key(self.fingerprint, token_ids[:off], seg.token_ids)
-                if exact_end == off and self.store.contains(key):
+                if exact_end == off and key not in avoid and self.store.contains(key):
                     specs.append(LoadSpec(off, len(seg), key, 0))
                     exact_end = off + len(seg)
                     hits += seg.reusable
@@ -266,7 +286,7 @@ class CacheBlendEngine:
                     continue
                 key = self.chunk_key(seg)
                 kv = None
-                if self.store.contains(key):
+                if key not in avoid and self.store.contains(key):
                     hits += 1
                 else:
                     misses += 1
@@ -318,6 +338,8 @@ class CacheBlendEngine:
             self._writer.submit(self.store.put, key, kv)
         stats = self._stats(mode, layout, hits, misses, out.stats.recomputed_per_layer)
         total_load = sum(loader.load_s_per_layer)
+        exposed = out.stats.load_s_per_layer  # time the fusor waited for each layer's K/V
+        overlapped = loader._pool is not None
         stats.update(
             miss_compute_s=miss_s,
             load_s=total_load,
@@ -325,6 +347,9 @@ class CacheBlendEngine:
             load_hidden_s=max(0.0, total_load - out.stats.load_s) if loader._pool else 0.0,
             compute_s=out.stats.compute_s,
             load_s_per_layer=list(loader.load_s_per_layer),
+            load_exposed_s_per_layer=list(exposed),
+            # Load time that ran behind the previous layer's compute (0 when not pipelined).
+            load_hidden_s_per_layer=[max(0.0, l - e) if overlapped else 0.0 for l, e in zip(loader.load_s_per_layer, exposed)],
             compute_s_per_layer=out.stats.compute_s_per_layer,
             prefill_s=time.perf_counter() - t0,
         )
@@ -373,7 +398,15 @@ class CacheBlendEngine:
         params = SamplingParams(max_new_tokens, temperature, top_p, top_k, tuple([stop] if isinstance(stop, str) else stop or ()), seed)
         layout = self.build_layout(question, chunks)
         self._check_fits(len(layout), "the prompt (instruction + chunks + question)", reserve=max_new_tokens)
-        return GenerationStream(self, layout, mode, (config or self.config).with_ratio(recompute_ratio), params, t0)
+        config = (config or self.config).with_ratio(recompute_ratio)
+        decision = None
+        if recompute_ratio is None and mode == "cacheblend" and self.controller is not None and config.schedule is None:
+            decision = self.controller.decide_for(self, layout)
+            config = config.with_ratio(decision.ratio)
+        stream = GenerationStream(self, layout, mode, config, params, t0)
+        if decision is not None:
+            stream.controller_stats = decision.as_stats()
+        return stream
 
     def generate(self, question: str, chunks: Sequence[str], *, on_token: Callable[[str], None] | None = None, **kwargs: Any) -> GenerationResult:
         """Answer ``question`` over ``chunks``. Keyword arguments as for :meth:`stream`."""
@@ -395,6 +428,8 @@ class GenerationStream:
     def __init__(self, engine: CacheBlendEngine, layout, mode, config, params, t0: float):
         self.engine, self.layout, self.mode, self.config, self.params, self.t0 = engine, layout, mode, config, params, t0
         self.result: GenerationResult | None = None
+        self.controller_stats: dict[str, Any] = {}  # the loading controller's choice, if one was asked
+        self.prefill_result: PrefillResult | None = None  # the fused cache and next-token logits
         self._iter: Iterator[str] | None = None
 
     def __iter__(self) -> Iterator[str]:
@@ -407,7 +442,7 @@ class GenerationStream:
 
     def _run(self) -> Iterator[str]:
         eng = self.engine
-        pre = eng.prefill(self.layout, self.mode, self.config)
+        pre = self.prefill_result = eng.prefill(self.layout, self.mode, self.config)
         ttft = [0.0]
 
         def first() -> None:
@@ -415,7 +450,7 @@ class GenerationStream:
 
         state: DecodeState = yield from decode(eng.model, eng.tokenizer, pre.cache, pre.logits, len(self.layout), self.params, first)
         total = time.perf_counter() - self.t0
-        stats = dict(pre.stats, ttft_s=ttft[0], total_s=total, generated_tokens=len(state.token_ids))
+        stats = dict(pre.stats, **self.controller_stats, ttft_s=ttft[0], total_s=total, generated_tokens=len(state.token_ids))
         self.result = GenerationResult(state.text, state.token_ids, ttft[0], total, state.finish_reason, stats)
 
 

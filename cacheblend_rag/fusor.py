@@ -93,8 +93,8 @@ class ScatterKV:
                 cached_k=self.keys[0][:, pos[rows]].clone(),
                 cached_v=self.values[0][:, pos[rows]].clone(),
             )
-        self.keys[:, :, pos] = key_states.to(self.keys.dtype)
-        self.values[:, :, pos] = value_states.to(self.values.dtype)
+        self.keys.index_copy_(2, pos, key_states.to(self.keys.dtype))
+        self.values.index_copy_(2, pos, value_states.to(self.values.dtype))
         return self.keys, self.values
 
 
@@ -128,7 +128,11 @@ def fuse(model, plan: FusionPlan, load: LayerLoader, criterion: Criterion) -> Fu
     sel = plan.initial_selection()
     hidden = backbone.embed_tokens(plan.input_ids[sel])[None]
     dtype = hidden.dtype
+    mask = rope = None  # depend only on the selection, which changes on check layers alone
     for i, layer in enumerate(layers):
+        if mask is None:
+            mask = causal_mask(sel, length, dtype)
+            rope = backbone.rotary_emb(hidden, sel[None])
         t0 = time.perf_counter()
         k_full, v_full = load(i)
         t1 = time.perf_counter()
@@ -143,9 +147,9 @@ def fuse(model, plan: FusionPlan, load: LayerLoader, criterion: Criterion) -> Fu
             extra[PROBE_KWARG] = probe
         out = layer(
             hidden,
-            attention_mask=causal_mask(sel, length, dtype),
+            attention_mask=mask,
             position_ids=pos,
-            position_embeddings=backbone.rotary_emb(hidden, pos),
+            position_embeddings=rope,
             use_cache=True,
             **{cache_kw: kv},
             **extra,
@@ -167,6 +171,7 @@ def fuse(model, plan: FusionPlan, load: LayerLoader, criterion: Criterion) -> Fu
             rows[cand_rows[keep]] = True
             hidden = hidden[:, rows]
             sel = sel[rows]
+            mask = rope = None
         stats.load_s_per_layer.append(t1 - t0)
         stats.compute_s_per_layer.append(time.perf_counter() - t1)
 

@@ -8,6 +8,7 @@ the loader for layer i is the synchronisation point (paper section 5, "synchroni
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -15,7 +16,9 @@ from typing import Sequence
 
 import torch
 
-from .rope import shift_keys
+from .rope import apply_rotation, rotation
+
+log = logging.getLogger("cacheblend_rag.loader")
 
 
 class ChunkLost(RuntimeError):
@@ -54,27 +57,44 @@ class LayerAssembler:
         self.load_s_per_layer = [0.0] * num_layers  # time spent loading, hidden or not
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="cacheblend-load") if pipelined else None
         self._pending: dict[int, Future] = {}
+        self._rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if self._pool is not None:
             self._pending[0] = self._pool.submit(self._load, 0)
 
     def _load(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         t0 = time.perf_counter()
         heads, dim = self.shape
-        k_full = torch.zeros(1, heads, self.length, dim, dtype=self.dtype, device=self.device)
-        v_full = torch.zeros_like(k_full)
+        # Every position is either loaded here or recomputed (scattered) by the fusor on every
+        # layer, so the buffers need no zeroing.
+        k_full = torch.empty(1, heads, self.length, dim, dtype=self.dtype, device=self.device)
+        v_full = torch.empty_like(k_full)
         for spec in self.specs:
             if spec.kv is not None:
                 k, v = spec.kv[layer]
             else:
-                got = self.store.get_layer(spec.key, layer, device=self.device)
+                try:
+                    got = self.store.get_layer(spec.key, layer, device=self.device)
+                except Exception as exc:  # noqa: BLE001 - any storage fault means "recompute this chunk"
+                    log.warning("reading layer %d of chunk %s failed: %r", layer, spec.key[:16], exc)
+                    raise ChunkLost(spec.key) from exc
                 if got is None:
                     raise ChunkLost(spec.key)
                 k, v = got
             end = spec.start + spec.length
-            k_full[0, :, spec.start : end] = shift_keys(self.rotary_emb, k.to(self.dtype), spec.delta)
-            v_full[0, :, spec.start : end] = v
+            # Stored caches may be in a narrower dtype (fp16/bf16 tiers): cast both K and V back.
+            k = k.to(self.dtype)
+            if spec.delta:
+                k = apply_rotation(k, *self._rotation(spec.delta))
+            k_full[0, :, spec.start : end] = k
+            v_full[0, :, spec.start : end] = v.to(self.dtype)
         self.load_s_per_layer[layer] = time.perf_counter() - t0
         return k_full, v_full
+
+    def _rotation(self, delta: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # The same shift applies on every layer: compute its cos/sin once per request.
+        if delta not in self._rotations:
+            self._rotations[delta] = rotation(self.rotary_emb, delta, self.device)
+        return self._rotations[delta]
 
     def __call__(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._pool is None:

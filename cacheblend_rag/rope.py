@@ -24,20 +24,28 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def shift_keys(rotary_emb: torch.nn.Module, keys: torch.Tensor, delta: int) -> torch.Tensor:
-    """Re-rotate ``keys`` (``[..., tokens, head_dim]``, already rotated) by ``delta`` positions."""
-    if delta == 0:
-        return keys
+def rotation(rotary_emb: torch.nn.Module, delta: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin (``[head_dim]``, float32) of a rotation by ``delta`` positions; reusable for every layer."""
     kind = rope_type(rotary_emb)
     if kind in UNSHIFTABLE_ROPE_TYPES:
         raise ValueError(
             f"rope_type={kind!r} rescales its frequencies with the sequence length, so a cached key "
             "cannot be moved by a rotation; use a model with default/linear/llama3/yarn RoPE"
         )
-    k32 = keys.float()
-    pos = torch.tensor([[delta]], device=keys.device)
-    cos, sin = rotary_emb(k32, pos)  # [1, 1, head_dim], scaled by attention_scaling
-    # yarn multiplies cos/sin by an attention factor; the key already carries it once.
+    probe = torch.zeros(1, dtype=torch.float32, device=device)
+    cos, sin = rotary_emb(probe, torch.tensor([[delta]], device=device))  # scaled by attention_scaling
+    # yarn multiplies cos/sin by an attention factor; the cached key already carries it once.
     scale = float(getattr(rotary_emb, "attention_scaling", 1.0) or 1.0)
-    cos, sin = cos[0, 0] / scale, sin[0, 0] / scale
+    return cos[0, 0].float() / scale, sin[0, 0].float() / scale
+
+
+def apply_rotation(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    k32 = keys.float()
     return (k32 * cos + _rotate_half(k32) * sin).to(keys.dtype)
+
+
+def shift_keys(rotary_emb: torch.nn.Module, keys: torch.Tensor, delta: int) -> torch.Tensor:
+    """Re-rotate ``keys`` (``[..., tokens, head_dim]``, already rotated) by ``delta`` positions."""
+    if delta == 0:
+        return keys
+    return apply_rotation(keys, *rotation(rotary_emb, delta, keys.device))

