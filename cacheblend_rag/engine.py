@@ -238,6 +238,8 @@ class CacheBlendEngine:
         lost_keys: set[str] = set()
         for attempt in range(len(layout.segments) + 1):
             try:
+                if mode == "prefix_caching":
+                    return self._prefix_prefill(layout, ids, t0, avoid=lost_keys)
                 return self._fused_prefill(layout, ids, mode, config, pipelined, t0, avoid=lost_keys)
             except ChunkLost as lost:
                 # A record went bad, was evicted or its storage failed after the lookup: drop it and
@@ -253,6 +255,52 @@ class CacheBlendEngine:
                     log.warning("could not discard chunk %s: %r", lost.key[:16], exc)
         raise RuntimeError("chunk caches kept disappearing during load; is another process clearing the store?")
 
+    def _prefix_prefill(self, layout, ids, t0, avoid=frozenset()) -> PrefillResult:
+        """Exact reuse of the longest prefix of segments cached behind exactly what precedes them.
+
+        Each segment is keyed by everything before it, so only a true prefix ever matches; the
+        rest is a normal transformers prefill on top of the loaded cache. Segments computed here
+        are written back (in the background) for the next request with the same prefix.
+        """
+        offsets, token_ids, length = layout.offsets(), layout.token_ids, len(layout)
+        specs: list[LoadSpec] = []
+        writebacks: list[tuple[str, int, int]] = []
+        exact_end = hits = misses = 0
+        for seg, off in zip(layout.segments[:-1], offsets):  # the question is never cached
+            key = chunk_key(self.fingerprint, token_ids[:off], seg.token_ids)
+            if exact_end == off and key not in avoid and self.store.contains(key):
+                specs.append(LoadSpec(off, len(seg), key, 0))
+                exact_end = off + len(seg)
+                hits += seg.reusable
+            else:
+                writebacks.append((key, off, len(seg)))
+                misses += seg.reusable
+        t_load = time.perf_counter()
+        cache = DynamicCache()
+        if specs:
+            loader = LayerAssembler(
+                self.store, specs, exact_end, self.kv_shape, self.dtype, self.device,
+                self.model.model.rotary_emb, self.num_layers,
+            )
+            cache = _cache_from([loader(i) for i in range(self.num_layers)])
+        load_s = time.perf_counter() - t_load
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=ids[None, exact_end:],
+                position_ids=torch.arange(exact_end, length, device=self.device)[None],
+                use_cache=True,
+                logits_to_keep=1,
+                **{model_cache_kwarg(self.model): cache},
+            )
+        cache = _output_cache(out)
+        for key, off, n in writebacks:
+            kv = [(k[0, :, off : off + n].contiguous(), v[0, :, off : off + n].contiguous())
+                  for k, v in (_layer_kv(cache, i) for i in range(self.num_layers))]
+            self._writer.submit(self.store.put, key, kv)
+        stats = self._stats("prefix_caching", layout, hits, misses, [length - exact_end] * self.num_layers)
+        stats.update(load_s=load_s, reused_prefix_tokens=exact_end, prefill_s=time.perf_counter() - t0)
+        return PrefillResult(cache, out.logits[0, -1].float(), layout, stats)
+
     def _fused_prefill(self, layout, ids, mode, config, pipelined, t0, avoid=frozenset()) -> PrefillResult:
         length = len(layout)
         offsets = layout.offsets()
@@ -261,45 +309,31 @@ class CacheBlendEngine:
         candidate = torch.zeros_like(always)
         forced = torch.zeros_like(always)
         specs: list[LoadSpec] = []
-        writebacks: list[tuple[str, int, int]] = []
         hits = misses = 0
         miss_s = 0.0
         token_ids = layout.token_ids
 
-        if mode == "prefix_caching":
-            exact_end = 0
-            for seg, off in zip(layout.segments[:-1], offsets):
-                key = chunk_key(self.fingerprint, token_ids[:off], seg.token_ids)
-                if exact_end == off and key not in avoid and self.store.contains(key):
-                    specs.append(LoadSpec(off, len(seg), key, 0))
-                    exact_end = off + len(seg)
-                    hits += seg.reusable
-                else:
-                    writebacks.append((key, off, len(seg)))
-                    misses += seg.reusable
-            always[exact_end:] = True
-        else:
-            for seg, off in zip(layout.segments, offsets):
-                span = slice(off, off + len(seg))
-                if not seg.reusable:
-                    always[span] = True
-                    continue
-                key = self.chunk_key(seg)
-                kv = None
-                if key not in avoid and self.store.contains(key):
-                    hits += 1
-                else:
-                    misses += 1
-                    tm = time.perf_counter()
-                    kv = self.compute_chunk(seg)
-                    miss_s += time.perf_counter() - tm
-                    self._writer.submit(self.store.put, key, kv)
-                specs.append(LoadSpec(off, len(seg), key, off - len(prefix), kv))
-                exact = off == len(prefix) and tuple(token_ids[:off]) == tuple(prefix)
-                if not exact:
-                    candidate[span] = True
-                    if config.boundary_tokens:
-                        forced[off : off + min(config.boundary_tokens, len(seg))] = True
+        for seg, off in zip(layout.segments, offsets):
+            span = slice(off, off + len(seg))
+            if not seg.reusable:
+                always[span] = True
+                continue
+            key = self.chunk_key(seg)
+            kv = None
+            if key not in avoid and self.store.contains(key):
+                hits += 1
+            else:
+                misses += 1
+                tm = time.perf_counter()
+                kv = self.compute_chunk(seg)
+                miss_s += time.perf_counter() - tm
+                self._writer.submit(self.store.put, key, kv)
+            specs.append(LoadSpec(off, len(seg), key, off - len(prefix), kv))
+            exact = off == len(prefix) and tuple(token_ids[:off]) == tuple(prefix)
+            if not exact:
+                candidate[span] = True
+                if config.boundary_tokens:
+                    forced[off : off + min(config.boundary_tokens, len(seg))] = True
 
         checks: dict[int, int] = {}
         if mode == "cacheblend":
@@ -333,9 +367,6 @@ class CacheBlendEngine:
         finally:
             loader.close()
         cache = _cache_from(list(zip(out.keys, out.values)))
-        for key, off, n in writebacks:
-            kv = [(k[0, :, off : off + n].contiguous(), v[0, :, off : off + n].contiguous()) for k, v in zip(out.keys, out.values)]
-            self._writer.submit(self.store.put, key, kv)
         stats = self._stats(mode, layout, hits, misses, out.stats.recomputed_per_layer)
         total_load = sum(loader.load_s_per_layer)
         exposed = out.stats.load_s_per_layer  # time the fusor waited for each layer's K/V

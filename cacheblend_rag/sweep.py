@@ -21,6 +21,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from .config import BlendConfig
+from .engine import CacheBlendEngine, GenerationResult
 from .metrics import next_token_kl, qa_f1
 
 DEFAULT_MUSIQUE = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_dev.json"
@@ -94,6 +95,10 @@ def _methods(cfg: SweepConfig) -> list[tuple[str, str, BlendConfig | None]]:
 
 
 def _run_one(engine, question: str, chunks: list[str], mode: str, bc: BlendConfig | None, max_new_tokens: int):
+    if max_new_tokens == 0:  # fidelity only: the prefill's next-token logits, no answer
+        pre = engine.prefill(engine.build_layout(question, chunks), mode, bc)
+        stats = dict(pre.stats, ttft_s=pre.stats["prefill_s"])
+        return GenerationResult("", [], stats["ttft_s"], stats["ttft_s"], "length", stats), pre.logits
     stream = engine.stream(question, chunks, mode=mode, config=bc, max_new_tokens=max_new_tokens, stop=["\n"])
     for _ in stream:
         pass
@@ -189,8 +194,6 @@ def _floats(s: str) -> list[float]:
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    from .engine import CacheBlendEngine
-
     engine = CacheBlendEngine.from_pretrained(args.model, dtype=args.dtype)
     cfg = SweepConfig(
         musique=Path(args.musique),
@@ -226,6 +229,6 @@ def register(sub) -> None:
     p.add_argument("--filter-layers", type=int, default=3)
     p.add_argument("--boundary-tokens", type=int, default=0)
     p.add_argument("--baselines", default="prefix_caching,full_reuse")
-    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--max-new-tokens", type=int, default=24, help="0: fidelity only (next-token KL), no answers")
     p.add_argument("--out", default=None, help="JSONL of per-question rows (+ .summary.json)")
     p.set_defaults(func=_cmd)
