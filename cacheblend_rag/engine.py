@@ -9,7 +9,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -146,6 +146,8 @@ class CacheBlendEngine:
         return chunk_key(self.fingerprint, ctx, segment.token_ids)
 
     def is_cached(self, text: str) -> bool:
+        if not isinstance(text, str):
+            raise TypeError(f"is_cached takes a chunk's text (str), got {type(text).__name__}")
         return self.store.contains(self.chunk_key(self.prompts.chunk_segment(text)))
 
     def _prefix_cache(self) -> DynamicCache:
@@ -205,6 +207,7 @@ class CacheBlendEngine:
 
     # ------------------------------------------------------------------ prefill
     def build_layout(self, question: str, chunks: Sequence[str]) -> PromptLayout:
+        _check_unicode([("question", question)] + (list(_named(chunks)) if isinstance(chunks, (list, tuple)) else []))
         layout = self.prompts.build(question, chunks)
         self._check_fits(len(layout), "the prompt (instruction + chunks + question)")
         return layout
@@ -312,11 +315,17 @@ class CacheBlendEngine:
         hits = misses = 0
         miss_s = 0.0
         token_ids = layout.token_ids
+        self._store_prefix()
 
         for seg, off in zip(layout.segments, offsets):
             span = slice(off, off + len(seg))
             if not seg.reusable:
-                always[span] = True
+                # The instruction prefix is exact wherever it is cached: load it, never recompute.
+                prefix_key = self.chunk_key(seg, context_ids=()) if off == 0 and seg.token_ids == prefix else None
+                if prefix_key and prefix_key not in avoid and self.store.contains(prefix_key):
+                    specs.append(LoadSpec(0, len(seg), prefix_key, 0))
+                else:
+                    always[span] = True
                 continue
             key = self.chunk_key(seg)
             kv = None
@@ -500,12 +509,34 @@ def _cache_from(kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache
 
 
 def _check_texts(texts: Iterable[str]) -> list[str]:
-    if isinstance(texts, str):
-        raise TypeError("precompute takes a list of chunk texts, got a single str; wrap it as [text]")
+    if isinstance(texts, (str, bytes)):
+        raise TypeError(f"precompute takes a list of chunk texts, got a single {type(texts).__name__}; wrap it as [text]")
+    # A dict would silently iterate its keys; a non-iterable would fail with a bare Python message.
+    if isinstance(texts, Mapping) or not isinstance(texts, Iterable):
+        raise TypeError(f"precompute takes a list of chunk texts (str), got {type(texts).__name__}")
     out = list(texts)
     for i, t in enumerate(out):
         if not isinstance(t, str):
-            raise TypeError(f"chunk {i} is a {type(t).__name__}, not a str")
+            raise TypeError(f"chunk {i} is a {type(t).__name__}, not a str: pass the passage text")
         if not t.strip():
             raise ValueError(f"chunk {i} is empty or whitespace: drop it before precomputing")
+    _check_unicode(_named(out))
     return out
+
+
+def _named(chunks: Sequence[object]) -> Iterator[tuple[str, object]]:
+    return ((f"chunk {i}", c) for i, c in enumerate(chunks))
+
+
+def _check_unicode(texts: Iterable[tuple[str, object]]) -> None:
+    """Reject lone surrogates (e.g. bytes decoded with errors="surrogateescape"): the tokenizer
+    cannot encode them and would fail deep inside its Rust binding with an opaque message."""
+    for what, text in texts:
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(
+                    f"{what} is not valid Unicode text ({exc.reason} at character {exc.start}): "
+                    "decode documents with errors='replace' (or strip lone surrogates) first"
+                ) from None

@@ -2,13 +2,7 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
-MUSIQUE = REPO.parent / "shared" / "data" / "musique_dev.json"
 
 from cacheblend_rag.testing import make_model, make_tokenizer  # noqa: E402
 
@@ -27,10 +21,3 @@ def engine(request, tokenizer, tmp_path):
     eng = CacheBlendEngine(model, tokenizer, store=KVStore(tmp_path / "kv"), pipelined=False)
     yield eng
     eng.close()
-
-
-def musique(n: int | None = None) -> list[dict]:
-    if not MUSIQUE.exists():
-        pytest.skip(f"{MUSIQUE} not found (the shared MuSiQue file sits beside the checkout)")
-    data = json.loads(MUSIQUE.read_text())
-    return data[:n] if n else data
