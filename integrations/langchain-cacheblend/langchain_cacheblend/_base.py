@@ -1,0 +1,270 @@
+"""Fields and request building shared by :class:`CacheBlendLLM` and :class:`ChatCacheBlend`."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, AsyncIterator, Callable, Iterator, Literal, Sequence
+
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+
+from cacheblend_rag import CacheBlendEngine
+from cacheblend_rag.matching import ChunkRegistry
+
+from ._run import Request, Run
+
+NO_CHUNKS = (
+    "no chunks found in the prompt: wrap your retriever with CacheBlendRetriever (or precompute "
+    "the documents with precompute_vectorstore) so the model knows the chunk texts, or pass the "
+    "documents explicitly ({'question': ..., 'context': [Document, ...]})"
+)
+# Generation settings a call may override with invoke(..., **kwargs) or .bind(...).
+CALL_PARAMS = ("mode", "recompute_ratio", "max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed")
+_load_lock = threading.Lock()
+
+
+class CacheBlendParams(BaseModel):
+    """Settings of the CacheBlend models (documented defaults)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True, protected_namespaces=())
+
+    engine: CacheBlendEngine | None = None
+    """The engine to answer with. None: ``CacheBlendEngine.from_pretrained(model_name)`` on first use."""
+    model_name: str | None = Field(default=None, alias="model")
+    """Model to load when no ``engine`` is given (None: the bundled SmolLM2-135M-Instruct)."""
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments for ``CacheBlendEngine.from_pretrained`` (device, dtype, store_dir...)."""
+    registry: ChunkRegistry | None = None
+    """Known chunk texts for finding chunks in plain prompts. None: the engine's shared registry."""
+    mode: Literal["cacheblend", "full_recompute", "prefix_caching", "full_reuse"] = "cacheblend"
+    """How the chunks' KV is prefilled; ``full_recompute`` is the plain full-prefill baseline."""
+    recompute_ratio: float | None = None
+    """Fraction of chunk tokens recomputed per layer (None: the engine config's, 0.15 by default)."""
+    max_new_tokens: int = Field(default=128, alias="max_tokens")
+    """Most tokens to generate (``max_tokens`` is accepted too)."""
+    temperature: float = 0.0
+    """0 is greedy decoding."""
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    """Sampling seed (only used when temperature > 0)."""
+    stop: list[str] | None = None
+    """Stop strings, added to any passed per call."""
+    require_chunks: bool = False
+    """Raise when a prompt holds no known chunk instead of answering it as a plain chat."""
+    streaming: bool = False
+    """Chat model: route ``invoke`` through streaming (LangChain's standard flag)."""
+
+    _loaded: CacheBlendEngine | None = PrivateAttr(default=None)
+
+    # ------------------------------------------------------------------ engine + registry
+    def get_engine(self) -> CacheBlendEngine:
+        """The engine, loading the default one on first use when none was given."""
+        if self.engine is not None:
+            return self.engine
+        with _load_lock:
+            if self._loaded is None:
+                self._loaded = CacheBlendEngine.from_pretrained(self.model_name, **self.engine_kwargs)
+        return self._loaded
+
+    @property
+    def chunk_registry(self) -> ChunkRegistry:
+        return self.registry if self.registry is not None else ChunkRegistry.for_engine(self.get_engine())
+
+    @property
+    def _model_label(self) -> str:
+        if self.engine is not None:
+            return self.engine.model_id
+        if self._loaded is not None:
+            return self._loaded.model_id
+        return self.model_name or "SmolLM2-135M-Instruct"
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids from the model's own tokenizer (LangChain's default would fetch GPT-2)."""
+        return list(self.get_engine().tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _params(self) -> dict[str, Any]:
+        return {
+            "model": self._model_label,
+            "mode": self.mode,
+            "recompute_ratio": self.recompute_ratio,
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+        }
+
+    def _ls_fields(self, stop: list[str] | None, kwargs: dict[str, Any], model_type: str) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "ls_provider": "cacheblend",
+            "ls_model_name": kwargs.get("model") or self._model_label,
+            "ls_model_type": model_type,
+            "ls_temperature": kwargs.get("temperature", self.temperature),
+            "ls_max_tokens": kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_new_tokens)),
+        }
+        stops = self._stops(stop)
+        if stops:
+            params["ls_stop"] = stops
+        return params
+
+    # ------------------------------------------------------------------ requests
+    def _stops(self, stop: Sequence[str] | None) -> list[str]:
+        return list(dict.fromkeys([*(self.stop or []), *(stop or [])]))
+
+    def _engine_kwargs(self, stop: Sequence[str] | None, overrides: dict[str, Any]) -> dict[str, Any]:
+        unknown = set(overrides) - set(CALL_PARAMS)
+        if unknown:
+            raise TypeError(f"unknown generation arguments {sorted(unknown)}; accepted: {', '.join(CALL_PARAMS)}")
+        if "max_tokens" in overrides:
+            overrides = dict(overrides, max_new_tokens=overrides.pop("max_tokens"))
+        values = {
+            "mode": self.mode,
+            "recompute_ratio": self.recompute_ratio,
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+        }
+        values.update(overrides)
+        values["stop"] = self._stops(stop)
+        return values
+
+    def _request_from_text(self, prompt: str) -> Request:
+        """Implicit chunks: known chunk texts found verbatim in the prompt.
+
+        The engine is called as ``generate(question=<prompt minus the chunks>, chunks=<matches in
+        order>)``: the template's surrounding text (instructions, labels, the user's question)
+        becomes the engine's question turn, the chunks its "Documents:" list.
+        """
+        match = self.chunk_registry.match(prompt)
+        if not match.spans:
+            return self._no_chunks([{"role": "user", "content": prompt}], prompt)
+        return self._chunk_request(match.remainder(), match.chunks)
+
+    def _request_from_messages(self, messages: Sequence[BaseMessage]) -> Request:
+        """Chunks from flagged content blocks if any message has them, else found in the text."""
+        explicit = any(isinstance(m.content, list) and any(map(_is_chunk, m.content)) for m in messages)
+        registry = None if explicit else self.chunk_registry
+        chunks: list[str] = []
+        rest: list[str] = []
+        plain: list[dict[str, str]] = []
+        for msg in messages:
+            role = _role(msg)
+            text_parts: list[str] = []
+            for block in msg.content if isinstance(msg.content, list) else [msg.content]:
+                if _is_chunk(block):
+                    chunks.append(block["text"])
+                else:
+                    text_parts.append(_block_text(block))
+            text = "".join(text_parts)
+            plain.append({"role": role, "content": text})
+            if registry is not None:
+                match = registry.match(text)
+                chunks.extend(match.chunks)
+                text = match.remainder()
+            text = text.strip()
+            if text:
+                rest.append(f"Assistant: {text}" if role == "assistant" else text)
+        if not chunks:
+            return self._no_chunks(plain, "\n\n".join(rest))
+        return self._chunk_request("\n\n".join(rest), chunks)
+
+    def _chunk_request(self, question: str, chunks: list[str]) -> Request:
+        if not question.strip():
+            raise ValueError(
+                "the prompt holds only chunks and no question text: put the question after the "
+                "documents (e.g. 'Context: {context}\\n\\nQuestion: {question}')"
+            )
+        return Request(question, tuple(chunks))
+
+    def _no_chunks(self, messages: list[dict[str, str]], text: str) -> Request:
+        if self.require_chunks:
+            raise ValueError(NO_CHUNKS)
+        if not text.strip():
+            raise ValueError("the prompt is empty: nothing to answer")
+        # Honest fallback: answer the prompt as an ordinary chat with a full prefill.
+        return Request(text, (), tuple(messages))
+
+    def _start(self, request: Request, stop: Sequence[str] | None, overrides: dict[str, Any]) -> Run:
+        return Run(self.get_engine(), request, engine_kwargs=self._engine_kwargs(stop, overrides))
+
+    def _metadata(self, run: Run) -> dict[str, Any]:
+        assert run.result is not None
+        return {
+            "model_name": self._model_label,
+            "finish_reason": run.result.finish_reason,
+            "question": run.request.question,
+            **run.result.stats,
+        }
+
+
+def stream_in_thread(make_iter: Callable[[], Iterator[Any]]) -> AsyncIterator[Any]:
+    """Run a blocking iterator in a worker thread and yield its items on the event loop."""
+
+    async def agen() -> AsyncIterator[Any]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+        stop = threading.Event()
+
+        def worker() -> None:
+            try:
+                it = make_iter()
+                try:
+                    for item in it:
+                        loop.call_soon_threadsafe(queue.put_nowait, (item, None))
+                        if stop.is_set():
+                            break
+                finally:
+                    close = getattr(it, "close", None)
+                    if close is not None:
+                        close()
+            except BaseException as err:  # re-raised in the consumer
+                loop.call_soon_threadsafe(queue.put_nowait, (done, err))
+                return
+            loop.call_soon_threadsafe(queue.put_nowait, (done, None))
+
+        task = loop.run_in_executor(None, worker)
+        try:
+            while True:
+                item, err = await queue.get()
+                if err is not None:
+                    raise err
+                if item is done:
+                    break
+                yield item
+        finally:
+            stop.set()  # the consumer left early: let the worker end and release the engine
+            await task
+
+    return agen()
+
+
+def _is_chunk(block: object) -> bool:
+    from .inputs import is_chunk_block
+
+    return is_chunk_block(block)
+
+
+def _role(msg: BaseMessage) -> str:
+    if isinstance(msg, SystemMessage):
+        return "system"
+    if isinstance(msg, AIMessage):
+        return "assistant"
+    if isinstance(msg, HumanMessage):
+        return "user"
+    raise ValueError(
+        f"{type(msg).__name__} is not supported: CacheBlend chat models take system, human and AI "
+        "text messages (no tool calling)"
+    )
+
+
+def _block_text(block: object) -> str:
+    if isinstance(block, str):
+        return block
+    if isinstance(block, dict) and block.get("type") == "text":
+        return str(block.get("text", ""))
+    kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+    raise ValueError(f"content block of type {kind!r} is not supported: CacheBlend models read text only")

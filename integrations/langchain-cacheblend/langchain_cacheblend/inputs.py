@@ -1,0 +1,94 @@
+"""Explicit, structured inputs: a question plus its retrieved documents, each kept as its own chunk.
+
+Three equivalent ways to hand the models chunks explicitly:
+
+* a dict ``{"question": str, "context": [Document | str, ...]}`` passed to ``invoke``/``stream``
+  (``"input"``/``"query"`` are accepted for the question, ``"documents"``/``"docs"`` for the list);
+* a :class:`RAGPromptValue` (what :func:`create_cacheblend_rag_chain` builds);
+* for chat models, a ``HumanMessage`` whose content is a list of text blocks, one per chunk,
+  each flagged ``block["extras"]["cacheblend_chunk"] = True`` (see :func:`chunk_block`), with
+  the remaining unflagged text (normally the last block) as the question.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from langchain_core.documents import Document
+from langchain_core.messages import BaseMessage, HumanMessage
+from langchain_core.prompt_values import PromptValue
+
+CHUNK_FLAG = "cacheblend_chunk"
+QUESTION_KEYS = ("question", "input", "query")
+CONTEXT_KEYS = ("context", "documents", "docs")
+
+
+def as_document(item: Document | str) -> Document:
+    if isinstance(item, Document):
+        return item
+    if isinstance(item, str):
+        return Document(page_content=item)
+    raise TypeError(f"a retrieved chunk must be a Document or a str, got {type(item).__name__}")
+
+
+def chunk_block(item: Document | str) -> dict[str, Any]:
+    """A chat content block that carries one retrieved chunk (its metadata travels in ``extras``)."""
+    doc = as_document(item)
+    return {"type": "text", "text": doc.page_content, "extras": {CHUNK_FLAG: True, "metadata": dict(doc.metadata)}}
+
+
+def is_chunk_block(block: object) -> bool:
+    return (
+        isinstance(block, dict)
+        and block.get("type") == "text"
+        and isinstance(block.get("extras"), dict)
+        and bool(block["extras"].get(CHUNK_FLAG))
+    )
+
+
+def rag_message(question: str, documents: Sequence[Document | str]) -> HumanMessage:
+    """One user message: a flagged text block per document, then the question as the last block."""
+    return HumanMessage(content=[chunk_block(d) for d in documents] + [{"type": "text", "text": question}])
+
+
+class RAGPromptValue(PromptValue):
+    """A question and its documents, kept apart until the model sees them.
+
+    ``to_messages()`` gives :func:`rag_message` (chat models read the chunk blocks);
+    ``to_string()`` gives the documents joined by blank lines followed by the question, which any
+    LLM can read and in which :class:`~langchain_cacheblend.CacheBlendLLM` finds the chunks again
+    (it registers them when it receives this value).
+    """
+
+    question: str
+    documents: list[Document]
+
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        return False  # not in LangChain's load() namespace
+
+    @classmethod
+    def from_input(cls, data: Mapping[str, Any]) -> "RAGPromptValue":
+        question = next((data[k] for k in QUESTION_KEYS if k in data), None)
+        docs = next((data[k] for k in CONTEXT_KEYS if k in data), None)
+        if not isinstance(question, str) or docs is None:
+            raise ValueError(
+                "a dict input needs a 'question' str and a 'context' list of Documents or strings, "
+                f"got keys {sorted(data)}"
+            )
+        if isinstance(docs, str) or not isinstance(docs, Sequence):
+            raise TypeError(
+                "'context' must be a list of Documents or strings (one per retrieved chunk), got "
+                f"{type(docs).__name__}; do not join the documents into one string"
+            )
+        return cls(question=question, documents=[as_document(d) for d in docs])
+
+    @property
+    def chunks(self) -> list[str]:
+        return [d.page_content for d in self.documents]
+
+    def to_string(self) -> str:
+        return "\n\n".join(self.chunks + [self.question])
+
+    def to_messages(self) -> list[BaseMessage]:
+        return [rag_message(self.question, self.documents)]

@@ -1,0 +1,111 @@
+"""``CacheBlendLLM``: a LangChain text-completion model backed by a ``CacheBlendEngine``."""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Iterator, Mapping
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import BaseLLM, LanguageModelInput
+from langchain_core.outputs import Generation, GenerationChunk, LLMResult
+from langchain_core.prompt_values import PromptValue
+
+from ._base import CacheBlendParams, stream_in_thread
+from .inputs import RAGPromptValue
+
+
+class CacheBlendLLM(CacheBlendParams, BaseLLM):
+    """Drop-in LLM for RAG chains that reuses each retrieved chunk's cached KV.
+
+    Chunks reach it in two ways:
+
+    * explicitly: ``llm.invoke({"question": q, "context": [Document, ...]})`` or a
+      :class:`~langchain_cacheblend.RAGPromptValue` (its chunks are registered, then found again);
+    * implicitly: any prompt string in which chunk texts the registry knows (registered by
+      :class:`~langchain_cacheblend.CacheBlendRetriever` or ``precompute_vectorstore``) appear
+      verbatim. The engine is then asked ``generate(question=<prompt minus chunks>, chunks=<found
+      chunks, in order>)``.
+
+    A prompt without any known chunk is answered as a plain chat message with a full prefill
+    (``response_metadata["mode"] == "plain_chat"``), or raises if ``require_chunks=True``.
+    The answer's ``generation_info`` carries the engine's stats (ttft_s, chunk_hits, ...).
+
+    Example:
+        .. code-block:: python
+
+            llm = CacheBlendLLM()                       # loads the bundled model on first use
+            retriever = CacheBlendRetriever(retriever=vectorstore.as_retriever(), llm=llm)
+            chain = {"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | llm
+    """
+
+    @classmethod
+    def from_pretrained(cls, model: str | None = None, *, engine_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> "CacheBlendLLM":
+        """Load the engine now (``CacheBlendEngine.from_pretrained``) rather than on first use."""
+        from cacheblend_rag import CacheBlendEngine
+
+        return cls(engine=CacheBlendEngine.from_pretrained(model, **(engine_kwargs or {})), **kwargs)
+
+    @property
+    def _llm_type(self) -> str:
+        return "cacheblend"
+
+    @property
+    def _identifying_params(self) -> Mapping[str, Any]:
+        return self._params()
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any):
+        return self._ls_fields(stop, kwargs, "llm")
+
+    def _convert_input(self, model_input: LanguageModelInput) -> PromptValue:
+        if isinstance(model_input, Mapping):
+            model_input = RAGPromptValue.from_input(model_input)
+        if isinstance(model_input, RAGPromptValue):
+            # Its string form joins the chunks; registering them lets the matcher split it again.
+            self.chunk_registry.add(model_input.chunks)
+        return super()._convert_input(model_input)
+
+    def _generate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        generations = []
+        for prompt in prompts:
+            run = self._start(self._request_from_text(prompt), stop, kwargs)
+            for delta in run:
+                if run_manager is not None:
+                    run_manager.on_llm_new_token(delta)
+            assert run.result is not None
+            generations.append([Generation(text=run.result.text, generation_info=self._metadata(run))])
+        return LLMResult(generations=generations, llm_output={"model_name": self._model_label})
+
+    def _stream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[GenerationChunk]:
+        run = self._start(self._request_from_text(prompt), stop, kwargs)
+        for delta in run:
+            chunk = GenerationChunk(text=delta)
+            if run_manager is not None:
+                run_manager.on_llm_new_token(delta, chunk=chunk)
+            yield chunk
+        yield GenerationChunk(text="", generation_info=self._metadata(run))
+
+    async def _astream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[GenerationChunk]:
+        run = self._start(self._request_from_text(prompt), stop, kwargs)  # errors raise here
+        async for delta in stream_in_thread(lambda: iter(run)):
+            chunk = GenerationChunk(text=delta)
+            if run_manager is not None:
+                await run_manager.on_llm_new_token(delta, chunk=chunk)
+            yield chunk
+        yield GenerationChunk(text="", generation_info=self._metadata(run))

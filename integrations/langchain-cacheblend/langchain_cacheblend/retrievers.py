@@ -1,0 +1,189 @@
+"""``CacheBlendRetriever`` and ``precompute_vectorstore``: make retrieved chunks known (and cached)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Iterable, Literal
+
+from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
+from langchain_core.documents import Document
+from langchain_core.retrievers import BaseRetriever
+from langchain_core.vectorstores import InMemoryVectorStore
+from pydantic import ConfigDict, PrivateAttr, model_validator
+from tqdm.auto import tqdm
+
+from cacheblend_rag import CacheBlendEngine
+from cacheblend_rag.matching import ChunkRegistry
+
+from ._base import CacheBlendParams
+from ._run import engine_lock
+
+log = logging.getLogger("langchain_cacheblend")
+
+
+def _resolve(llm_or_engine: Any) -> tuple[CacheBlendEngine, ChunkRegistry]:
+    if isinstance(llm_or_engine, CacheBlendParams):
+        return llm_or_engine.get_engine(), llm_or_engine.chunk_registry
+    if isinstance(llm_or_engine, CacheBlendEngine):
+        return llm_or_engine, ChunkRegistry.for_engine(llm_or_engine)
+    raise TypeError(
+        f"expected a CacheBlendLLM, ChatCacheBlend or CacheBlendEngine, got {type(llm_or_engine).__name__}"
+    )
+
+
+class CacheBlendRetriever(BaseRetriever):
+    """Wraps any retriever; returns its documents unchanged and makes their texts known to the model.
+
+    Every retrieved ``page_content`` is registered in the model's chunk registry, so the model
+    finds those chunks again inside a formatted prompt. ``precompute`` also computes their KV:
+
+    * ``False`` (default): nothing more; a chunk's KV is computed the first time a prompt uses it
+      (a cache miss) and reused from then on;
+    * ``"sync"``: compute missing chunk KV before returning the documents (the following model
+      call then only has cache hits);
+    * ``"background"``: compute it in a worker thread; useful when retrieval happens well before
+      generation. ``wait()`` blocks until it is done.
+
+    Give ``llm`` (a CacheBlendLLM/ChatCacheBlend) or ``engine``; ``registry`` overrides theirs.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    retriever: BaseRetriever
+    llm: CacheBlendParams | None = None
+    engine: CacheBlendEngine | None = None
+    registry: ChunkRegistry | None = None
+    precompute: Literal["sync", "background", False] = False
+
+    _pool: ThreadPoolExecutor | None = PrivateAttr(default=None)
+    _pending: list[Future] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="after")
+    def _needs_a_model(self) -> "CacheBlendRetriever":
+        if self.llm is None and self.engine is None and (self.registry is None or self.precompute):
+            raise ValueError(
+                "CacheBlendRetriever needs llm= (a CacheBlendLLM or ChatCacheBlend) or engine= "
+                "(or registry= alone when precompute=False)"
+            )
+        return self
+
+    def _target(self) -> tuple[CacheBlendEngine | None, ChunkRegistry]:
+        if self.llm is not None:
+            engine, registry = _resolve(self.llm)
+        elif self.engine is not None:
+            engine, registry = _resolve(self.engine)
+        else:
+            engine, registry = None, self.registry
+        return engine, self.registry if self.registry is not None else registry
+
+    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun, **kwargs: Any) -> list[Document]:
+        docs = self.retriever.invoke(query, config={"callbacks": run_manager.get_child()}, **kwargs)
+        self._register(docs)
+        return docs
+
+    async def _aget_relevant_documents(
+        self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun, **kwargs: Any
+    ) -> list[Document]:
+        docs = await self.retriever.ainvoke(query, config={"callbacks": run_manager.get_child()}, **kwargs)
+        if self.precompute == "sync":
+            await asyncio.to_thread(self._register, docs)
+        else:
+            self._register(docs)
+        return docs
+
+    def _register(self, docs: list[Document]) -> None:
+        texts = [d.page_content for d in docs if d.page_content.strip()]
+        engine, registry = self._target()
+        registry.add(texts)
+        if not self.precompute or not texts:
+            return
+        assert engine is not None
+        if self.precompute == "sync":
+            _precompute(engine, texts)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="cacheblend-precompute")
+        self._pending = [f for f in self._pending if not f.done()]
+        self._pending.append(self._pool.submit(_precompute_logged, engine, texts))
+
+    def wait(self) -> None:
+        """Block until background precomputation has finished (re-raises its first error)."""
+        pending, self._pending = self._pending, []
+        for fut in pending:
+            fut.result()
+
+
+def _precompute(engine: CacheBlendEngine, texts: list[str]) -> int:
+    with engine_lock(engine):
+        return engine.precompute(texts, progress=False)
+
+
+def _precompute_logged(engine: CacheBlendEngine, texts: list[str]) -> int:
+    try:
+        return _precompute(engine, texts)
+    except Exception:
+        log.exception("background KV precompute failed")
+        raise
+
+
+def _texts_of(source: Any) -> tuple[Iterable[str], int | None]:
+    if isinstance(source, InMemoryVectorStore):
+        values = list(source.store.values())
+        return (v["text"] for v in values), len(values)
+    if isinstance(source, (str, bytes)):
+        raise TypeError("pass a vector store or a list of Documents/strings, not a single string")
+    if hasattr(source, "similarity_search") and not hasattr(source, "__iter__"):
+        raise TypeError(
+            f"cannot list the documents of a {type(source).__name__}: pass the Documents you "
+            "added to it (an iterable of Documents or strings) instead"
+        )
+    items = source
+    total = len(items) if hasattr(items, "__len__") else None
+    return ((d.page_content if isinstance(d, Document) else _as_text(d)) for d in items), total
+
+
+def _as_text(item: Any) -> str:
+    if not isinstance(item, str):
+        raise TypeError(f"expected Documents or strings, got {type(item).__name__}")
+    return item
+
+
+def precompute_vectorstore(
+    vectorstore_or_documents: Any,
+    llm_or_engine: Any,
+    *,
+    batch_size: int = 32,
+    progress: bool = True,
+) -> int:
+    """Compute and store the KV of every document, and register their texts with the model.
+
+    ``vectorstore_or_documents``: an ``InMemoryVectorStore`` (its stored documents are read) or
+    any iterable of Documents or strings. ``llm_or_engine``: a CacheBlendLLM, ChatCacheBlend or
+    CacheBlendEngine. Already cached chunks are skipped. Returns how many chunks were computed.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be >= 1")
+    engine, registry = _resolve(llm_or_engine)
+    texts, total = _texts_of(vectorstore_or_documents)
+    computed = 0
+    batch: list[str] = []
+    with tqdm(total=total, desc="precompute KV", unit="chunk", disable=not progress) as bar:
+
+        def flush() -> None:
+            nonlocal computed, batch
+            registry.add(batch)
+            computed += _precompute(engine, batch)
+            bar.update(len(batch))
+            batch = []
+
+        for text in texts:
+            if text.strip():
+                batch.append(text)
+            if len(batch) >= batch_size:
+                flush()
+        if batch:
+            flush()
+    engine.flush()
+    return computed

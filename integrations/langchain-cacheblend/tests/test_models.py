@@ -1,0 +1,261 @@
+"""CacheBlendLLM / ChatCacheBlend against the engine called directly (tiny random model)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+from langchain_core.output_parsers import StrOutputParser
+from langchain_core.prompts import ChatPromptTemplate, PromptTemplate
+from langchain_core.runnables import RunnablePassthrough
+
+from langchain_cacheblend import (
+    CacheBlendLLM,
+    CacheBlendRetriever,
+    ChatCacheBlend,
+    ChunkRegistry,
+    RAGPromptValue,
+    chunk_block,
+    rag_message,
+)
+
+N = 6  # tokens to generate: enough to compare, cheap on the tiny model
+TEMPLATE = "Answer the question using only this context.\n\nContext:\n{context}\n\nQuestion: {question}\nAnswer:"
+QUESTION = "Who won two Nobel prizes?"
+
+
+def format_docs(docs):
+    return "\n\n".join(d.page_content for d in docs)
+
+
+class Collect(BaseCallbackHandler):
+    def __init__(self):
+        self.tokens: list[str] = []
+        self.infos: list[dict] = []
+
+    def on_llm_new_token(self, token, **kwargs):
+        self.tokens.append(token)
+
+    def on_llm_end(self, response, **kwargs):
+        gen = response.generations[0][0]
+        info = gen.generation_info or {}
+        if not info.get("mode") and getattr(gen, "message", None) is not None:
+            info = gen.message.response_metadata
+        self.infos.append(info)
+
+
+def texts(docs):
+    return [d.page_content for d in docs]
+
+
+# ---------------------------------------------------------------------- the unchanged chain
+def test_unchanged_chain_hits_chunk_caches_and_matches_the_engine(deep_engine, vectorstore):
+    tiny_engine = deep_engine
+    llm = CacheBlendLLM(engine=tiny_engine, max_new_tokens=N)
+    inner = vectorstore.as_retriever(search_kwargs={"k": 2})
+    retriever = CacheBlendRetriever(retriever=inner, llm=llm)
+    prompt = PromptTemplate.from_template(TEMPLATE)
+    chain = {"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | llm | StrOutputParser()
+
+    cb = Collect()
+    first = chain.invoke(QUESTION, config={"callbacks": [cb]})
+    tiny_engine.flush()  # the misses' KV is written back in the background
+    second = chain.invoke(QUESTION, config={"callbacks": [cb]})
+    miss, hit = cb.infos
+
+    docs = inner.invoke(QUESTION)
+    # The template's text around the chunks becomes the engine's question turn.
+    question = f"Answer the question using only this context.\n\nContext:\n\nQuestion: {QUESTION}\nAnswer:"
+    ref = tiny_engine.generate(question, texts(docs), max_new_tokens=N)
+    full = tiny_engine.generate(question, texts(docs), max_new_tokens=N, mode="full_recompute")
+
+    assert hit["question"] == question
+    assert (miss["chunk_hits"], miss["chunk_misses"]) == (0, 2)
+    assert (hit["chunk_hits"], hit["chunk_misses"]) == (2, 0)
+    assert full.stats["recompute_fraction"] == 1.0 and hit["recompute_fraction"] < 0.6
+    # After the filtering layers only ~15% of the chunk tokens are recomputed (the instruction
+    # and question tokens always are).
+    always = hit["prompt_tokens"] - hit["context_tokens"]
+    assert hit["recomputed_per_layer"][-1] - always <= 0.16 * hit["context_tokens"]
+    assert first == second == ref.text
+    assert hit["prompt_tokens"] == full.stats["prompt_tokens"]
+
+
+def test_unchanged_chat_chain_matches_the_engine(tiny_engine, vectorstore):
+    chat = ChatCacheBlend(engine=tiny_engine, max_new_tokens=N)
+    inner = vectorstore.as_retriever(search_kwargs={"k": 3})
+    retriever = CacheBlendRetriever(retriever=inner, llm=chat, precompute="sync")
+    prompt = ChatPromptTemplate.from_messages(
+        [("system", "Use this context:\n\n{context}"), ("human", "{question}")]
+    )
+    chain = {"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | chat
+    msg = chain.invoke(QUESTION)
+    ref = tiny_engine.generate(f"Use this context:\n\n{QUESTION}", texts(inner.invoke(QUESTION)), max_new_tokens=N)
+    assert msg.content == ref.text
+    assert msg.response_metadata["chunk_hits"] == 3  # precompute="sync" cached them at retrieval
+    assert msg.usage_metadata["input_tokens"] == ref.stats["prompt_tokens"]
+
+
+# ---------------------------------------------------------------------- explicit chunks
+def test_explicit_inputs_are_the_engine_call(tiny_engine, documents):
+    docs = documents[:3]
+    ref = tiny_engine.generate(QUESTION, texts(docs), max_new_tokens=N)
+    llm = CacheBlendLLM(engine=tiny_engine, max_new_tokens=N, registry=ChunkRegistry())
+    chat = ChatCacheBlend(engine=tiny_engine, max_new_tokens=N, registry=ChunkRegistry())
+    assert llm.invoke({"question": QUESTION, "context": docs}) == ref.text
+    assert llm.invoke(RAGPromptValue(question=QUESTION, documents=docs)) == ref.text
+    assert llm.invoke({"query": QUESTION, "documents": texts(docs)}) == ref.text
+    assert chat.invoke({"question": QUESTION, "context": docs}).content == ref.text
+    assert chat.invoke([rag_message(QUESTION, docs)]).content == ref.text
+    # Flagged blocks are chunks wherever they are; system text joins the question turn.
+    msgs = [SystemMessage("Be brief."), HumanMessage([chunk_block(d) for d in docs] + [{"type": "text", "text": QUESTION}])]
+    ref2 = tiny_engine.generate(f"Be brief.\n\n{QUESTION}", texts(docs), max_new_tokens=N)
+    out = chat.invoke(msgs)
+    assert out.content == ref2.text and out.response_metadata["question"] == f"Be brief.\n\n{QUESTION}"
+
+
+def test_chunk_block_carries_metadata(documents):
+    block = chunk_block(documents[1])
+    assert block["type"] == "text" and block["text"] == documents[1].page_content
+    assert block["extras"] == {"cacheblend_chunk": True, "metadata": documents[1].metadata}
+
+
+# ---------------------------------------------------------------------- streaming / async / batch
+def test_streaming_reports_tokens_through_callbacks(tiny_engine, documents):
+    llm = CacheBlendLLM(engine=tiny_engine, max_new_tokens=N)
+    chat = ChatCacheBlend(engine=tiny_engine, max_new_tokens=N)
+    x = {"question": QUESTION, "context": documents[:2]}
+    ref = tiny_engine.generate(QUESTION, texts(documents[:2]), max_new_tokens=N)
+
+    cb = Collect()
+    pieces = list(llm.stream(x, config={"callbacks": [cb]}))
+    assert "".join(pieces) == ref.text and "".join(cb.tokens) == ref.text and len(pieces) > 1
+
+    cb = Collect()
+    assert llm.invoke(x, config={"callbacks": [cb]}) == ref.text
+    assert "".join(cb.tokens) == ref.text and len(cb.tokens) > 1
+
+    cb = Collect()
+    chunks = list(chat.stream(x, config={"callbacks": [cb]}))
+    assert "".join(c.content for c in chunks) == ref.text == "".join(cb.tokens)
+    assert chunks[-1].response_metadata["chunk_hits"] + chunks[-1].response_metadata["chunk_misses"] == 2
+
+
+def test_async_and_batch(tiny_engine, documents):
+    llm = CacheBlendLLM(engine=tiny_engine, max_new_tokens=N)
+    chat = ChatCacheBlend(engine=tiny_engine, max_new_tokens=N)
+    inputs = [{"question": QUESTION, "context": documents[:2]}, {"question": "Where is the Eiffel Tower?", "context": documents[1:3]}]
+    refs = [tiny_engine.generate(x["question"], texts(x["context"]), max_new_tokens=N).text for x in inputs]
+
+    assert llm.batch(inputs) == refs
+    assert [m.content for m in chat.batch(inputs)] == refs
+
+    async def run():
+        cb = Collect()
+        streamed = [c async for c in llm.astream(inputs[0], config={"callbacks": [cb]})]
+        chat_streamed = [c.content async for c in chat.astream(inputs[1])]
+        return (
+            await llm.ainvoke(inputs[0]),
+            (await chat.ainvoke(inputs[1])).content,
+            "".join(streamed),
+            "".join(cb.tokens),
+            "".join(chat_streamed),
+            await llm.abatch(inputs),
+        )
+
+    a, b, s, t, cs, ab = asyncio.run(run())
+    assert (a, b, s, t, cs, ab) == (refs[0], refs[1], refs[0], refs[0], refs[1], refs)
+
+
+def test_stop_sequences_reach_the_engine(tiny_engine, documents):
+    llm = CacheBlendLLM(engine=tiny_engine, max_new_tokens=N)
+    x = {"question": QUESTION, "context": documents[:2]}
+    full = llm.invoke(x)
+    stop = full[2:4]
+    ref = tiny_engine.generate(QUESTION, texts(documents[:2]), max_new_tokens=N, stop=[stop])
+    assert llm.invoke(x, stop=[stop]) == ref.text == full[: full.index(stop)]
+    assert CacheBlendLLM(engine=tiny_engine, max_new_tokens=N, stop=[stop]).invoke(x) == ref.text
+
+
+# ---------------------------------------------------------------------- parameters and metadata
+def test_generation_parameters_and_metadata(tiny_engine, documents):
+    llm = CacheBlendLLM(engine=tiny_engine, max_tokens=N, mode="full_recompute")
+    assert llm.max_new_tokens == N
+    x = {"question": QUESTION, "context": documents[:2]}
+    res = llm.generate_prompt([llm._convert_input(x)])
+    info = res.generations[0][0].generation_info
+    assert info["mode"] == "full_recompute" and info["recompute_fraction"] == 1.0
+    assert {"ttft_s", "chunk_hits", "chunk_misses", "prompt_tokens", "finish_reason"} <= set(info)
+    # Per-call overrides (also what .bind(...) passes).
+    blended = llm.bind(mode="cacheblend", recompute_ratio=0.0).invoke(x)
+    ref = tiny_engine.generate(QUESTION, texts(documents[:2]), max_new_tokens=N, recompute_ratio=0.0)
+    assert blended == ref.text
+    with pytest.raises(TypeError, match="unknown generation arguments"):
+        llm.invoke(x, bogus=1)
+    params = llm._identifying_params
+    assert params["mode"] == "full_recompute" and params["max_new_tokens"] == N
+    assert llm._llm_type == "cacheblend" and ChatCacheBlend(engine=tiny_engine)._llm_type == "cacheblend-chat"
+
+
+def test_token_ids_use_the_models_tokenizer(tiny_engine):
+    llm = CacheBlendLLM(engine=tiny_engine)
+    text = "The Eiffel Tower is in Paris."
+    ids = tiny_engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert llm.get_token_ids(text) == ids and llm.get_num_tokens(text) == len(ids)
+
+
+def test_default_engine_loads_lazily_once(tiny_engine, monkeypatch):
+    from cacheblend_rag import CacheBlendEngine
+
+    calls = []
+    monkeypatch.setattr(CacheBlendEngine, "from_pretrained", classmethod(lambda cls, model=None, **kw: calls.append((model, kw)) or tiny_engine))
+    llm = ChatCacheBlend(model="my-model", engine_kwargs={"device": "cpu"}, max_new_tokens=2)
+    assert calls == []
+    llm.invoke({"question": QUESTION, "context": ["The Eiffel Tower is in Paris."]})
+    llm.invoke({"question": QUESTION, "context": ["The Eiffel Tower is in Paris."]})
+    assert calls == [("my-model", {"device": "cpu"})]
+
+
+# ---------------------------------------------------------------------- no chunks / bad input
+def test_prompt_without_known_chunks_is_a_plain_full_prefill(tiny_engine):
+    llm = CacheBlendLLM(engine=tiny_engine, max_new_tokens=N, registry=ChunkRegistry())
+    cb = Collect()
+    out = llm.invoke("Where is the Eiffel Tower?", config={"callbacks": [cb]})
+    tok = tiny_engine.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": "Where is the Eiffel Tower?"}], tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+    with torch.inference_mode():
+        gen = tiny_engine.model.generate(ids, max_new_tokens=N, do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    assert out == tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True)
+    assert cb.infos[0]["mode"] == "plain_chat" and cb.infos[0]["chunk_hits"] == 0
+
+    chat = ChatCacheBlend(engine=tiny_engine, max_new_tokens=N, registry=ChunkRegistry())
+    reply = chat.invoke([SystemMessage("Be brief."), HumanMessage("Hi"), AIMessage("Hello"), HumanMessage("Where?")])
+    assert reply.response_metadata["mode"] == "plain_chat"
+
+
+def test_bad_inputs_raise_clear_errors(tiny_engine, documents):
+    strict = CacheBlendLLM(engine=tiny_engine, require_chunks=True, registry=ChunkRegistry())
+    with pytest.raises(ValueError, match="no chunks found in the prompt; wrap your retriever|no chunks found in the prompt: wrap your retriever"):
+        strict.invoke("What is the capital of France?")
+    with pytest.raises(ValueError, match="no chunks found"):
+        ChatCacheBlend(engine=tiny_engine, require_chunks=True, registry=ChunkRegistry()).invoke("Hi")
+
+    llm = CacheBlendLLM(engine=tiny_engine, max_new_tokens=N)
+    huge = "The river Thames flows through London and Oxford. " * 200
+    with pytest.raises(ValueError, match="context window"):
+        llm.invoke({"question": QUESTION, "context": [huge]})
+    with pytest.raises(ValueError, match="context window"):
+        list(ChatCacheBlend(engine=tiny_engine).stream({"question": QUESTION, "context": [huge]}))
+    with pytest.raises(TypeError, match="list of Documents or strings"):
+        llm.invoke({"question": QUESTION, "context": format_docs(documents)})
+    with pytest.raises(ValueError, match="needs a 'question'"):
+        llm.invoke({"context": documents})
+    reg = ChunkRegistry([documents[0].page_content])
+    with pytest.raises(ValueError, match="no question text"):
+        CacheBlendLLM(engine=tiny_engine, registry=reg).invoke("\n" + documents[0].page_content + "\n")
+    with pytest.raises(ValueError, match="not supported"):
+        ChatCacheBlend(engine=tiny_engine).invoke([HumanMessage([{"type": "image", "url": "http://x/y.png"}])])

@@ -1,0 +1,80 @@
+"""CacheBlendRetriever, precompute_vectorstore and the one-line chain helper."""
+
+from __future__ import annotations
+
+import pytest
+
+from langchain_cacheblend import (
+    CacheBlendLLM,
+    CacheBlendRetriever,
+    ChatCacheBlend,
+    ChunkRegistry,
+    create_cacheblend_rag_chain,
+    precompute_vectorstore,
+)
+
+QUESTION = "Who won two Nobel prizes?"
+
+
+def test_documents_pass_through_unchanged_and_are_registered(tiny_engine, vectorstore):
+    inner = vectorstore.as_retriever(search_kwargs={"k": 3})
+    llm = CacheBlendLLM(engine=tiny_engine)
+    wrapped = CacheBlendRetriever(retriever=inner, llm=llm)
+    got = wrapped.invoke(QUESTION)
+    assert got == inner.invoke(QUESTION)  # same order, ids, metadata
+    assert all(d.page_content in llm.chunk_registry for d in got)
+    # The registry is the engine's shared one: a second model on the engine sees the chunks.
+    assert all(d.page_content in ChatCacheBlend(engine=tiny_engine).chunk_registry for d in got)
+    assert not any(tiny_engine.is_cached(d.page_content) for d in got)  # precompute=False
+
+
+def test_precompute_sync_and_background(tiny_engine, vectorstore):
+    inner = vectorstore.as_retriever(search_kwargs={"k": 2})
+    docs = CacheBlendRetriever(retriever=inner, engine=tiny_engine, precompute="sync").invoke(QUESTION)
+    assert all(tiny_engine.is_cached(d.page_content) for d in docs)
+    bg = CacheBlendRetriever(retriever=vectorstore.as_retriever(search_kwargs={"k": 4}), engine=tiny_engine, precompute="background")
+    docs = bg.invoke("Thames")
+    bg.wait()
+    tiny_engine.flush()
+    assert len(docs) == 4 and all(tiny_engine.is_cached(d.page_content) for d in docs)
+
+
+def test_wrapper_needs_a_model():
+    from langchain_core.retrievers import BaseRetriever
+
+    class Empty(BaseRetriever):
+        def _get_relevant_documents(self, query, *, run_manager):
+            return []
+
+    with pytest.raises(ValueError, match="needs llm="):
+        CacheBlendRetriever(retriever=Empty())
+    with pytest.raises(ValueError, match="needs llm="):
+        CacheBlendRetriever(retriever=Empty(), registry=ChunkRegistry(), precompute="sync")
+    assert CacheBlendRetriever(retriever=Empty(), registry=ChunkRegistry()).invoke("x") == []
+
+
+def test_precompute_vectorstore_and_document_lists(tiny_engine, vectorstore, documents):
+    llm = CacheBlendLLM(engine=tiny_engine)
+    assert precompute_vectorstore(vectorstore, llm, batch_size=3, progress=False) == len(documents)
+    assert all(tiny_engine.is_cached(d.page_content) and d.page_content in llm.chunk_registry for d in documents)
+    assert precompute_vectorstore(documents, tiny_engine, progress=False) == 0  # already cached
+    assert precompute_vectorstore(["A new fact about the river Cam."], tiny_engine, progress=False) == 1
+    with pytest.raises(TypeError, match="not a single string"):
+        precompute_vectorstore("text", tiny_engine)
+    with pytest.raises(TypeError, match="CacheBlendLLM, ChatCacheBlend or CacheBlendEngine"):
+        precompute_vectorstore(documents, object())
+
+
+def test_create_cacheblend_rag_chain(tiny_engine, vectorstore):
+    inner = vectorstore.as_retriever(search_kwargs={"k": 2})
+    chat = ChatCacheBlend(engine=tiny_engine, max_new_tokens=5)
+    chain = create_cacheblend_rag_chain(inner, chat, return_source_documents=True)
+    out = chain.invoke({"question": QUESTION})
+    docs = inner.invoke(QUESTION)
+    assert out["documents"] == docs and out["question"] == QUESTION
+    assert out["answer"] == tiny_engine.generate(QUESTION, [d.page_content for d in docs], max_new_tokens=5).text
+    templated = create_cacheblend_rag_chain(inner, CacheBlendLLM(engine=tiny_engine, max_new_tokens=5), prompt="{question} Answer briefly.")
+    ref = tiny_engine.generate(f"{QUESTION} Answer briefly.", [d.page_content for d in docs], max_new_tokens=5)
+    assert templated.invoke(QUESTION) == ref.text
+    with pytest.raises(ValueError, match="drop \\{context\\}"):
+        create_cacheblend_rag_chain(inner, chat, prompt="{context} {question}")
