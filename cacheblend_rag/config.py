@@ -18,10 +18,10 @@ class BlendConfig:
     criterion: how a recomputed token's KV deviation is scored on a check layer; one of
         ``cacheblend_rag.selector.CRITERIA`` ("value" is the paper's, "key" is LMCache's,
         "query_value" weights the value deviation by the question's attention) or a callable.
-    filter_layers: gradual filtering (paper 4.3, Fig. 9): layer 0 recomputes every non-exact
-        context token, then layers 0..filter_layers-1 each keep a geometrically smaller subset
-        of the tokens they recomputed, reaching ``recompute_ratio`` after the last of them.
-        1 means "pick once after the first layer", which is what the public implementations do.
+    filter_layers: gradual filtering (paper 4.3, Fig. 9): layers 0 and 1 recompute every
+        non-exact context token, then layers 1..filter_layers each keep a geometrically smaller
+        subset of the tokens they recomputed, reaching ``recompute_ratio`` after the last of them.
+        1 means "pick once, on layer 1", which is what the public implementations do.
     schedule: an explicit schedule instead: ``((layer, fraction), ...)`` with strictly
         increasing layers and non-increasing fractions of the context tokens kept after each
         check layer. Overrides ``filter_layers``; the last fraction is the final ratio.
@@ -67,10 +67,14 @@ class BlendConfig:
         if self.schedule is not None:
             return list(self.schedule)
         r, n = self.recompute_ratio, self.filter_layers
+        # Checks start on layer 1: layer 0's K/V depend only on each token and its position, so
+        # its fresh-vs-cached deviation is rounding noise and would select at random. Layer 0 is
+        # recomputed in full to give layer 1 correct inputs; layer 1 is the first with signal.
+        first = 1
         if r <= 0.0:
-            return [(i, 0.0) for i in range(n)]
+            return [(first + i, 0.0) for i in range(n)]
         # Geometric shrink: each check layer keeps the same share of what it recomputed.
-        return [(i, math.pow(r, (i + 1) / n)) for i in range(n)]
+        return [(first + i, math.pow(r, (i + 1) / n)) for i in range(n)]
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,8 @@ class SweepConfig:
     chunk_tokens: int = 512  # paper: 512-token chunks
     ratios: Sequence[float] = (0.05, 0.15, 0.3, 0.5)
     criteria: Sequence[str] = ("value", "key", "query_value")
-    filter_layers: int = 3
-    boundary_tokens: int = 0
+    filter_layers: Sequence[int] = (3,)
+    boundary_tokens: Sequence[int] = (0,)
     baselines: Sequence[str] = ("prefix_caching", "full_reuse")
     max_new_tokens: int = 24
     out: Path | None = None
@@ -87,10 +87,13 @@ def question_chunks(example: dict, tokenizer, cfg: SweepConfig, embedder) -> lis
 
 def _methods(cfg: SweepConfig) -> list[tuple[str, str, BlendConfig | None]]:
     out: list[tuple[str, str, BlendConfig | None]] = [(m, m, None) for m in cfg.baselines]
+    variants = [(f, b) for f in cfg.filter_layers for b in cfg.boundary_tokens]
     for crit in cfg.criteria:
         for r in cfg.ratios:
-            bc = BlendConfig(recompute_ratio=r, criterion=crit, filter_layers=cfg.filter_layers, boundary_tokens=cfg.boundary_tokens)
-            out.append((f"cacheblend[{crit}@{r:g}]", "cacheblend", bc))
+            for f, b in variants:
+                bc = BlendConfig(recompute_ratio=r, criterion=crit, filter_layers=f, boundary_tokens=b)
+                tag = f",f{f},b{b}" if len(variants) > 1 else ""
+                out.append((f"cacheblend[{crit}@{r:g}{tag}]", "cacheblend", bc))
     return out
 
 
@@ -173,13 +176,13 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 
 def format_table(table: list[dict]) -> str:
-    head = f"{'method':28} {'n':>3} {'TTFT x':>7} {'KL mean':>8} {'KL med':>7} {'<reuse':>6} {'agree':>6} {'F1':>6} {'work':>6} {'ovh':>5}"
+    head = f"{'method':36} {'n':>3} {'TTFT x':>7} {'KL mean':>8} {'KL med':>7} {'<reuse':>6} {'agree':>6} {'F1':>6} {'work':>6} {'ovh':>5}"
     lines = [head, "-" * len(head)]
     for t in table:
         closer = f"{t['closer_than_reuse']:.2f}" if t["closer_than_reuse"] is not None else "-"
         ovh = f"{t['overhead']:.2f}" if t["overhead"] else "-"
         lines.append(
-            f"{t['method']:28} {t['n']:>3} {t['ttft_speedup']:>7.2f} {t['kl_mean']:>8.4f} {t['kl_median']:>7.4f} "
+            f"{t['method']:36} {t['n']:>3} {t['ttft_speedup']:>7.2f} {t['kl_mean']:>8.4f} {t['kl_median']:>7.4f} "
             f"{closer:>6} {t['agree']:>6.2f} {t['f1']:>6.3f} {t['recompute_fraction']:>6.3f} {ovh:>5}"
         )
     lines.append(
@@ -203,8 +206,8 @@ def _cmd(args: argparse.Namespace) -> int:
         chunk_tokens=args.chunk_tokens,
         ratios=_floats(args.ratios),
         criteria=[c for c in args.criteria.split(",") if c],
-        filter_layers=args.filter_layers,
-        boundary_tokens=args.boundary_tokens,
+        filter_layers=[int(x) for x in args.filter_layers.split(",")],
+        boundary_tokens=[int(x) for x in args.boundary_tokens.split(",")],
         baselines=[b for b in args.baselines.split(",") if b],
         max_new_tokens=args.max_new_tokens,
         out=Path(args.out) if args.out else None,
@@ -227,8 +230,8 @@ def register(sub) -> None:
     p.add_argument("--chunk-tokens", type=int, default=512)
     p.add_argument("--ratios", default="0.05,0.15,0.3,0.5")
     p.add_argument("--criteria", default="value,key,query_value")
-    p.add_argument("--filter-layers", type=int, default=3)
-    p.add_argument("--boundary-tokens", type=int, default=0)
+    p.add_argument("--filter-layers", default="3", help="comma list: gradual-filtering check layers (1 = pick once)")
+    p.add_argument("--boundary-tokens", default="0", help="comma list: first N tokens of each chunk always recomputed")
     p.add_argument("--baselines", default="prefix_caching,full_reuse")
     p.add_argument("--max-new-tokens", type=int, default=24, help="0: fidelity only (next-token KL), no answers")
     p.add_argument("--out", default=None, help="JSONL of per-question rows (+ .summary.json)")
