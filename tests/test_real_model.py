@@ -14,7 +14,8 @@ import torch
 
 from cacheblend_rag import BlendConfig, CacheBlendEngine
 from cacheblend_rag.metrics import next_token_kl
-from cacheblend_rag.sweep import DEFAULT_MUSIQUE, SweepConfig, load_musique, local_embedder, question_chunks
+from cacheblend_rag.bench.datasets import Retriever, load_musique, musique_path
+from cacheblend_rag.sweep import SweepConfig, question_chunks
 
 pytestmark = pytest.mark.slow
 QUESTIONS = 8
@@ -30,11 +31,13 @@ def real_engine(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cases(real_engine):
-    if not DEFAULT_MUSIQUE.is_file():
-        pytest.skip(f"{DEFAULT_MUSIQUE} not found (the shared MuSiQue file sits beside the checkout)")
-    embedder = local_embedder()
+    try:
+        musique_path()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    retriever = Retriever()
     cfg = SweepConfig(num_chunks=6, chunk_tokens=256)
-    return [(ex["question"], question_chunks(ex, real_engine.tokenizer, cfg, embedder)) for ex in load_musique(DEFAULT_MUSIQUE, QUESTIONS)]
+    return [(ex.question, question_chunks(ex, real_engine.tokenizer, cfg, retriever)) for ex in load_musique(limit=QUESTIONS)]
 
 
 def test_ratio_one_reproduces_full_prefill_on_the_real_model(real_engine, cases):
