@@ -324,6 +324,12 @@ class CacheBlendEngine:
                 prefix_key = self.chunk_key(seg, context_ids=()) if off == 0 and seg.token_ids == prefix else None
                 if prefix_key and prefix_key not in avoid and self.store.contains(prefix_key):
                     specs.append(LoadSpec(0, len(seg), prefix_key, 0))
+                elif prefix_key:
+                    # Not in the store (full/read-only disk, evicted, corrupt): use this process's
+                    # copy, the very tensors the store would hold, so the answer does not change.
+                    self._prefix_cache()
+                    assert self._prefix_kv is not None
+                    specs.append(LoadSpec(0, len(seg), prefix_key, 0, [(k[0], v[0]) for k, v in self._prefix_kv]))
                 else:
                     always[span] = True
                 continue

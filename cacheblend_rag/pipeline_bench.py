@@ -1,0 +1,205 @@
+"""``cacheblend-rag pipeline-bench``: does pipelined loading hide the recompute, tier by tier?
+
+For each storage tier (memory, disk, and the disk behind a reader throttled to ``--throttle-mbps``)
+it measures, side by side and interleaved over ``--repeats`` rounds (median reported):
+
+* pure load: reading every layer of every chunk from the tier, nothing else (the floor);
+* load-then-compute: CacheBlend with the loader not overlapped (``pipelined=False``);
+* pipelined: CacheBlend with layer i+1 loading while layer i recomputes;
+* full recompute: a plain prefill of the whole prompt (no storage involved).
+
+The CacheBlend runs use the ratio the loading controller picks for that tier (from a profile of
+this model on this machine plus the tiers' measured read throughput) and report how much of the
+load was hidden behind compute. TTFT here is prefill plus sampling the first token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DEFAULT_QUESTION = "Where was the author of Hannibal and Scipio educated at?"
+
+
+def _chunks(n: int, min_tokens: int, tokenizer) -> list[str]:
+    """The first MuSiQue passages (beside the checkout), merged up to ``min_tokens`` each; else the
+    example documents repeated."""
+    data = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_dev.json"
+    passages: list[str] = []
+    if data.is_file():
+        for item in json.loads(data.read_text()):
+            passages += [c["text"] for c in item["ctxs"]]
+    else:
+        ex = Path(__file__).resolve().parents[1] / "examples" / "data"
+        passages = [p.read_text() for p in sorted(ex.glob("*.txt"))] * 50
+    out, cur = [], ""
+    for p in passages:
+        cur = f"{cur}\n{p}" if cur else p
+        if len(tokenizer(cur, add_special_tokens=False)["input_ids"]) >= min_tokens:
+            out.append(cur)
+            cur = ""
+            if len(out) == n:
+                break
+    return out
+
+
+def _pure_load(store, keys: list[str], num_layers: int) -> float:
+    t0 = time.perf_counter()
+    for layer in range(num_layers):
+        for key in keys:
+            if store.get_layer(key, layer) is None:
+                raise RuntimeError(f"chunk {key[:12]} missing from {store!r} during the pure-load run")
+    return time.perf_counter() - t0
+
+
+def _ttft(engine, question, chunks, **kw) -> tuple[float, dict[str, Any]]:
+    res = engine.generate(question, chunks, max_new_tokens=1, **kw)
+    return res.ttft_s, res.stats
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from .controller import LoadingController
+    from .engine import CacheBlendEngine
+    from .kv_store import KVStore
+    from .profile import measure_tier, profile_engine
+    from .tiers import MemoryTier, ThrottledStore, resolve_dtype
+
+    torch.manual_seed(0)
+    engine = CacheBlendEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
+    stored = resolve_dtype(args.stored_dtype) or engine.dtype
+    chunks = _chunks(args.chunks, args.chunk_tokens, engine.tokenizer)
+    layout = engine.build_layout(args.question, chunks)
+    n_ctx = layout.num_context_tokens
+    keys = [engine.chunk_key(s) for s in layout.segments if s.reusable]
+    tmp = tempfile.TemporaryDirectory(prefix="pipeline-bench-")
+    disk = KVStore(Path(tmp.name) / "kv", fingerprint=engine.fingerprint)
+    mem = MemoryTier(capacity_bytes=8 * 2**30)
+    tiers = {
+        "memory": (mem, 1.0),
+        "disk": (disk, 0.1),
+    }
+    for mbps in args.throttle_mbps:
+        name = f"throttled{mbps:g}"
+        tiers[name] = (ThrottledStore(disk, mbps * 1e6, name=name), 0.01)
+    default_store = engine.store
+    results: dict[str, Any] = {"context_tokens": n_ctx, "prompt_tokens": len(layout), "chunks": len(chunks)}
+    try:
+        # Fill the tiers (not timed): the model's K/V, cast to the stored dtype.
+        engine.store = mem
+        engine.precompute(chunks, progress=False)
+        for key in keys:
+            layers = [mem.get_layer(key, i) for i in range(engine.num_layers)]
+            layers = [(k.to(stored), v.to(stored)) for k, v in layers]
+            mem.discard(key)
+            mem.put(key, layers)
+            disk.put(key, layers)
+
+        print(f"profiling prefill and tier reads ({n_ctx} context tokens, {len(chunks)} chunks)...", flush=True)
+        lengths = sorted({max(64, n_ctx // 4), max(128, n_ctx // 2), n_ctx})
+        profile = profile_engine(
+            engine, lengths=lengths, tiers={n: s for n, (s, _) in tiers.items()},
+            tier_costs={n: c for n, (_, c) in tiers.items()}, stored_dtype=stored, tier_tokens=256, repeats=2,
+        )
+        ctl = LoadingController(profile, quality_floor=args.floor)
+        full_ttfts = []
+        rows: dict[str, dict[str, list]] = {n: {} for n in tiers}
+        for rnd in range(args.repeats + 1):  # round 0 warms caches and threads, not reported
+            t, _ = _ttft(engine, args.question, chunks, mode="full_recompute")
+            if rnd:
+                full_ttfts.append(t)
+            for name, (store, _) in tiers.items():
+                engine.store = store
+                engine.controller = ctl
+                if rnd == 0:  # warm-up round: touch every path once, record nothing
+                    _ttft(engine, args.question, chunks)
+                    engine.controller = None
+                    continue
+                load = _pure_load(store, keys, engine.num_layers)
+                runs = {}
+                for piped in ((False, True) if rnd % 2 else (True, False)):  # alternate the order
+                    engine.pipelined = piped
+                    runs[piped] = _ttft(engine, args.question, chunks)
+                (seq, seq_stats), (pip, pip_stats) = runs[False], runs[True]
+                engine.pipelined = True
+                flo, _ = _ttft(engine, args.question, chunks, recompute_ratio=args.floor)
+                engine.controller = None
+                r = rows[name]
+                for k, v in (
+                    ("pure_load_s", load), ("sequential_s", seq), ("pipelined_s", pip), ("pipelined_floor_s", flo),
+                    ("ratio", pip_stats["recompute_ratio"]), ("load_s", pip_stats["load_s"]),
+                    ("load_hidden_s", pip_stats["load_hidden_s"]), ("load_exposed_s", pip_stats["load_exposed_s"]),
+                    ("compute_s", pip_stats["compute_s"]), ("seq_load_s", seq_stats["load_s"]),
+                    ("seq_compute_s", seq_stats["compute_s"]),
+                ):
+                    r.setdefault(k, []).append(v)
+        results["full_recompute_s"] = statistics.median(full_ttfts)
+        results["profile"] = {
+            "prefill_points": profile.prefill_points,
+            "tiers_mb_s": {n: t.read_bytes_per_s / 1e6 for n, t in profile.tiers.items()},
+        }
+        results["tiers"] = {n: {k: statistics.median(v) for k, v in r.items()} for n, r in rows.items()}
+        for n in tiers:
+            results["tiers"][n]["cheapest_tier_at_ratio"] = ctl.cheapest_tier(results["tiers"][n]["ratio"], n_ctx)
+    finally:
+        engine.store = default_store
+        engine.controller = None
+        disk.close()
+        tmp.cleanup()
+        engine.close()
+    return results
+
+
+def report(res: dict[str, Any], args: argparse.Namespace) -> str:
+    full = res["full_recompute_s"]
+    lines = [
+        f"context {res['context_tokens']} tokens in {res['chunks']} chunks (prompt {res['prompt_tokens']}), "
+        f"stored {args.stored_dtype or args.dtype}, median of {args.repeats} rounds",
+        "measured read MB/s: " + ", ".join(f"{n} {v:.0f}" for n, v in res["profile"]["tiers_mb_s"].items()),
+        "TTFT relative to full recompute (=1.00); 'vs load' = pipelined TTFT / pure load time",
+        f"{'tier':10s} {'ratio':>5s} {'pure load':>9s} {'load->comp':>10s} {'pipelined':>9s} {'pipe@floor':>10s} "
+        f"{'vs load':>7s} {'hidden':>7s} {'seq/pipe':>8s}",
+    ]
+    for name, r in res["tiers"].items():
+        hidden = r["load_hidden_s"] / r["load_s"] if r["load_s"] else 0.0
+        lines.append(
+            f"{name:10s} {r['ratio']:5.2f} {r['pure_load_s'] / full:9.2f} {r['sequential_s'] / full:10.2f} "
+            f"{r['pipelined_s'] / full:9.2f} {r['pipelined_floor_s'] / full:10.2f} "
+            f"{r['pipelined_s'] / r['pure_load_s']:7.2f} {100 * hidden:6.0f}% {r['sequential_s'] / r['pipelined_s']:8.2f}"
+        )
+    lines.append(f"full recompute TTFT: 1.00 (absolute {full * 1e3:.0f} ms on this machine, this run)")
+    return "\n".join(lines)
+
+
+def _main(args: argparse.Namespace) -> int:
+    res = run(args)
+    print(report(res, args))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+        print(f"raw numbers: {args.json}")
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("pipeline-bench", help="TTFT of load-then-compute vs pipelined vs full recompute per storage tier")
+    p.add_argument("--model", default=None, help="model dir, .gguf file or hub id (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--stored-dtype", default=None, help="dtype the tiers hold (fp32/fp16/bf16; default: the model's)")
+    p.add_argument("--chunks", type=int, default=6)
+    p.add_argument("--chunk-tokens", type=int, default=256, help="minimum tokens per chunk (passages are merged)")
+    p.add_argument("--question", default=DEFAULT_QUESTION)
+    p.add_argument(
+        "--throttle-mbps", type=lambda s: [float(x) for x in s.split(",")], default=[100.0],
+        help="read rate(s) of the throttled tier(s), MB/s, comma-separated (one tier each)",
+    )
+    p.add_argument("--floor", type=float, default=0.15, help="quality floor r* of the controller")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", default=None, help="also write the raw numbers here")
+    p.set_defaults(func=_main)
