@@ -1,0 +1,297 @@
+"""CacheBlendLLM: a LlamaIndex ``CustomLLM`` whose prefill is done by a ``CacheBlendEngine``."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator, Optional, Sequence
+
+from cacheblend_rag import MODES, CacheBlendEngine, GenerationResult, PromptLayout, SamplingParams, Segment
+from cacheblend_rag.config import check_mode
+from cacheblend_rag.engine import GenerationStream
+from cacheblend_rag.matching import ChunkRegistry
+from llama_index.core.base.llms.generic_utils import (
+    completion_response_to_chat_response,
+    stream_completion_response_to_chat_response,
+)
+from llama_index.core.base.llms.generic_utils import messages_to_prompt as generic_messages_to_prompt
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+)
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.llms.llm import default_completion_to_prompt
+
+from ._aio import iterate_in_thread
+
+# Per-call keyword arguments of complete()/stream_complete() that override the fields.
+GENERATION_KEYS = ("mode", "recompute_ratio", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+
+
+class CacheBlendLLM(CustomLLM):
+    """LlamaIndex LLM backed by a :class:`cacheblend_rag.CacheBlendEngine`.
+
+    Use it with :class:`~llama_index.cacheblend.CacheBlendSynthesizer` (or
+    :class:`~llama_index.cacheblend.CacheBlendQueryEngine`), which hands the retrieved nodes to the
+    engine as separate chunks so their cached KV is reused. It also works as a plain LLM
+    (``Settings.llm = CacheBlendLLM(engine=...)``) for prompts a LlamaIndex template flattened:
+
+    * if the prompt contains chunk texts the engine's ``ChunkRegistry`` knows (registered by
+      ``precompute_index``, ``CacheBlendPrecompute`` and ``CacheBlendSynthesizer``), those become
+      the chunks and the rest of the prompt the question: ``engine.generate(rest, chunks)``;
+    * otherwise there is nothing to reuse: the whole prompt, inside the model's chat template, is
+      prefilled from scratch (``full_recompute``) and answered like the unmodified model would.
+
+    ``engine`` defaults to ``CacheBlendEngine.from_pretrained()`` (the bundled SmolLM2).
+    """
+
+    mode: str = Field(
+        default="cacheblend",
+        description=f"prefill mode for answers over chunks: one of {', '.join(MODES)}",
+    )
+    recompute_ratio: Optional[float] = Field(
+        default=None,
+        description="fraction of context tokens CacheBlend recomputes per layer; None keeps the "
+        "engine's BlendConfig (0.15, the paper's default)",
+    )
+    max_new_tokens: int = Field(default=128, gt=0, description="most tokens generated per answer")
+    temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy decoding")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="nucleus sampling (temperature > 0)")
+    top_k: int = Field(default=0, ge=0, description="top-k sampling, 0 disables (temperature > 0)")
+    seed: Optional[int] = Field(default=None, description="sampling seed (temperature > 0)")
+    match_chunks: bool = Field(
+        default=True,
+        description="find registered chunk texts inside plain prompts (complete/chat) and reuse their KV",
+    )
+
+    _engine: CacheBlendEngine = PrivateAttr()
+
+    def __init__(self, engine: CacheBlendEngine | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._engine = engine if engine is not None else CacheBlendEngine.from_pretrained()
+
+    @field_validator("mode")
+    @classmethod
+    def _check_mode(cls, mode: str) -> str:
+        return check_mode(mode)
+
+    @field_validator("recompute_ratio")
+    @classmethod
+    def _check_ratio(cls, ratio: Optional[float]) -> Optional[float]:
+        if ratio is not None and not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"recompute_ratio={ratio} is outside [0, 1]")
+        return ratio
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "CacheBlendLLM"
+
+    @property
+    def engine(self) -> CacheBlendEngine:
+        return self._engine
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        return LLMMetadata(
+            context_window=self._engine.context_window,
+            num_output=self.max_new_tokens,
+            model_name=self._engine.model_id,
+            is_chat_model=False,
+        )
+
+    # ------------------------------------------------------------------ answers over chunks
+    def generation_kwargs(self, **overrides: Any) -> dict[str, Any]:
+        """The engine's ``stream``/``generate`` keyword arguments: the fields, then ``overrides``
+        (unknown keys are ignored: LlamaIndex passes its own extras through ``**kwargs``)."""
+        out: dict[str, Any] = {
+            "mode": self.mode,
+            "recompute_ratio": self.recompute_ratio,
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+        }
+        out.update({k: v for k, v in overrides.items() if k in GENERATION_KEYS})
+        return out
+
+    def stream_chunks(self, question: str, chunks: Sequence[str], **overrides: Any) -> GenerationStream:
+        """Start answering ``question`` over ``chunks`` (each chunk's KV reused); iterate the
+        result for text deltas, then read ``.result`` (text, ttft_s, stats)."""
+        return self._engine.stream(question, chunks, **self.generation_kwargs(**overrides))
+
+    def answer_chunks(self, question: str, chunks: Sequence[str], **overrides: Any) -> GenerationResult:
+        stream = self.stream_chunks(question, chunks, **overrides)
+        for _ in drain_and_flush(self._engine, stream):
+            pass
+        assert stream.result is not None
+        return stream.result
+
+    # ------------------------------------------------------------------ plain prompts
+    @property
+    def chunk_registry(self) -> ChunkRegistry:
+        """Chunk texts known to this engine (shared with every integration using it)."""
+        return ChunkRegistry.for_engine(self._engine)
+
+    def _match(self, text: str, overrides: dict[str, Any]) -> Optional[GenerationStream]:
+        """An answer over the known chunks found in ``text``, or None when there are none."""
+        if not self.match_chunks:
+            return None
+        match = self.chunk_registry.match(text)
+        question = match.remainder()
+        if not match.spans or not question.strip():
+            return None  # no chunks, or nothing but chunks: answer the prompt as it is
+        return self.stream_chunks(question, match.chunks, **overrides)
+
+    def _format_completion(self, prompt: str, formatted: bool) -> str:
+        if self.completion_to_prompt is not default_completion_to_prompt:
+            # A user-supplied formatter: LlamaIndex's predict() already applied it (formatted=True).
+            return prompt if formatted else self.completion_to_prompt(prompt)
+        # The default formatter is the identity, so even a "formatted" prompt is plain text; an
+        # instruct model answers best inside its own chat template.
+        return self._apply_chat_template([{"role": "user", "content": prompt}])
+
+    def _format_messages(self, messages: Sequence[ChatMessage]) -> str:
+        if self.messages_to_prompt is not generic_messages_to_prompt:
+            return self.messages_to_prompt(messages)
+        roles = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant"}
+        return self._apply_chat_template(
+            [{"role": roles.get(m.role, "user"), "content": m.content or ""} for m in messages]
+        )
+
+    def _apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        tok = self._engine.tokenizer
+        if getattr(tok, "chat_template", None):
+            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return "\n\n".join(m["content"] for m in messages) + "\n"
+
+    def stream_prompt(self, prompt: str, formatted: bool = False, **overrides: Any) -> GenerationStream:
+        """Answer a plain prompt: over its known chunks if it has any, else by full prefill.
+
+        The full-prefill answer wraps the prompt as a user turn of the model's chat template,
+        unless a ``completion_to_prompt`` was given: then that formats it (``formatted=True``:
+        LlamaIndex's ``predict`` already did). ``completion_to_prompt=lambda p: p`` sends raw text.
+        """
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+        if not prompt.strip():
+            raise ValueError("prompt is empty: pass a non-empty prompt string")
+        matched = self._match(prompt, overrides)
+        return matched or self._stream_text(self._format_completion(prompt, formatted), overrides)
+
+    def _stream_text(self, text: str, overrides: dict[str, Any]) -> GenerationStream:
+        t0 = time.perf_counter()
+        eng = self._engine
+        ids = tuple(eng.tokenizer(text, add_special_tokens=False)["input_ids"])
+        kw = self.generation_kwargs(**overrides)
+        params = SamplingParams(
+            kw["max_new_tokens"], kw["temperature"], kw["top_p"], kw["top_k"], tuple(kw.get("stop") or ()), kw["seed"]
+        )
+        if len(ids) + params.max_new_tokens > eng.context_window:
+            raise ValueError(
+                f"the prompt is {len(ids)} tokens plus {params.max_new_tokens} to generate, more than "
+                f"the model's context window of {eng.context_window} tokens: shorten the prompt or "
+                "lower max_new_tokens"
+            )
+        # One non-reusable segment: the engine's full_recompute prefill, decode and stats as usual.
+        layout = PromptLayout((Segment(text, ids, reusable=False),))
+        return GenerationStream(eng, layout, "full_recompute", eng.config, params, t0)
+
+    def stream_messages(self, messages: Sequence[ChatMessage], **overrides: Any) -> GenerationStream:
+        """Answer chat messages: over the known chunks in their text if any, else by full prefill
+        of the messages in the model's chat template."""
+        if not messages:
+            raise ValueError("no messages: pass at least one ChatMessage")
+        joined = "\n\n".join(m.content or "" for m in messages if m.role != MessageRole.ASSISTANT)
+        return self._match(joined, overrides) or self._stream_text(self._format_messages(messages), overrides)
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return _complete(self._engine, self.stream_prompt(prompt, formatted, **kwargs))
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        # Open the stream here so bad input raises now, not on the first next().
+        return _responses(self._engine, self.stream_prompt(prompt, formatted, **kwargs))
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return await _acomplete(self._engine, self.stream_prompt(prompt, formatted, **kwargs))
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
+        return _aresponses(self._engine, self.stream_prompt(prompt, formatted, **kwargs))
+
+    # Chat goes through the model's own chat template rather than the generic "role: text" format.
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return completion_response_to_chat_response(_complete(self._engine, self.stream_messages(messages, **kwargs)))
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        return stream_completion_response_to_chat_response(_responses(self._engine, self.stream_messages(messages, **kwargs)))
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return completion_response_to_chat_response(await _acomplete(self._engine, self.stream_messages(messages, **kwargs)))
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        responses = _aresponses(self._engine, self.stream_messages(messages, **kwargs))
+
+        async def gen() -> ChatResponseAsyncGen:
+            async for r in responses:
+                yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=r.text), delta=r.delta)
+
+        return gen()
+
+
+def _completion(result: Optional[GenerationResult]) -> CompletionResponse:
+    assert result is not None
+    return CompletionResponse(
+        text=result.text,
+        additional_kwargs={"cacheblend": result.stats, "finish_reason": result.finish_reason},
+        raw=result,
+    )
+
+
+def _complete(engine: CacheBlendEngine, stream: GenerationStream) -> CompletionResponse:
+    for _ in drain_and_flush(engine, stream):
+        pass
+    return _completion(stream.result)
+
+
+async def _acomplete(engine: CacheBlendEngine, stream: GenerationStream) -> CompletionResponse:
+    async for _ in iterate_in_thread(drain_and_flush(engine, stream)):
+        pass
+    return _completion(stream.result)
+
+
+def _responses(engine: CacheBlendEngine, stream: GenerationStream) -> CompletionResponseGen:
+    text = ""
+    for delta in drain_and_flush(engine, stream):
+        text += delta
+        yield CompletionResponse(text=text, delta=delta)
+
+
+async def _aresponses(engine: CacheBlendEngine, stream: GenerationStream) -> CompletionResponseAsyncGen:
+    text = ""
+    async for delta in iterate_in_thread(drain_and_flush(engine, stream)):
+        text += delta
+        yield CompletionResponse(text=text, delta=delta)
+
+
+def drain_and_flush(engine: CacheBlendEngine, stream: GenerationStream) -> Iterator[str]:
+    """Yield ``stream``'s deltas, then wait for the engine's background KV write-backs so the
+    next query finds the chunks this one computed."""
+    yield from stream
+    engine.flush()
+

@@ -1,0 +1,125 @@
+"""CacheBlendQueryEngine: retriever -> (postprocessors) -> CacheBlendSynthesizer."""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+from cacheblend_rag import CacheBlendEngine
+from cacheblend_rag.prompt import validate_question
+from llama_index.core.base.base_retriever import BaseRetriever
+from llama_index.core.base.response.schema import RESPONSE_TYPE
+from llama_index.core.callbacks.base import CallbackManager
+from llama_index.core.postprocessor.types import BaseNodePostprocessor
+from llama_index.core.query_engine import RetrieverQueryEngine
+from llama_index.core.schema import MetadataMode, QueryBundle
+from llama_index.core.settings import Settings
+
+from .llm import CacheBlendLLM
+from .nodes import DEFAULT_METADATA_MODE
+from .precompute import precompute_index
+from .synthesizer import CacheBlendSynthesizer
+
+
+def default_engine() -> CacheBlendEngine:
+    """The engine of ``Settings.llm`` when that is a CacheBlendLLM, else the bundled model."""
+    # Settings._llm, not Settings.llm: the property would resolve (and try OpenAI) when unset.
+    llm = getattr(Settings, "_llm", None)
+    if isinstance(llm, CacheBlendLLM):
+        return llm.engine
+    return CacheBlendEngine.from_pretrained()
+
+
+class CacheBlendQueryEngine(RetrieverQueryEngine):
+    """A ``RetrieverQueryEngine`` whose synthesizer is always a :class:`CacheBlendSynthesizer`.
+
+    ``query("")`` raises ValueError before anything is retrieved.
+    """
+
+    def __init__(
+        self,
+        retriever: BaseRetriever,
+        response_synthesizer: CacheBlendSynthesizer,
+        node_postprocessors: Optional[List[BaseNodePostprocessor]] = None,
+        callback_manager: Optional[CallbackManager] = None,
+    ) -> None:
+        if not isinstance(response_synthesizer, CacheBlendSynthesizer):
+            raise TypeError(
+                "CacheBlendQueryEngine needs a CacheBlendSynthesizer (other synthesizers repack "
+                f"the nodes and lose the chunk caches), got {type(response_synthesizer).__name__}"
+            )
+        super().__init__(retriever, response_synthesizer, node_postprocessors, callback_manager)
+
+    @classmethod
+    def from_index(
+        cls,
+        index: Any,
+        engine: Optional[CacheBlendEngine] = None,
+        similarity_top_k: int = 6,
+        precompute: bool = True,
+        streaming: bool = False,
+        *,
+        metadata_mode: MetadataMode = DEFAULT_METADATA_MODE,
+        node_postprocessors: Optional[List[BaseNodePostprocessor]] = None,
+        show_progress: bool = True,
+        **gen: Any,
+    ) -> "CacheBlendQueryEngine":
+        """Query ``index`` with CacheBlend in one line.
+
+        engine: default ``Settings.llm``'s engine when that is a CacheBlendLLM, else the bundled model.
+        similarity_top_k: nodes retrieved per query, each one a cached chunk.
+        precompute: store the KV of every node in the index now (``precompute_index``), so even
+            the first query reuses caches. Without it a chunk is computed (and stored) the first
+            time it is retrieved.
+        **gen: CacheBlendLLM fields: mode ("cacheblend"), recompute_ratio (engine default 0.15),
+            max_new_tokens (128), temperature (0.0), top_p, top_k, seed.
+        """
+        llm = CacheBlendLLM(engine=engine if engine is not None else default_engine(), **gen)
+        if precompute:
+            precompute_index(index, llm.engine, progress=show_progress, metadata_mode=metadata_mode)
+        return cls(
+            retriever=index.as_retriever(similarity_top_k=similarity_top_k),
+            response_synthesizer=CacheBlendSynthesizer(llm=llm, streaming=streaming, metadata_mode=metadata_mode),
+            node_postprocessors=node_postprocessors,
+        )
+
+    @classmethod
+    def from_args(  # type: ignore[override]
+        cls,
+        retriever: BaseRetriever,
+        llm: Optional[CacheBlendLLM] = None,
+        node_postprocessors: Optional[List[BaseNodePostprocessor]] = None,
+        callback_manager: Optional[CallbackManager] = None,
+        streaming: bool = False,
+        metadata_mode: MetadataMode = DEFAULT_METADATA_MODE,
+        **gen: Any,
+    ) -> "CacheBlendQueryEngine":
+        """Like ``RetrieverQueryEngine.from_args`` but always with a CacheBlendSynthesizer."""
+        if llm is None:
+            llm = CacheBlendLLM(engine=default_engine(), **gen)
+            gen = {}
+        synth = CacheBlendSynthesizer(llm=llm, streaming=streaming, metadata_mode=metadata_mode, **gen)
+        return cls(retriever, synth, node_postprocessors, callback_manager)
+
+    @property
+    def synthesizer(self) -> CacheBlendSynthesizer:
+        return self._response_synthesizer  # type: ignore[return-value]
+
+    @property
+    def llm(self) -> CacheBlendLLM:
+        return self.synthesizer.llm
+
+    @property
+    def engine(self) -> CacheBlendEngine:
+        return self.llm.engine
+
+    def with_retriever(self, retriever: BaseRetriever) -> "CacheBlendQueryEngine":
+        return type(self)(retriever, self.synthesizer, self._node_postprocessors, self.callback_manager)
+
+    # Check the question before the retriever embeds it, so an empty one fails clearly and cheaply.
+    def _query(self, query_bundle: QueryBundle) -> RESPONSE_TYPE:
+        validate_question(query_bundle.query_str)
+        return super()._query(query_bundle)
+
+    async def _aquery(self, query_bundle: QueryBundle) -> RESPONSE_TYPE:
+        validate_question(query_bundle.query_str)
+        return await super()._aquery(query_bundle)

