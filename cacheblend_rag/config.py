@@ -18,6 +18,8 @@ class BlendConfig:
     criterion: how a recomputed token's KV deviation is scored on a check layer; one of
         ``cacheblend_rag.selector.CRITERIA`` ("value" is the paper's, "key" is LMCache's,
         "query_value" weights the value deviation by the question's attention) or a callable.
+        Default "query_value": on MuSiQue with the bundled model it was closer to full prefill
+        than the paper's "value" on every question measured (docs/engine.md, "Fidelity").
     filter_layers: gradual filtering (paper 4.3, Fig. 9): layers 0 and 1 recompute every
         non-exact context token, then layers 1..filter_layers each keep a geometrically smaller
         subset of the tokens they recomputed, reaching ``recompute_ratio`` after the last of them.
@@ -31,7 +33,7 @@ class BlendConfig:
     """
 
     recompute_ratio: float = 0.15
-    criterion: Union[str, Callable] = "value"
+    criterion: Union[str, Callable] = "query_value"
     filter_layers: int = 3
     schedule: tuple[tuple[int, float], ...] | None = None
     boundary_tokens: int = 0
