@@ -91,14 +91,30 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "top_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__} {self.seed!r}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables top-k sampling)")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif isinstance(self.stop, list):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) for s in self.stop):
+            raise TypeError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
 
 
 def check_mode(mode: str) -> str:

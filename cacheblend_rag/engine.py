@@ -441,7 +441,7 @@ class CacheBlendEngine:
         """Iterate over the answer's text deltas; ``.result`` holds the full result afterwards."""
         t0 = time.perf_counter()
         check_mode(mode)
-        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, tuple([stop] if isinstance(stop, str) else stop or ()), seed)
+        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, stop or (), seed)
         layout = self.build_layout(question, chunks)
         self._check_fits(len(layout), "the prompt (instruction + chunks + question)", reserve=max_new_tokens)
         config = (config or self.config).with_ratio(recompute_ratio)

@@ -214,6 +214,10 @@ def test_pipelined_loading_is_bit_identical(engine):
         (Q, CHUNKS, {"mode": "fast"}, ValueError, "unknown mode 'fast'"),
         (Q, CHUNKS, {"recompute_ratio": 1.5}, ValueError, "recompute_ratio=1.5"),
         (Q, CHUNKS, {"max_new_tokens": 0}, ValueError, "max_new_tokens=0"),
+        (Q, CHUNKS, {"max_new_tokens": "5"}, TypeError, "max_new_tokens must be an int"),
+        (Q, CHUNKS, {"stop": 5}, TypeError, "stop must be a string or a list of strings"),
+        (Q, CHUNKS, {"top_k": -1}, ValueError, "top_k=-1 must be >= 0"),
+        (Q, CHUNKS, {"seed": "x"}, TypeError, "seed must be an int"),
         (Q, ["word " * 900], {}, ValueError, "more than the model's context window"),
     ],
 )
