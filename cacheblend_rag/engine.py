@@ -385,12 +385,12 @@ class CacheBlendEngine:
         stats = self._stats(mode, layout, hits, misses, out.stats.recomputed_per_layer)
         total_load = sum(loader.load_s_per_layer)
         exposed = out.stats.load_s_per_layer  # time the fusor waited for each layer's K/V
-        overlapped = loader._pool is not None
+        overlapped = loader.pipelined
         stats.update(
             miss_compute_s=miss_s,
             load_s=total_load,
             load_exposed_s=out.stats.load_s,
-            load_hidden_s=max(0.0, total_load - out.stats.load_s) if loader._pool else 0.0,
+            load_hidden_s=max(0.0, total_load - out.stats.load_s) if overlapped else 0.0,
             compute_s=out.stats.compute_s,
             load_s_per_layer=list(loader.load_s_per_layer),
             load_exposed_s_per_layer=list(exposed),

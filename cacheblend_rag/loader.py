@@ -55,6 +55,7 @@ class LayerAssembler:
         self.shape, self.dtype, self.device = shape, dtype, device
         self.rotary_emb, self.num_layers = rotary_emb, num_layers
         self.load_s_per_layer = [0.0] * num_layers  # time spent loading, hidden or not
+        self.pipelined = pipelined
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="cacheblend-load") if pipelined else None
         self._pending: dict[int, Future] = {}
         self._rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
