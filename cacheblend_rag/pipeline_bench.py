@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from .controller import LoadingController
     from .engine import CacheBlendEngine
     from .kv_store import KVStore
-    from .profile import measure_tier, profile_engine
+    from .profile import profile_engine
     from .tiers import MemoryTier, ThrottledStore, resolve_dtype
 
     torch.manual_seed(0)

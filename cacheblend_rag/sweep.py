@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
