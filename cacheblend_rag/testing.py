@@ -16,6 +16,15 @@ CORPUS = [
     "Question: Answer: Documents: who what where when why how many years old",
     "You are a helpful assistant. Answer the question using the documents.",
 ]
+# A question whose answer needs two facts of one chunk, over chunks that share no prefix: the
+# fixture the engine and pipeline tests compare modes on.
+SAMPLE_CHUNKS = [
+    "The Eiffel Tower is in Paris, the capital of France.",
+    "Marie Curie won two Nobel prizes, in physics and in chemistry.",
+    "The river Thames flows through London and Oxford.",
+    "Alice was born in 1980 and Bob is thirteen years older than Alice.",
+]
+SAMPLE_QUESTION = "How many years older is Bob than Alice?"
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

@@ -8,14 +8,10 @@ import torch
 from cacheblend_rag import BlendConfig
 from cacheblend_rag.fusor import causal_mask
 from cacheblend_rag.rope import shift_keys
+from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION
 
-CHUNKS = [
-    "The Eiffel Tower is in Paris, the capital of France.",
-    "Marie Curie won two Nobel prizes, in physics and in chemistry.",
-    "The river Thames flows through London and Oxford.",
-    "Alice was born in 1980 and Bob is thirteen years older than Alice.",
-]
-Q = "How many years older is Bob than Alice?"
+CHUNKS = SAMPLE_CHUNKS
+Q = SAMPLE_QUESTION
 
 
 def _kv(cache, layer):

@@ -9,16 +9,11 @@ import torch
 
 from cacheblend_rag import CacheBlendEngine
 from cacheblend_rag.kv_store import KVStore
-from cacheblend_rag.testing import make_model
+from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_model
 from cacheblend_rag.tiers import MemoryTier, ThrottledStore, Tier, TieredStore
 
-CHUNKS = [
-    "The Eiffel Tower is in Paris, the capital of France.",
-    "Marie Curie won two Nobel prizes, in physics and in chemistry.",
-    "The river Thames flows through London and Oxford.",
-    "Alice was born in 1980 and Bob is thirteen years older than Alice.",
-]
-Q = "How many years older is Bob than Alice?"
+CHUNKS = SAMPLE_CHUNKS
+Q = SAMPLE_QUESTION
 RATE = 1e6  # bytes/s: a few ms per layer read of the tiny model, so loads take real time
 
 
