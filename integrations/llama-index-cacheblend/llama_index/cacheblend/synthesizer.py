@@ -103,13 +103,19 @@ class CacheBlendSynthesizer(BaseSynthesizer):
         return "".join([d async for d in agen])
 
     # ------------------------------------------------------------------ node-level API
-    def _prepare(self, query: QueryTextType, nodes: List[NodeWithScore]) -> tuple[str, list[str]]:
+    def _prepare(
+        self,
+        query: QueryTextType,
+        nodes: List[NodeWithScore],
+        additional_source_nodes: Optional[Sequence[NodeWithScore]],
+    ) -> tuple[str, list[str], list[NodeWithScore], Dict[str, Any]]:
+        """The question, the chunks, the source nodes and the response metadata of one request."""
         query_str = query.query_str if isinstance(query, QueryBundle) else query
         validate_question(query_str)
-        return query_str, node_chunks(self.llm.engine, nodes, self._metadata_mode)
-
-    def _metadata(self, source_nodes: List[NodeWithScore]) -> Dict[str, Any]:
-        return dict(self._get_metadata_for_response([n.node for n in source_nodes]) or {})
+        chunks = node_chunks(self.llm.engine, nodes, self._metadata_mode)
+        source_nodes = list(nodes) + list(additional_source_nodes or [])
+        metadata = dict(self._get_metadata_for_response([n.node for n in source_nodes]) or {})
+        return query_str, chunks, source_nodes, metadata
 
     @dispatcher.span
     def synthesize(
@@ -120,9 +126,7 @@ class CacheBlendSynthesizer(BaseSynthesizer):
         **response_kwargs: Any,
     ) -> RESPONSE_TYPE:
         dispatcher.event(SynthesizeStartEvent(query=query))
-        query_str, chunks = self._prepare(query, nodes)
-        source_nodes = list(nodes) + list(additional_source_nodes or [])
-        metadata = self._metadata(source_nodes)
+        query_str, chunks, source_nodes, metadata = self._prepare(query, nodes, additional_source_nodes)
         with self._callback_manager.event(CBEventType.SYNTHESIZE, payload={EventPayload.QUERY_STR: query_str}) as event:
             stream = self.llm.stream_chunks(query_str, chunks, **response_kwargs)
             deltas = drain_and_flush(self.llm.engine, stream)
@@ -148,9 +152,7 @@ class CacheBlendSynthesizer(BaseSynthesizer):
         **response_kwargs: Any,
     ) -> RESPONSE_TYPE:
         dispatcher.event(SynthesizeStartEvent(query=query))
-        query_str, chunks = self._prepare(query, nodes)
-        source_nodes = list(nodes) + list(additional_source_nodes or [])
-        metadata = self._metadata(source_nodes)
+        query_str, chunks, source_nodes, metadata = self._prepare(query, nodes, additional_source_nodes)
         with self._callback_manager.event(CBEventType.SYNTHESIZE, payload={EventPayload.QUERY_STR: query_str}) as event:
             stream = self.llm.stream_chunks(query_str, chunks, **response_kwargs)
             deltas = iterate_in_thread(drain_and_flush(self.llm.engine, stream))
