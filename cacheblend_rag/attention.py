@@ -14,14 +14,24 @@ ATTN_IMPLEMENTATION = "cacheblend_sdpa"
 PROBE_KWARG = "cacheblend_probe"
 
 
-class AttentionProbe:
-    """Records the mean attention of the last ``num_queries`` query rows over all keys."""
+class StopAfterProjection(Exception):
+    """Raised by the attention function for a capture pass, once K/V are in the cache."""
 
-    def __init__(self, num_queries: int):
-        self.num_queries = num_queries
+
+class AttentionProbe:
+    """Records the mean attention of the last ``num_queries`` query rows over all keys.
+
+    ``stop=True`` makes the attention function raise ``StopAfterProjection`` after observing: the
+    fusor's capture pass needs a layer's fresh K/V (and this probe), not its output.
+    """
+
+    def __init__(self, num_queries: int, stop: bool = False):
+        self.num_queries, self.stop = num_queries, stop
         self.weights: torch.Tensor | None = None  # [kv_len]
 
     def observe(self, module, query, key, attention_mask, scaling) -> None:
+        if self.num_queries == 0:
+            return
         q = query[:, :, -self.num_queries :].float()  # [b, heads, nq, d]
         k = key.float()
         groups = q.shape[1] // k.shape[1]
@@ -38,6 +48,8 @@ def blend_attention_forward(module, query, key, value, attention_mask, **kwargs)
     probe = kwargs.pop(PROBE_KWARG, None)
     if probe is not None:
         probe.observe(module, query, key, attention_mask, kwargs.get("scaling"))
+        if probe.stop:
+            raise StopAfterProjection
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 

@@ -6,35 +6,104 @@ i while layer i+1's K/V is loading, recompute that takes no longer than the load
 * ratio for a request = max(quality floor r*, the r at which recompute delay equals load delay);
 * for a ratio and a context length, the cheapest tier whose load the recompute still hides.
 
-Estimators (as in the paper, deliberately simple; both can be replaced by callables):
+Estimators (the paper's shape, deliberately simple; each can be replaced by a callable):
 
-* recompute delay(r, n) = r x profiled full-prefill time of n context tokens (all layers);
-* load delay(tier, n)   = KV bytes per token (as stored on the tier) x n / tier read throughput.
+* recompute delay(r, n) = (fixed + per_ratio x r) x profiled full-prefill time of n context tokens,
+  with ``fixed`` and ``per_ratio`` fitted to the fused prefill measured at a few ratios
+  (``FusedCost``, ``cacheblend-rag profile``). A profile without that calibration falls back to the
+  paper's r x full-prefill time (fixed 0, per_ratio 1), which under-predicts the fused path: it
+  recomputes every candidate token on the first layers (gradual filtering), pays per-layer
+  overheads (selection, masks, scatter) whatever r is, and each recomputed token attends over the
+  whole prompt through an explicit mask, so it costs more than an average full-prefill token.
+* load delay(tier, n) = KV bytes per token (as stored on the tier) x n / tier read throughput.
+* contention(tier, n) = cpu_contention x the loader's CPU seconds for n tokens from the tier
+  (measured: the tier read's CPU time per byte plus the layer assembly's per token). On a CPU
+  device the loader thread and the recompute share the cores, so the recompute runs that much
+  longer while the load is in flight; the pipelined time is about
+  max(recompute(r) + contention, load), and a larger ratio is free only while
+  recompute(r) <= load - contention. ``cpu_contention`` defaults to 1 on a CPU profile (every
+  CPU-second of loader work delays the compute by a second: torch's intra-op parallel regions wait
+  for their slowest thread) and 0 on an accelerator (the loader runs on the host).
 
-Comparing totals is the same as comparing per layer: both are spread evenly over the layers.
+Totals are compared, not layers: the fitted fixed part (first layers recomputed in full) is
+charged against the load too, which errs on the side of a smaller ratio.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
-__all__ = ["Decision", "DeviceProfile", "LoadingController", "TierProfile"]
+__all__ = ["Decision", "DeviceProfile", "FusedCost", "LoadingController", "TierProfile"]
 
-PROFILE_VERSION = 1
+log = logging.getLogger("cacheblend_rag.controller")
+
+# 2 added FusedCost, assemble_s_per_token and TierProfile.cpu_s_per_byte; version 1 files still load
+# (without them the controller uses the paper's uncalibrated estimator and no CPU contention).
+PROFILE_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 @dataclass
 class TierProfile:
     """read_bytes_per_s: measured layer-read throughput. cost_per_byte: relative storage price.
-    element_bytes: bytes per stored K/V element on this tier (4 fp32, 2 fp16/bf16)."""
+    element_bytes: bytes per stored K/V element on this tier (4 fp32, 2 fp16/bf16).
+    cpu_s_per_byte: CPU seconds the read itself burns per byte (decode, checksum, copies; not the
+    time it waits on I/O or a throttle). None: not measured (older profiles)."""
 
     read_bytes_per_s: float
     cost_per_byte: float = 1.0
     element_bytes: int = 4
+    cpu_s_per_byte: float | None = None
+
+
+@dataclass
+class FusedCost:
+    """Calibrated time of the CacheBlend fused prefill, as a share of a full prefill of the same
+    context: fused(r, n) = (fixed + per_ratio x r) x full prefill(n). The paper's estimator is
+    fixed = 0, per_ratio = 1.
+
+    points: the measurements it was fitted to, (context tokens, ratio, seconds, full-prefill
+    seconds of that context from the profile).
+    """
+
+    fixed: float
+    per_ratio: float
+    points: list[tuple[int, float, float, float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.points = [(int(n), float(r), float(s), float(f)) for n, r, s, f in self.points]
+        if not (math.isfinite(self.fixed) and math.isfinite(self.per_ratio)) or self.fixed < 0 or self.per_ratio <= 0:
+            raise ValueError(f"fused cost needs fixed >= 0 and per_ratio > 0 (recompute grows with r), got {self.fixed}, {self.per_ratio}")
+
+    def share(self, ratio: float) -> float:
+        """Fused prefill time at ``ratio`` as a fraction of a full prefill."""
+        return self.fixed + self.per_ratio * ratio
+
+    @classmethod
+    def fit(cls, points: Sequence[tuple[int, float, float]], prefill_s: Callable[[int], float]) -> "FusedCost":
+        """Least-squares line through (ratio, seconds / prefill_s(tokens)) for measured
+        ``(context tokens, ratio, seconds)``; the intercept is clamped at 0 (then the slope is refitted
+        through the origin). Raises ValueError unless there are two distinct ratios and the time grows
+        with the ratio."""
+        rows = [(int(n), float(r), float(s), float(prefill_s(int(n)))) for n, r, s in points]
+        rows = [row for row in rows if row[3] > 0]
+        xs = [r for _, r, _, _ in rows]
+        ys = [s / f for _, _, s, f in rows]
+        if len(set(xs)) < 2:
+            raise ValueError(f"fitting the fused cost needs two distinct ratios, got {sorted(set(xs))}")
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        fixed = my - slope * mx
+        if fixed < 0:
+            fixed, slope = 0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+        if slope <= 0:
+            raise ValueError(f"measured fused time does not grow with the ratio ({list(zip(xs, ys))}); measure again on a quieter machine")
+        return cls(fixed=fixed, per_ratio=slope, points=rows)
 
 
 @dataclass
@@ -43,6 +112,9 @@ class DeviceProfile:
 
     prefill_points: (context tokens, seconds of a full prefill over all layers), ascending.
     kv_values_per_token: K and V elements per token over all layers (2 x layers x kv_heads x head_dim).
+    fused: calibrated fused-prefill cost (None: not measured; the paper's estimator is used).
+    assemble_s_per_token: loader CPU seconds per loaded token beyond the tier read (cast, RoPE
+    re-rotation, layout copy over all layers; None: not measured).
     """
 
     model_id: str
@@ -54,6 +126,8 @@ class DeviceProfile:
     prefill_points: list[tuple[int, float]]
     tiers: dict[str, TierProfile] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)  # torch threads, date, lengths...
+    fused: FusedCost | None = None
+    assemble_s_per_token: float | None = None
     version: int = PROFILE_VERSION
 
     def __post_init__(self) -> None:
@@ -61,6 +135,13 @@ class DeviceProfile:
         if not self.prefill_points or any(n <= 0 or s < 0 for n, s in self.prefill_points):
             raise ValueError(f"prefill_points must be (tokens > 0, seconds >= 0) pairs, got {self.prefill_points}")
         self.tiers = {k: v if isinstance(v, TierProfile) else TierProfile(**v) for k, v in self.tiers.items()}
+        if self.fused is not None and not isinstance(self.fused, FusedCost):
+            self.fused = FusedCost(**self.fused)
+
+    @property
+    def is_cpu(self) -> bool:
+        """Measured on a CPU (device tag ``cpu-<threads>t``): loader and compute share the cores."""
+        return self.device.split("-", 1)[0] == "cpu"
 
     def prefill_s(self, tokens: int) -> float:
         """Full prefill time of ``tokens`` tokens: piecewise linear through (0, 0) and the measured
@@ -80,6 +161,15 @@ class DeviceProfile:
     def kv_bytes(self, tokens: int, tier: str) -> int:
         return self.kv_values_per_token * self.tiers[tier].element_bytes * tokens
 
+    def loader_cpu_s(self, tier: str, tokens: int) -> float:
+        """CPU seconds the loader burns bringing ``tokens`` tokens from ``tier`` (read + assembly);
+        parts not measured (older profiles, a tier not profiled) count 0."""
+        cpu = (self.assemble_s_per_token or 0.0) * tokens
+        t = self.tiers.get(tier)
+        if t is not None and t.cpu_s_per_byte:
+            cpu += t.cpu_s_per_byte * self.kv_bytes(tokens, tier)
+        return cpu
+
     # persistence ----------------------------------------------------------------------------
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -87,8 +177,10 @@ class DeviceProfile:
     @classmethod
     def from_json(cls, text: str) -> "DeviceProfile":
         data = json.loads(text)
-        if data.get("version") != PROFILE_VERSION:
-            raise ValueError(f"profile version {data.get('version')} is not {PROFILE_VERSION}; re-run `cacheblend-rag profile`")
+        if data.get("version") not in READABLE_VERSIONS:
+            raise ValueError(
+                f"profile version {data.get('version')} is not one of {READABLE_VERSIONS}; re-run `cacheblend-rag profile --force`"
+            )
         data["prefill_points"] = [tuple(p) for p in data["prefill_points"]]
         return cls(**data)
 
@@ -114,8 +206,9 @@ class Decision:
     context_tokens: int
     loaded_tokens: int
     est_load_s: float
-    est_recompute_s: float  # at ``ratio``
+    est_recompute_s: float  # at ``ratio`` (calibrated when the profile has a fused-cost fit)
     cheapest_tier: str | None  # cheapest tier that would still hide its load at ``ratio``
+    est_contention_s: float = 0.0  # recompute slowdown from the loader sharing the cores (CPU)
 
     def as_stats(self) -> dict[str, Any]:
         return {
@@ -124,6 +217,7 @@ class Decision:
             "controller_equal_delay_ratio": self.equal_delay_ratio,
             "controller_est_load_s": self.est_load_s,
             "controller_est_recompute_s": self.est_recompute_s,
+            "controller_est_contention_s": self.est_contention_s,
             "controller_cheapest_tier": self.cheapest_tier,
         }
 
@@ -137,7 +231,10 @@ class LoadingController:
 
     quality_floor: r*, the smallest ratio that keeps quality (paper: 0.15).
     max_ratio: the ratio never exceeds this (1.0 = full recompute of the context).
-    recompute_delay / load_delay: replace the paper's estimators (see module docstring).
+    recompute_delay / load_delay: replace the estimators (see module docstring).
+    cpu_contention: seconds of recompute slowdown per CPU-second of loader work while the load is in
+        flight. None: 1.0 on a CPU profile, 0.0 otherwise. 0 turns the CPU rule off.
+    loader_cpu: replaces the loader CPU estimate, (tier, tokens loaded) -> CPU seconds.
     default_tier: the tier name used for a plain store that does not name itself.
     """
 
@@ -149,20 +246,34 @@ class LoadingController:
         max_ratio: float = 1.0,
         recompute_delay: RecomputeEstimator | None = None,
         load_delay: LoadEstimator | None = None,
+        cpu_contention: float | None = None,
+        loader_cpu: LoadEstimator | None = None,
         default_tier: str = "disk",
     ) -> None:
         if not 0.0 <= quality_floor <= max_ratio <= 1.0:
             raise ValueError(f"need 0 <= quality_floor ({quality_floor}) <= max_ratio ({max_ratio}) <= 1")
+        if cpu_contention is None:
+            cpu_contention = 1.0 if profile.is_cpu else 0.0
+        if not (math.isfinite(cpu_contention) and cpu_contention >= 0):
+            raise ValueError(f"cpu_contention={cpu_contention} must be a finite number >= 0")
         self.profile = profile
         self.quality_floor, self.max_ratio = quality_floor, max_ratio
-        self._recompute_delay, self._load_delay = recompute_delay, load_delay
+        self._recompute_delay, self._load_delay, self._loader_cpu = recompute_delay, load_delay, loader_cpu
+        self.cpu_contention = float(cpu_contention)
         self.default_tier = default_tier
+
+    @property
+    def calibrated(self) -> bool:
+        """True when recompute delays come from the profile's measured fused cost."""
+        return self._recompute_delay is None and self.profile.fused is not None
 
     # estimators -----------------------------------------------------------------------------
     def recompute_delay(self, ratio: float, tokens: int) -> float:
         if self._recompute_delay is not None:
             return float(self._recompute_delay(ratio, tokens))
-        return ratio * self.profile.prefill_s(tokens)
+        fused = self.profile.fused
+        share = ratio if fused is None else fused.share(ratio)
+        return share * self.profile.prefill_s(tokens)
 
     def load_delay(self, tier: str, tokens: int) -> float:
         if self._load_delay is not None:
@@ -171,15 +282,29 @@ class LoadingController:
             raise KeyError(f"tier {tier!r} is not in the profile (has {sorted(self.profile.tiers)}); profile it or pass load_delay")
         return self.profile.kv_bytes(tokens, tier) / self.profile.tiers[tier].read_bytes_per_s
 
+    def contention_delay(self, tier: str, tokens: int) -> float:
+        """How much longer the recompute runs because the loader brings ``tokens`` tokens from
+        ``tier`` on the same cores: cpu_contention x the loader's CPU seconds (0 off-CPU)."""
+        if self.cpu_contention == 0.0 or tokens <= 0:
+            return 0.0
+        cpu = self._loader_cpu(tier, tokens) if self._loader_cpu is not None else self.profile.loader_cpu_s(tier, tokens)
+        return self.cpu_contention * float(cpu)
+
     # decisions ------------------------------------------------------------------------------
     def equal_delay_ratio(self, context_tokens: int, load_s: float) -> float:
-        """The r with recompute_delay(r, n) == load_s; above 1 when even a full recompute of the
-        context is faster than the load."""
+        """The r >= 0 with recompute_delay(r, n) == load_s (0 when even r = 0 takes longer: the
+        calibrated fixed part); above 1 when even a full recompute of the context is faster."""
+        if self._recompute_delay is None:  # linear in r: solve directly
+            full = self.profile.prefill_s(context_tokens)
+            if full <= 0:
+                return math.inf if load_s > 0 else 0.0
+            fused = self.profile.fused
+            if fused is None:
+                return load_s / full  # the paper's estimator
+            return max(0.0, (load_s / full - fused.fixed) / fused.per_ratio)
         full = self.recompute_delay(1.0, context_tokens)
         if full <= 0:
             return math.inf if load_s > 0 else 0.0
-        if self._recompute_delay is None:
-            return load_s / full  # the paper's estimator is linear in r
         if full <= load_s:
             return load_s / full  # beyond 1: any ratio hides; report how far (linear guess)
         lo, hi = 0.0, 1.0  # a custom estimator: assume only that it grows with r
@@ -188,18 +313,33 @@ class LoadingController:
             lo, hi = (mid, hi) if self.recompute_delay(mid, context_tokens) <= load_s else (lo, mid)
         return lo
 
-    def ratio_for(self, context_tokens: int, tier: str | None = None, *, load_s: float | None = None) -> float:
-        """max(floor, equal-delay ratio), capped at ``max_ratio``. Give the tier all the context is
-        loaded from, or the estimated ``load_s`` directly."""
-        if load_s is None:
-            load_s = 0.0 if tier is None else self.load_delay(tier, context_tokens)
-        r = self.equal_delay_ratio(context_tokens, load_s)
+    def hiding_budget(self, load_s: float, contention_s: float = 0.0) -> float:
+        """Recompute time the load can hide: load_s - contention_s (never negative)."""
+        return max(0.0, load_s - contention_s)
+
+    def _clamp(self, r: float) -> float:
         return min(self.max_ratio, max(self.quality_floor, r))
 
+    def ratio_for(
+        self, context_tokens: int, tier: str | None = None, *, load_s: float | None = None, contention_s: float | None = None
+    ) -> float:
+        """max(floor, equal-delay ratio), capped at ``max_ratio``. Give the tier all the context is
+        loaded from, or the estimated ``load_s`` (and ``contention_s``, default that of the tier,
+        or 0 without one) directly."""
+        if load_s is None:
+            load_s = 0.0 if tier is None else self.load_delay(tier, context_tokens)
+        if contention_s is None:
+            contention_s = 0.0 if tier is None else self.contention_delay(tier, context_tokens)
+        return self._clamp(self.equal_delay_ratio(context_tokens, self.hiding_budget(load_s, contention_s)))
+
     def tiers_that_hide(self, ratio: float, context_tokens: int) -> list[str]:
-        """Tiers whose load of ``context_tokens`` takes no longer than recomputing ``ratio`` of them."""
+        """Tiers whose load of ``context_tokens`` (less its CPU contention) takes no longer than
+        recomputing ``ratio`` of them."""
         budget = self.recompute_delay(ratio, context_tokens)
-        return [t for t in self.profile.tiers if self.load_delay(t, context_tokens) <= budget]
+        return [
+            t for t in self.profile.tiers
+            if self.load_delay(t, context_tokens) - self.contention_delay(t, context_tokens) <= budget
+        ]
 
     def cheapest_tier(self, ratio: float, context_tokens: int) -> str | None:
         """Cheapest (then fastest) tier on which recompute at ``ratio`` still hides the load; None if
@@ -210,10 +350,12 @@ class LoadingController:
 
     def decide(self, context_tokens: int, loads: Mapping[str, int]) -> Decision:
         """``loads``: tokens read from each tier for this request (chunks computed now read nothing)."""
-        load_s = sum(self.load_delay(t, n) for t, n in loads.items() if n > 0)
-        eq = self.equal_delay_ratio(context_tokens, load_s)
-        ratio = min(self.max_ratio, max(self.quality_floor, eq))
-        main = max((t for t, n in loads.items() if n > 0), key=lambda t: loads[t], default=None)
+        active = {t: n for t, n in loads.items() if n > 0}
+        load_s = sum(self.load_delay(t, n) for t, n in active.items())
+        contention_s = sum(self.contention_delay(t, n) for t, n in active.items())
+        eq = self.equal_delay_ratio(context_tokens, self.hiding_budget(load_s, contention_s))
+        ratio = self._clamp(eq)
+        main = max(active, key=lambda t: active[t], default=None)
         return Decision(
             ratio=ratio,
             floor=self.quality_floor,
@@ -224,6 +366,7 @@ class LoadingController:
             est_load_s=load_s,
             est_recompute_s=self.recompute_delay(ratio, context_tokens),
             cheapest_tier=self.cheapest_tier(ratio, context_tokens) if self.profile.tiers else None,
+            est_contention_s=contention_s,
         )
 
     def decide_for(self, engine, layout) -> Decision:
@@ -245,13 +388,23 @@ class LoadingController:
     def for_engine(cls, engine, path: str | Path | None = None, *, measure: bool = True, **kwargs: Any) -> "LoadingController":
         """Controller from the saved profile of ``engine``'s model on its device (measured and saved
         first when missing and ``measure``)."""
-        from .profile import default_profile_path, profile_engine
+        from .profile import default_profile_path, fused_code_matches, profile_engine
 
         path = Path(path) if path is not None else default_profile_path(engine)
         if path.is_file():
             profile = DeviceProfile.load(path)
             if profile.fingerprint != engine.fingerprint:
                 raise ValueError(f"profile {path} was measured for another model ({profile.model_id}); re-run `cacheblend-rag profile`")
+            if profile.fused is None:
+                log.warning(
+                    "profile %s has no fused-cost calibration (measured by an older version): using the "
+                    "uncalibrated estimator, which under-predicts recompute; run `cacheblend-rag profile --force`", path,
+                )
+            elif not fused_code_matches(profile):
+                log.warning(
+                    "profile %s calibrated the fused prefill with other fusor/loader code; its recompute estimates may "
+                    "be off: run `cacheblend-rag profile --force`", path,
+                )
         elif measure:
             profile = profile_engine(engine)
             profile.save(path)

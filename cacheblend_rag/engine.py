@@ -381,7 +381,7 @@ class CacheBlendEngine:
         finally:
             loader.close()
         cache = _cache_from(list(zip(out.keys, out.values)))
-        stats = self._stats(mode, layout, hits, misses, out.stats.recomputed_per_layer)
+        stats = self._stats(mode, layout, hits, misses, out.stats.recomputed_per_layer, out.stats.computed_per_layer)
         total_load = sum(loader.load_s_per_layer)
         exposed = out.stats.load_s_per_layer  # time the fusor waited for each layer's K/V
         overlapped = loader.pipelined
@@ -402,8 +402,11 @@ class CacheBlendEngine:
             stats.update(criterion=getattr(config.criterion, "__name__", config.criterion), recompute_ratio=config.recompute_ratio)
         return PrefillResult(cache, out.logits, layout, stats, out.selected)
 
-    def _stats(self, mode: str, layout: PromptLayout, hits: int, misses: int, recomputed: list[int]) -> dict[str, Any]:
+    def _stats(
+        self, mode: str, layout: PromptLayout, hits: int, misses: int, recomputed: list[int], computed: list[int] | None = None
+    ) -> dict[str, Any]:
         total = len(layout) * self.num_layers
+        computed = recomputed if computed is None else computed
         return {
             "mode": mode,
             "prompt_tokens": len(layout),
@@ -413,6 +416,10 @@ class CacheBlendEngine:
             "chunk_misses": misses,
             "recomputed_per_layer": recomputed,
             "recompute_fraction": sum(recomputed) / total if total else 0.0,
+            # Token-layers through attention and the MLP; on check layers the tokens dropped
+            # there get fresh K/V from a projection-only pass (fusor.py), so this can be smaller.
+            "computed_per_layer": computed,
+            "compute_fraction": sum(computed) / total if total else 0.0,
         }
 
     # ------------------------------------------------------------------ answering

@@ -4,9 +4,10 @@ On each layer the selected tokens' hidden states go through transformers' own de
 their real positions and an exact causal mask. The layer's cache is a ``ScatterKV`` that writes their
 fresh K/V into the loaded (reused) K/V at their positions and hands the full K/V to attention, so a
 selected token attends to every earlier token, reused or fresh, and to no later one. On check
-layers the fresh-vs-cached deviation ranks the tokens and the next layer keeps only the top ones
-(gradual filtering): a token recomputed on layer i+1 was recomputed on layer i, so its input hidden
-state exists.
+layers the fresh-vs-cached deviation ranks the tokens and only the top ones go on (gradual
+filtering): a token recomputed on layer i+1 was recomputed on layer i, so its input hidden state
+exists. A check layer first runs a projection-only capture pass over the current tokens (their K/V
+are all refreshed and scored), then the full layer over the kept ones.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from .attention import PROBE_KWARG, AttentionProbe
+from .attention import PROBE_KWARG, AttentionProbe, StopAfterProjection
 from .selector import Criterion, Deviation, top_k
 
 LayerLoader = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
@@ -53,7 +54,8 @@ class FusionPlan:
 
 @dataclass
 class FusionStats:
-    recomputed_per_layer: list[int] = field(default_factory=list)
+    recomputed_per_layer: list[int] = field(default_factory=list)  # tokens with fresh K/V
+    computed_per_layer: list[int] = field(default_factory=list)  # tokens through the whole layer
     load_s_per_layer: list[float] = field(default_factory=list)
     compute_s_per_layer: list[float] = field(default_factory=list)
 
@@ -71,7 +73,7 @@ class FusionOutput:
     keys: list[torch.Tensor]  # per layer [1, kv_heads, L, head_dim]
     values: list[torch.Tensor]
     logits: torch.Tensor  # [vocab] float32, next-token logits at the last position
-    selected: list[torch.Tensor]  # per layer, the positions recomputed
+    selected: list[torch.Tensor]  # per layer, the positions whose K/V were recomputed
     stats: FusionStats
 
 
@@ -113,6 +115,20 @@ def causal_mask(positions: torch.Tensor, length: int, dtype: torch.dtype) -> tor
     return mask[None, None]
 
 
+def _run_layer(layer, hidden, sel, length, kv, cache_kw, rope, mask, probe=None) -> torch.Tensor:
+    extra = {PROBE_KWARG: probe} if probe is not None else {}
+    out = layer(
+        hidden,
+        attention_mask=mask,
+        position_ids=sel[None],
+        position_embeddings=rope,
+        use_cache=True,
+        **{cache_kw: kv},
+        **extra,
+    )
+    return out[0] if isinstance(out, tuple) else out
+
+
 @torch.inference_mode()
 def fuse(model, plan: FusionPlan, load: LayerLoader, criterion: Criterion) -> FusionOutput:
     backbone = model.model
@@ -124,6 +140,7 @@ def fuse(model, plan: FusionPlan, load: LayerLoader, criterion: Criterion) -> Fu
     keys_out: list[torch.Tensor] = []
     values_out: list[torch.Tensor] = []
     selected_log: list[torch.Tensor] = []
+    wants_attention = getattr(criterion, "needs_attention", False) and plan.num_query > 0
 
     sel = plan.initial_selection()
     hidden = backbone.embed_tokens(plan.input_ids[sel])[None]
@@ -136,42 +153,42 @@ def fuse(model, plan: FusionPlan, load: LayerLoader, criterion: Criterion) -> Fu
         t0 = time.perf_counter()
         k_full, v_full = load(i)
         t1 = time.perf_counter()
-        check = i in plan.checks
-        cand_rows = (plan.candidate[sel] & ~plan.forced[sel]).nonzero().flatten() if check else None
-        kv = ScatterKV(k_full, v_full, sel, cand_rows)
-        pos = sel[None]
-        extra = {}
-        probe = None
-        if check and getattr(criterion, "needs_attention", False) and plan.num_query > 0:
-            probe = AttentionProbe(plan.num_query)
-            extra[PROBE_KWARG] = probe
-        out = layer(
-            hidden,
-            attention_mask=mask,
-            position_ids=pos,
-            position_embeddings=rope,
-            use_cache=True,
-            **{cache_kw: kv},
-            **extra,
-        )
-        hidden = out[0] if isinstance(out, tuple) else out
-        keys_out.append(kv.keys)
-        values_out.append(kv.values)
         selected_log.append(sel)
         stats.recomputed_per_layer.append(int(sel.numel()))
-
-        if check:
+        if i in plan.checks:
+            # Capture pass: the layer runs only up to its K/V projections (and the question's
+            # attention probe), which scatters fresh K/V for every token of ``sel`` and measures
+            # their deviation. Only the tokens kept go through attention and the MLP: the others'
+            # layer-i outputs would feed no later layer, so computing them is waste. Same K/V and
+            # selections as running the whole layer for ``sel`` and dropping rows afterwards.
+            cand_rows = (plan.candidate[sel] & ~plan.forced[sel]).nonzero().flatten()
+            kv = ScatterKV(k_full, v_full, sel, cand_rows)
+            probe = AttentionProbe(plan.num_query if wants_attention else 0, stop=True)
+            try:
+                _run_layer(layer, hidden, sel, length, kv, cache_kw, rope, mask, probe)
+            except StopAfterProjection:
+                pass
+            else:
+                raise RuntimeError(
+                    f"{type(layer).__name__} did not call its attention function: the capture pass "
+                    "needs an attention implementation dispatched through transformers' interface"
+                )
             dev = kv.deviation
-            assert dev is not None and cand_rows is not None
-            if probe is not None and probe.weights is not None:
+            assert dev is not None
+            if wants_attention and probe.weights is not None:
                 dev.question_attention = probe.weights[sel[cand_rows]]
             keep = top_k(criterion(dev), plan.checks[i]) if cand_rows.numel() else cand_rows
-            rows = torch.zeros(sel.numel(), dtype=torch.bool, device=device)
-            rows |= plan.always[sel] | plan.forced[sel]
+            rows = plan.always[sel] | plan.forced[sel]
             rows[cand_rows[keep]] = True
             hidden = hidden[:, rows]
             sel = sel[rows]
-            mask = rope = None
+            mask = causal_mask(sel, length, dtype)
+            rope = backbone.rotary_emb(hidden, sel[None])
+        kv = ScatterKV(k_full, v_full, sel, None)
+        hidden = _run_layer(layer, hidden, sel, length, kv, cache_kw, rope, mask)
+        keys_out.append(kv.keys)
+        values_out.append(kv.values)
+        stats.computed_per_layer.append(int(sel.numel()))
         stats.load_s_per_layer.append(t1 - t0)
         stats.compute_s_per_layer.append(time.perf_counter() - t1)
 

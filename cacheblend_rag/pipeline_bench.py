@@ -9,8 +9,9 @@ it measures, side by side and interleaved over ``--repeats`` rounds (median repo
 * full recompute: a plain prefill of the whole prompt (no storage involved).
 
 The CacheBlend runs use the ratio the loading controller picks for that tier (from a profile of
-this model on this machine plus the tiers' measured read throughput) and report how much of the
-load was hidden behind compute. TTFT here is prefill plus sampling the first token.
+this model on this machine: full prefill, the fused prefill calibrated at this context size, and the
+tiers' measured read throughput and CPU cost) and report how much of the load was hidden behind
+compute, next to what the controller predicted. TTFT here is prefill plus sampling the first token.
 """
 
 from __future__ import annotations
@@ -106,8 +107,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         profile = profile_engine(
             engine, lengths=lengths, tiers={n: s for n, (s, _) in tiers.items()},
             tier_costs={n: c for n, (_, c) in tiers.items()}, stored_dtype=stored, tier_tokens=256, repeats=2,
+            fused_tokens=n_ctx, fused_chunks=len(chunks),
         )
-        ctl = LoadingController(profile, quality_floor=args.floor)
+        ctl = LoadingController(profile, quality_floor=args.floor, cpu_contention=args.cpu_contention)
         full_ttfts = []
         rows: dict[str, dict[str, list]] = {n: {} for n in tiers}
         for rnd in range(args.repeats + 1):  # round 0 warms caches and threads, not reported
@@ -137,12 +139,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     ("load_hidden_s", pip_stats["load_hidden_s"]), ("load_exposed_s", pip_stats["load_exposed_s"]),
                     ("compute_s", pip_stats["compute_s"]), ("seq_load_s", seq_stats["load_s"]),
                     ("seq_compute_s", seq_stats["compute_s"]),
+                    # what the controller predicted for this request
+                    ("est_load_s", pip_stats["controller_est_load_s"]),
+                    ("est_recompute_s", pip_stats["controller_est_recompute_s"]),
+                    ("est_contention_s", pip_stats["controller_est_contention_s"]),
+                    ("seq_prefill_minus_load_s", seq_stats["prefill_s"] - seq_stats["load_s"]),
                 ):
                     r.setdefault(k, []).append(v)
         results["full_recompute_s"] = statistics.median(full_ttfts)
         results["profile"] = {
+            "device": profile.device,
             "prefill_points": profile.prefill_points,
             "tiers_mb_s": {n: t.read_bytes_per_s / 1e6 for n, t in profile.tiers.items()},
+            "tiers_cpu_ns_per_byte": {n: (t.cpu_s_per_byte or 0.0) * 1e9 for n, t in profile.tiers.items()},
+            "fused": None if profile.fused is None else {
+                "fixed": profile.fused.fixed, "per_ratio": profile.fused.per_ratio, "points": profile.fused.points,
+            },
+            "assemble_s_per_token": profile.assemble_s_per_token,
+            "cpu_contention": ctl.cpu_contention,
         }
         results["tiers"] = {n: {k: statistics.median(v) for k, v in r.items()} for n, r in rows.items()}
         for n in tiers:
@@ -174,6 +188,22 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> str:
             f"{r['pipelined_s'] / r['pure_load_s']:7.2f} {100 * hidden:6.0f}% {r['sequential_s'] / r['pipelined_s']:8.2f}"
         )
     lines.append(f"full recompute TTFT: 1.00 (absolute {full * 1e3:.0f} ms on this machine, this run)")
+    prof = res["profile"]
+    f = prof.get("fused")
+    lines.append(
+        "controller: recompute = "
+        + (f"({f['fixed']:.3f} + {f['per_ratio']:.3f} x r) x full prefill (calibrated)" if f else "r x full prefill (uncalibrated)")
+        + f", CPU contention factor {prof.get('cpu_contention', 0):g}"
+    )
+    lines.append("predicted vs measured, seconds (measured compute: pipelined run's; recompute+cont. is what must fit under the load)")
+    lines.append(f"{'tier':12s} {'est load':>8s} {'pure load':>9s} {'est recomp':>10s} {'+cont.':>7s} {'compute':>8s} {'seq compute':>11s}")
+    for name, r in res["tiers"].items():
+        if "est_load_s" not in r:
+            continue
+        lines.append(
+            f"{name:12s} {r['est_load_s']:8.2f} {r['pure_load_s']:9.2f} {r['est_recompute_s']:10.2f} "
+            f"{r['est_recompute_s'] + r['est_contention_s']:7.2f} {r['compute_s']:8.2f} {r['seq_prefill_minus_load_s']:11.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -200,6 +230,10 @@ def register(subparsers) -> None:
         help="read rate(s) of the throttled tier(s), MB/s, comma-separated (one tier each)",
     )
     p.add_argument("--floor", type=float, default=0.15, help="quality floor r* of the controller")
+    p.add_argument(
+        "--cpu-contention", type=float, default=None,
+        help="controller's CPU contention factor (default: 1 on a CPU, 0 on an accelerator; 0 disables the CPU rule)",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None, help="also write the raw numbers here")
     p.set_defaults(func=_main)

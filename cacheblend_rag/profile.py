@@ -7,7 +7,17 @@ Measured, not assumed:
 * each storage tier's layer-read throughput in bytes/s: a synthetic chunk with this model's K/V
   shape is written to the tier and read back layer by layer through its ``get_layer``, so decode,
   checksum and SQLite overheads count. The disk read follows the write, so the OS page cache is
-  usually warm: this is the throughput of a recently written store, not of a cold SSD.
+  usually warm: this is the throughput of a recently written store, not of a cold SSD. The CPU
+  time of those reads (process CPU time, so a tier's own read threads count; not the time spent
+  waiting on I/O or a throttle) is kept per byte: on a CPU device it is what the loader takes away
+  from the recompute;
+* the CacheBlend fused prefill itself (``measure_fused``): the engine's ``cacheblend`` mode over
+  random-token chunks precomputed into a memory tier, not overlapped with loading, at a few
+  recompute ratios. A line (fixed + per_ratio x r) x full prefill is fitted to it (``FusedCost``),
+  because the paper's r x full prefill under-predicts the fused path (first layers recompute every
+  candidate, per-layer selection/mask/scatter overheads, each recomputed token attends over the
+  whole prompt through an explicit mask). The same runs give the loader's assembly CPU cost per
+  loaded token (cast, RoPE re-rotation, layout copy).
 
 The profile is JSON, saved under ``<cache home>/profiles/<model fingerprint>-<device>.json`` and
 reused by ``LoadingController.for_engine``.
@@ -17,22 +27,29 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import logging
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
 
-from .controller import DeviceProfile, LoadingController, TierProfile
+from .controller import DeviceProfile, FusedCost, LoadingController, TierProfile
 
-__all__ = ["default_profile_path", "device_tag", "measure_prefill", "measure_tier", "profile_engine", "register"]
+__all__ = [
+    "FusedMeasurement", "TierReading", "default_profile_path", "device_tag", "fused_code_id", "measure_fused", "measure_prefill",
+    "measure_tier", "measure_tier_read", "profile_engine", "register",
+]
 
 log = logging.getLogger("cacheblend_rag.profile")
 
 DEFAULT_LENGTHS = (128, 512, 1024, 2048)
 DEFAULT_TIER_COSTS = {"memory": 1.0, "disk": 0.1}  # relative price per stored byte (RAM vs SSD)
+DEFAULT_FUSED_RATIOS = (0.15, 0.5, 1.0)  # the floor, the middle, full recompute of the context
+DEFAULT_FUSED_TOKENS = 1024  # context tokens of the fused calibration (clipped to the window)
 
 
 def device_tag(device: torch.device | str) -> str:
@@ -42,6 +59,25 @@ def device_tag(device: torch.device | str) -> str:
         name = torch.cuda.get_device_name(device)
         return "cuda-" + "".join(c if c.isalnum() else "_" for c in name)
     return f"{device.type}-{torch.get_num_threads()}t"
+
+
+def fused_code_id() -> str:
+    """Hash of the code whose speed the fused calibration measures (fusor, loader, attention, engine):
+    a saved calibration is stale once it changes, although the model fingerprint does not."""
+    import hashlib
+
+    from . import attention, engine, fusor, loader
+
+    h = hashlib.sha1()
+    for mod in (fusor, loader, attention, engine):
+        h.update(Path(mod.__file__).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def fused_code_matches(profile: DeviceProfile) -> bool:
+    """False when ``profile``'s fused calibration was measured with other fusor/loader code."""
+    code = (profile.meta.get("fused_calibration") or {}).get("code")
+    return profile.fused is None or code is None or code == fused_code_id()
 
 
 def default_profile_path(engine) -> Path:
@@ -80,7 +116,14 @@ def measure_prefill(engine, lengths: Sequence[int] = DEFAULT_LENGTHS, repeats: i
     return points
 
 
-def measure_tier(
+@dataclass
+class TierReading:
+    read_bytes_per_s: float
+    element_bytes: int
+    cpu_s_per_byte: float  # process CPU seconds per byte read (at most the wall time)
+
+
+def measure_tier_read(
     store: Any,
     *,
     num_layers: int,
@@ -89,12 +132,13 @@ def measure_tier(
     tokens: int = 512,
     repeats: int = 2,
     device: torch.device | str = "cpu",
-) -> tuple[float, int]:
-    """(read bytes/s, bytes per stored element) of ``store``, from a synthetic chunk.
+) -> TierReading:
+    """Read throughput, element size and CPU cost per byte of ``store``, from a synthetic chunk.
 
-    The chunk is written with ``put``, read back layer by layer ``repeats`` times (best time
-    counts), then discarded. Goes through the store's own interface, so wrappers (throttling,
-    tiers, casting) are measured as they behave.
+    The chunk is written with ``put``, read back layer by layer ``repeats`` times (the best time
+    counts, with that pass's CPU time), then discarded. Goes through the store's own interface, so
+    wrappers (throttling, tiers, casting) are measured as they behave. CPU time is the whole
+    process's (a tier may read on its own threads), capped at the wall time.
     """
     heads, dim = kv_shape
     g = torch.Generator().manual_seed(1)
@@ -106,10 +150,10 @@ def measure_tier(
     if store.put(key, layers) is False:
         raise RuntimeError(f"could not write the profiling chunk to {store!r}")
     try:
-        best, nbytes, elem = float("inf"), 0, 0
+        best, best_cpu, nbytes, elem = float("inf"), 0.0, 0, 0
         for _ in range(repeats):
             nbytes = 0
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             for i in range(num_layers):
                 got = store.get_layer(key, i, device=device)
                 if got is None:
@@ -117,10 +161,108 @@ def measure_tier(
                 k, v = got
                 nbytes += k.numel() * k.element_size() + v.numel() * v.element_size()
                 elem = k.element_size()
-            best = min(best, time.perf_counter() - t0)
-        return nbytes / max(best, 1e-9), elem
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            if wall < best:
+                best, best_cpu = wall, min(cpu, wall)
+        return TierReading(nbytes / max(best, 1e-9), elem, best_cpu / max(nbytes, 1))
     finally:
         store.discard(key)
+
+
+def measure_tier(
+    store: Any,
+    *,
+    num_layers: int,
+    kv_shape: tuple[int, int],
+    dtype: torch.dtype,
+    tokens: int = 512,
+    repeats: int = 2,
+    device: torch.device | str = "cpu",
+) -> tuple[float, int]:
+    """(read bytes/s, bytes per stored element) of ``store``; see ``measure_tier_read``."""
+    r = measure_tier_read(store, num_layers=num_layers, kv_shape=kv_shape, dtype=dtype, tokens=tokens, repeats=repeats, device=device)
+    return r.read_bytes_per_s, r.element_bytes
+
+
+@dataclass
+class FusedMeasurement:
+    points: list[tuple[int, float, float]]  # (context tokens, ratio, best seconds of the fused prefill)
+    assemble_s_per_token: float  # loader time per loaded token from a memory tier (cast, rotate, copy)
+    chunks: int
+
+
+def _calibration_layout(engine, tokens: int, chunks: int, seed: int = 7):
+    """Prefix + ``chunks`` random-token chunks of ``tokens`` in all + a real question segment."""
+    from .prompt import PromptLayout, Segment
+
+    p = engine.prompts
+    q = p.question_text("Which of the documents above answers this?")
+    question = Segment(q, p.encode(q), reusable=False)
+    room = engine.context_window - len(p.prefix_ids) - len(question) - 1
+    tokens = min(tokens, room)
+    if tokens < 2:
+        raise ValueError(f"the context window ({engine.context_window}) leaves no room for a calibration context")
+    chunks = max(1, min(chunks, tokens // 2))
+    ids = _random_ids(engine, tokens, seed=seed)[0].tolist()
+    bounds = [round(i * tokens / chunks) for i in range(chunks + 1)]
+    segs = tuple(
+        Segment(f"<profile chunk {i}>", tuple(ids[a:b]), reusable=True) for i, (a, b) in enumerate(itertools.pairwise(bounds))
+    )
+    return PromptLayout((Segment(p.prefix_text, p.prefix_ids, reusable=False), *segs, question))
+
+
+def measure_fused(
+    engine,
+    *,
+    tokens: int = DEFAULT_FUSED_TOKENS,
+    ratios: Sequence[float] = DEFAULT_FUSED_RATIOS,
+    chunks: int = 4,
+    repeats: int = 2,
+) -> FusedMeasurement:
+    """Time the engine's ``cacheblend`` prefill (its own ``BlendConfig`` at each ratio) over random
+    chunks whose K/V sit in a fresh memory tier, not pipelined, best of ``repeats`` after a warm-up.
+
+    The seconds counted are the prefill's wall time minus the loader's (which, from RAM, is the
+    cast/re-rotate/copy assembly, reported per loaded token): everything the pipeline cannot hide.
+    The engine's store is swapped for the memory tier meanwhile and put back afterwards.
+    """
+    from .tiers import MemoryTier
+
+    ratios = sorted({float(r) for r in ratios})
+    if not ratios or any(not 0.0 <= r <= 1.0 for r in ratios):
+        raise ValueError(f"calibration ratios must lie in [0, 1], got {ratios}")
+    layout = _calibration_layout(engine, tokens, chunks)
+    mem = MemoryTier(capacity_bytes=1 << 40)
+    saved = engine.store
+    engine.store = mem
+    try:
+        for seg in layout.segments:
+            if seg.reusable:
+                mem.put(engine.chunk_key(seg), engine.compute_chunk(seg))
+        loaded = len(engine.prompts.prefix_ids) + layout.num_context_tokens  # prefix and chunks come from the tier
+
+        def once(r: float) -> tuple[float, float]:
+            _sync(engine)
+            t0 = time.perf_counter()
+            res = engine.prefill(layout, "cacheblend", engine.config.with_ratio(r), pipelined=False)
+            _sync(engine)
+            wall = time.perf_counter() - t0
+            if res.stats.get("chunk_misses"):
+                raise RuntimeError("calibration chunks were not found in the memory tier")
+            return wall - res.stats["load_s"], res.stats["load_s"]
+
+        once(ratios[0])  # warm-up
+        points, assemble = [], float("inf")
+        for r in ratios:
+            best = float("inf")
+            for _ in range(repeats):
+                comp, load = once(r)
+                best, assemble = min(best, comp), min(assemble, load)
+            points.append((layout.num_context_tokens, r, best))
+        return FusedMeasurement(points, assemble / max(loaded, 1), len(layout.segments) - 2)
+    finally:
+        engine.store = saved
+        mem.close()
 
 
 def default_tiers(directory: str | Path | None = None) -> dict[str, Any]:
@@ -141,14 +283,19 @@ def profile_engine(
     stored_dtype: torch.dtype | None = None,
     tier_tokens: int = 512,
     repeats: int = 2,
+    fused_tokens: int = DEFAULT_FUSED_TOKENS,
+    fused_ratios: Sequence[float] = DEFAULT_FUSED_RATIOS,
+    fused_chunks: int = 4,
 ) -> DeviceProfile:
-    """Measure ``engine``'s model on its device and the read throughput of ``tiers`` (name -> store;
-    default: a memory tier and a disk store in a temporary directory under the cache home)."""
+    """Measure ``engine``'s model on its device, its fused prefill at ``fused_ratios`` (empty: skip
+    the calibration) and the read throughput of ``tiers`` (name -> store; default: a memory tier and
+    a disk store in a temporary directory under the cache home)."""
     from .models import default_cache_dir
 
     costs = {**DEFAULT_TIER_COSTS, **(tier_costs or {})}
     heads, dim = engine.kv_shape
     points = measure_prefill(engine, lengths, repeats)
+    fused = measure_fused(engine, tokens=fused_tokens, ratios=fused_ratios, chunks=fused_chunks, repeats=repeats) if fused_ratios else None
     own = tiers is None
     tmp = None
     if own:
@@ -159,17 +306,20 @@ def profile_engine(
     try:
         measured = {}
         for name, store in tiers.items():
-            bps, elem = measure_tier(
+            got = measure_tier_read(
                 store, num_layers=engine.num_layers, kv_shape=engine.kv_shape, dtype=stored_dtype or engine.dtype,
                 tokens=tier_tokens, repeats=repeats, device=engine.device,
             )
-            measured[name] = TierProfile(read_bytes_per_s=bps, cost_per_byte=costs.get(name, 1.0), element_bytes=elem)
+            measured[name] = TierProfile(
+                read_bytes_per_s=got.read_bytes_per_s, cost_per_byte=costs.get(name, 1.0), element_bytes=got.element_bytes,
+                cpu_s_per_byte=got.cpu_s_per_byte,
+            )
     finally:
         if own:
             for store in tiers.values():
                 store.close()
             tmp.cleanup()
-    return DeviceProfile(
+    profile = DeviceProfile(
         model_id=engine.model_id,
         fingerprint=engine.fingerprint,
         device=device_tag(engine.device),
@@ -185,16 +335,45 @@ def profile_engine(
             "repeats": repeats,
         },
     )
+    if fused is not None:
+        profile.assemble_s_per_token = fused.assemble_s_per_token
+        cfg = engine.config
+        profile.meta["fused_calibration"] = {
+            "chunks": fused.chunks, "criterion": getattr(cfg.criterion, "__name__", cfg.criterion),
+            "filter_layers": cfg.filter_layers, "schedule": cfg.schedule, "boundary_tokens": cfg.boundary_tokens,
+            "tokens": fused.points[0][0], "code": fused_code_id(),
+        }
+        try:
+            profile.fused = FusedCost.fit(fused.points, profile.prefill_s)
+        except ValueError as exc:  # noisy measurement: keep the paper's estimator rather than a wrong line
+            log.warning("fused-cost calibration rejected (%s); the controller will use the uncalibrated estimator", exc)
+            profile.meta["fused_calibration"]["rejected"] = [list(p) for p in fused.points]
+    return profile
 
 
-def describe(profile: DeviceProfile, lengths: Sequence[int] = (512, 1024, 2048), floor: float = 0.15) -> str:
+def describe(
+    profile: DeviceProfile, lengths: Sequence[int] = (512, 1024, 2048), floor: float = 0.15, cpu_contention: float | None = None
+) -> str:
     """Human-readable summary: costs, throughputs and what the controller would choose."""
-    ctl = LoadingController(profile, quality_floor=floor)
+    ctl = LoadingController(profile, quality_floor=floor, cpu_contention=cpu_contention)
     lines = [f"model {profile.model_id} ({profile.fingerprint[:12]}) on {profile.device}, {profile.dtype}, {profile.num_layers} layers"]
     for n, s in profile.prefill_points:
         lines.append(f"  full prefill {n:5d} tokens: {s * 1e3:8.1f} ms  ({s / n / profile.num_layers * 1e6:6.2f} us per token per layer)")
+    if profile.fused is not None:
+        f = profile.fused
+        pts = ", ".join(f"r={r:.2f}: {s / full:.2f}" for _, r, s, full in f.points)
+        where = f"  (measured at {f.points[0][0]} tokens: {pts})" if f.points else ""
+        lines.append(f"  fused prefill = ({f.fixed:.3f} + {f.per_ratio:.3f} x r) x full prefill{where}")
+        if not fused_code_matches(profile):
+            lines.append("  WARNING: calibrated against another version of the fusor/loader code: re-run with --force")
+    else:
+        lines.append("  fused prefill: not calibrated (old profile; `--force` measures it): using r x full prefill")
+    if profile.assemble_s_per_token is not None:
+        lines.append(f"  loader assembly: {profile.assemble_s_per_token * 1e6:.2f} us CPU per loaded token")
+    lines.append(f"  CPU contention factor: {ctl.cpu_contention:g} ({'CPU device' if profile.is_cpu else 'accelerator'})")
     for name, t in profile.tiers.items():
-        lines.append(f"  tier {name:10s}: {t.read_bytes_per_s / 1e6:9.1f} MB/s read, cost {t.cost_per_byte:g}/byte, {t.element_bytes} B/element")
+        cpu = f", {t.cpu_s_per_byte * 1e9:.2f} ns CPU/byte" if t.cpu_s_per_byte is not None else ""
+        lines.append(f"  tier {name:10s}: {t.read_bytes_per_s / 1e6:9.1f} MB/s read, cost {t.cost_per_byte:g}/byte, {t.element_bytes} B/element{cpu}")
     for n in lengths:
         picks = ", ".join(f"{t}: r={ctl.ratio_for(n, t):.2f}" for t in profile.tiers)
         lines.append(f"  {n:5d} context tokens -> ratio {picks}; cheapest tier hiding its load at r={floor}: {ctl.cheapest_tier(floor, n)}")
@@ -215,6 +394,15 @@ def _parse_costs(text: str) -> dict[str, float]:
     return out
 
 
+def _parse_ratios(text: str) -> tuple[float, ...]:
+    if text.strip().lower() in ("", "none"):
+        return ()
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad ratios {text!r}; write e.g. 0.15,0.5,1") from None
+
+
 def _run(args: argparse.Namespace) -> int:
     from .engine import CacheBlendEngine
     from .tiers import resolve_dtype
@@ -225,15 +413,20 @@ def _run(args: argparse.Namespace) -> int:
         if path.is_file() and not args.force:
             profile = DeviceProfile.load(path)
             print(f"reusing {path} (pass --force to measure again)")
+            if profile.fused is None:
+                print("  it has no fused-cost calibration (older version): pass --force to measure it")
+            elif not fused_code_matches(profile):
+                print("  its fused-cost calibration was measured with other fusor/loader code: pass --force to re-measure")
         else:
             lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
             profile = profile_engine(
                 engine, lengths=lengths, tier_costs=args.tier_cost, stored_dtype=resolve_dtype(args.stored_dtype),
-                tier_tokens=args.tier_tokens, repeats=args.repeats,
+                tier_tokens=args.tier_tokens, repeats=args.repeats, fused_tokens=args.fused_tokens,
+                fused_ratios=args.fused_ratios,
             )
             profile.save(path)
             print(f"saved {path}")
-        print(describe(profile, floor=args.floor))
+        print(describe(profile, floor=args.floor, cpu_contention=args.cpu_contention))
     finally:
         engine.close()
     return 0
@@ -251,5 +444,11 @@ def register(subparsers) -> None:
     p.add_argument("--stored-dtype", default=None, help="dtype the tiers store K/V in (fp32/fp16/bf16; default: the model's)")
     p.add_argument("--tier-tokens", type=int, default=512, help="size of the synthetic chunk read from each tier")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--fused-tokens", type=int, default=DEFAULT_FUSED_TOKENS, help="context tokens of the fused-prefill calibration")
+    p.add_argument(
+        "--fused-ratios", type=_parse_ratios, default=DEFAULT_FUSED_RATIOS,
+        help="recompute ratios the fused prefill is timed at (comma-separated; 'none' skips the calibration)",
+    )
     p.add_argument("--floor", type=float, default=0.15, help="quality floor r* for the printed choices")
+    p.add_argument("--cpu-contention", type=float, default=None, help="override the CPU contention factor for the printed choices")
     p.set_defaults(func=_run)

@@ -83,10 +83,12 @@ def run_sweep(engine, cfg: SweepConfig, progress: bool = True) -> list[dict]:
         ref, ref_logits = _run_one(engine, ex.question, chunks, "full_recompute", None, cfg.max_new_tokens)
         base = dict(question=qi, prompt_tokens=ref.stats["prompt_tokens"])
         rows.append(dict(base, method="full_recompute", ttft_ratio=1.0, kl=0.0, agree=1.0, f1=qa_f1(ref.text, ex.answers),
-                         answer=ref.text, ttft_s=ref.ttft_s, prefill_s=ref.stats["prefill_s"], recompute_fraction=1.0))
+                         answer=ref.text, ttft_s=ref.ttft_s, prefill_s=ref.stats["prefill_s"], recompute_fraction=1.0,
+                         compute_fraction=1.0))
         for name, mode, bc in methods:
             res, logits = _run_one(engine, ex.question, chunks, mode, bc, cfg.max_new_tokens)
             frac = res.stats["recompute_fraction"]
+            work = res.stats.get("compute_fraction", frac)
             rows.append(dict(
                 base,
                 method=name,
@@ -99,7 +101,8 @@ def run_sweep(engine, cfg: SweepConfig, progress: bool = True) -> list[dict]:
                 ttft_s=res.ttft_s,
                 prefill_s=res.stats["prefill_s"],
                 recompute_fraction=frac,
-                overhead=res.stats["prefill_s"] / (frac * ref.stats["prefill_s"]) if mode == "cacheblend" and frac else None,
+                compute_fraction=work,
+                overhead=res.stats["prefill_s"] / (work * ref.stats["prefill_s"]) if mode == "cacheblend" and work else None,
             ))
         if out:
             for r in rows[-len(methods) - 1 :]:
@@ -131,25 +134,28 @@ def summarize(rows: list[dict]) -> list[dict]:
             agree=statistics.fmean(r["agree"] for r in rs),
             f1=statistics.fmean(r["f1"] for r in rs),
             recompute_fraction=statistics.fmean(r["recompute_fraction"] for r in rs),
+            compute_fraction=statistics.fmean(r.get("compute_fraction", r["recompute_fraction"]) for r in rs),
             overhead=statistics.median(over) if over else None,
         ))
     return table
 
 
 def format_table(table: list[dict]) -> str:
-    head = f"{'method':36} {'n':>3} {'TTFT x':>7} {'KL mean':>8} {'KL med':>7} {'<reuse':>6} {'agree':>6} {'F1':>6} {'work':>6} {'ovh':>5}"
+    head = f"{'method':36} {'n':>3} {'TTFT x':>7} {'KL mean':>8} {'KL med':>7} {'<reuse':>6} {'agree':>6} {'F1':>6} {'fresh':>6} {'work':>6} {'ovh':>5}"
     lines = [head, "-" * len(head)]
     for t in table:
         closer = f"{t['closer_than_reuse']:.2f}" if t["closer_than_reuse"] is not None else "-"
         ovh = f"{t['overhead']:.2f}" if t["overhead"] else "-"
         lines.append(
             f"{t['method']:36} {t['n']:>3} {t['ttft_speedup']:>7.2f} {t['kl_mean']:>8.4f} {t['kl_median']:>7.4f} "
-            f"{closer:>6} {t['agree']:>6.2f} {t['f1']:>6.3f} {t['recompute_fraction']:>6.3f} {ovh:>5}"
+            f"{closer:>6} {t['agree']:>6.2f} {t['f1']:>6.3f} {t['recompute_fraction']:>6.3f} {t['compute_fraction']:>6.3f} {ovh:>5}"
         )
     lines.append(
         "TTFT x: full-recompute TTFT / method TTFT (median per question); KL: next-token KL(full || method);\n"
         "<reuse: share of questions where the method's KL is below full reuse's; agree: greedy answer identical\n"
-        "to full prefill; work: recomputed token-layers / all; ovh: prefill time / (work x full prefill time)."
+        "to full prefill; fresh: token-layers whose K/V were recomputed / all; work: token-layers through\n"
+        "attention and MLP / all (check layers refresh more than they compute); ovh: prefill time / (work x\n"
+        "full prefill time)."
     )
     return "\n".join(lines)
 

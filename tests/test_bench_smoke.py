@@ -1,24 +1,29 @@
 """Smoke test of the benchmark: the real command path on the tiny random model.
 
-Covers every dataset loader (2 questions each), every method, the summary and the resume logic.
-Answers are gibberish (random weights), so quality is only checked to lie in [0, 1]; the numbers
-that can be checked against a reference are: F1 / Rouge-L recomputed from the stored answers,
-full prefill's own KL (0), and the resumed run returning the stored rows unchanged.
+Covers every dataset loader (2 questions each; the LangChain chains on the first one only, via
+``chain_n``), every method, the summary and the resume logic. Answers are gibberish (random
+weights), so quality is only checked to lie in [0, 1]; the numbers that can be checked against a
+reference are: F1 / Rouge-L recomputed from the stored answers, full prefill's own KL (0), the
+chains' answers against greedy decoding of their prompts, the paired TTFT ratios, and the resumed
+run returning the stored rows unchanged.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 
 from cacheblend_rag.bench import datasets as ds
+from cacheblend_rag.bench import lc
 from cacheblend_rag.bench.lc import TolerantRerankParser
 from cacheblend_rag.bench.methods import parse_methods
-from cacheblend_rag.bench.runner import BenchConfig, case_key, run_benchmark, score
-from cacheblend_rag.metrics import qa_f1
-from cacheblend_rag.testing import make_engine
+from cacheblend_rag.bench.runner import BenchConfig, case_key, run_benchmark, score, tiny_engine
+from cacheblend_rag.bench.summary import markdown_table, summarize
+from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_engine
 
 METHODS = ("full_recompute", "prefix_caching", "full_reuse", "cacheblend", "map_reduce", "map_rerank")
 
@@ -48,27 +53,41 @@ def bench_run(tmp_path_factory):
         pytest.skip(missing)
     out = tmp_path_factory.mktemp("bench")
     cfg = BenchConfig(
-        model="tiny", n=2, methods=METHODS, ratios=(0.15,), top_ks=(2,), chunk_tokens=40,
+        model="tiny", n=2, chain_n=1, methods=METHODS, ratios=(0.15,), top_ks=(2,), chunk_tokens=40,
         max_new_tokens=3, summary_max_new_tokens=3, chain_max_new_tokens=3, out_dir=str(out),
         progress=False,
     )
     engines = []
 
     def factory(c):
-        engines.append(make_engine("llama", store_dir=str(out / "kv")))
+        engines.append(tiny_engine(str(out / "kv")))
         return engines[-1]
 
-    rows = run_benchmark(cfg, engine_factory=factory, retriever=WordRetriever())
-    return cfg, out, rows, engines
+    # Record every prompt CacheBlendLLM answers, and how: the chains must run through it.
+    from langchain_cacheblend import CacheBlendLLM
+
+    answered = []
+    generate = CacheBlendLLM._generate
+
+    def spy(self, prompts, *args, **kwargs):
+        result = generate(self, prompts, *args, **kwargs)
+        answered.extend((p, g[0].generation_info["mode"]) for p, g in zip(prompts, result.generations))
+        return result
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(CacheBlendLLM, "_generate", spy)
+        rows = run_benchmark(cfg, engine_factory=factory, retriever=WordRetriever())
+    return cfg, out, rows, engines, answered
 
 
 def test_every_dataset_and_method_is_measured(bench_run):
-    cfg, out, rows, _ = bench_run
+    cfg, out, rows, *_ = bench_run
     names = [m.name for m in parse_methods(METHODS, cfg.ratios)]
     assert names == ["full_recompute", "prefix_caching", "full_reuse", "cacheblend@0.15", "map_reduce", "map_rerank"]
     seen = {(r["dataset"], r["method"]) for r in rows}
     assert seen == {(d, m) for d in ds.DATASETS for m in names}
-    assert len(rows) == len(ds.DATASETS) * 2 * len(names)
+    # KV methods on all n=2 questions, the two chains on the first chain_n=1 only.
+    assert len(rows) == len(ds.DATASETS) * (2 * 4 + 1 * 2)
     summary = json.loads((out / "summary.json").read_text())["summary"]
     assert {(s["dataset"], s["method"]) for s in summary} == seen
     csv_lines = (out / "summary.csv").read_text().strip().splitlines()
@@ -78,7 +97,7 @@ def test_every_dataset_and_method_is_measured(bench_run):
 
 
 def test_metrics_are_in_range_and_match_a_recomputation(bench_run):
-    cfg, _, rows, _ = bench_run
+    cfg, _, rows, *_ = bench_run
     examples = {
         (e.dataset, e.qid): e
         for name in ds.DATASETS
@@ -113,7 +132,7 @@ def Path_of(run):
 
 
 def test_resume_skips_finished_cases(bench_run):
-    cfg, out, rows, engines = bench_run
+    cfg, out, rows, *_ = bench_run
     before = (out / "results.jsonl").read_text()
 
     def factory(c):  # a finished run must not even load the model
@@ -136,7 +155,7 @@ def test_resume_skips_finished_cases(bench_run):
 
     def counting_factory(c):
         calls.append(1)
-        return make_engine("llama", store_dir=str(out / "kv"))
+        return tiny_engine(str(out / "kv"))
 
     again = run_benchmark(cfg, engine_factory=counting_factory, retriever=WordRetriever())
     assert calls == [1]
@@ -148,7 +167,7 @@ def test_resume_skips_finished_cases(bench_run):
 
 def test_kv_modes_match_the_engine_called_directly(bench_run):
     """The bench's greedy answer for a KV mode equals engine.generate on the same chunks."""
-    cfg, out, rows, engines = bench_run
+    cfg, out, rows, *_ = bench_run
     row = next(r for r in rows if r["dataset"] == "crosschunk" and r["method"] == "full_recompute")
     ex = next(e for e in ds.make_crosschunk(2, doc_words=int(cfg.chunk_tokens * 0.55)) if e.qid == row["qid"])
     eng = make_engine("llama")
@@ -237,3 +256,145 @@ def test_qwen_assembly_checks_size_and_hash(monkeypatch, tmp_path):
     monkeypatch.setattr(qwen, "QWEN_SHA256", hashlib.sha256(blob).hexdigest())
     path = qwen.qwen_gguf_path(tmp_path / "home")
     assert path.read_bytes() == blob
+
+
+def test_chains_run_through_cacheblend_llm_as_plain_chat(bench_run):
+    """Every chain call of the run went to CacheBlendLLM and was a full-prefill plain chat."""
+    _, _, rows, _, answered = bench_run
+    chain_rows = [r for r in rows if r["method"] in ("map_reduce", "map_rerank")]
+    # One untimed warm-up call, then every call the chain rows counted.
+    assert len(answered) == 1 + sum(r["calls"] for r in chain_rows)
+    assert {mode for _, mode in answered} == {"plain_chat"}
+    assert all(r["calls"] >= 2 for r in chain_rows)  # 2 chunks: >= 2 map calls (+ combine)
+
+
+def test_chain_n_limits_chains_and_ratios_pair_questions(bench_run):
+    cfg, out, rows, *_ = bench_run
+    summary = json.loads((out / "summary.json").read_text())["summary"]
+    for name in ds.DATASETS:
+        first = [e.qid for e in ds.load_dataset(name, cfg.n, chunk_tokens=cfg.chunk_tokens)]
+        full = {r["qid"]: r for r in rows if r["dataset"] == name and r["method"] == "full_recompute"}
+        assert sorted(full) == sorted(first)  # KV methods: all n questions
+        for method in ("map_reduce", "map_rerank"):
+            mine = [r for r in rows if r["dataset"] == name and r["method"] == method]
+            assert [r["qid"] for r in mine] == first[: cfg.chain_n]
+            s = next(s for s in summary if s["dataset"] == name and s["method"] == method)
+            assert s["n"] == cfg.chain_n and s["n_paired_full"] == cfg.chain_n
+            # The ratio is over the chain's own question, not full prefill's mean over all n.
+            (r,) = mine
+            assert s["speedup_vs_full_recompute"] == pytest.approx(full[r["qid"]]["ttft_s"] / r["ttft_s"])
+            assert s["full_quality_paired"] == pytest.approx(full[r["qid"]]["quality"])
+        table = markdown_table(summary, name, 2)
+        assert re.search(rf"\| map_reduce \| {cfg.chain_n}/{cfg.n} \|", table)
+        assert re.search(rf"\| full_recompute \| {cfg.n} \|", table)
+
+
+def test_summary_pairs_questions_for_ratios():
+    def row(method, qid, ttft, quality):
+        return {"dataset": "d", "top_k": 6, "method": method, "qid": qid, "ttft_s": ttft, "total_s": ttft + 1,
+                "quality": quality, "metric": "f1", "answer": "x"}
+
+    rows = [row("full_recompute", q, t, f) for q, t, f in (("a", 1.0, 0.5), ("b", 10.0, 0.0), ("c", 100.0, 0.0))]
+    rows += [row("cacheblend@0.15", q, t / 2, 0.0) for q, t in (("a", 1.0), ("b", 10.0), ("c", 100.0))]
+    rows += [row("map_reduce", "a", 4.0, 0.25)]
+    by = {s["method"]: s for s in summarize(rows)}
+    assert by["map_reduce"]["speedup_vs_full_recompute"] == pytest.approx(1.0 / 4.0)  # not 37/4
+    assert by["map_reduce"]["n_paired_full"] == 1
+    assert by["map_reduce"]["full_quality_paired"] == pytest.approx(0.5)
+    assert by["cacheblend@0.15"]["speedup_vs_full_recompute"] == pytest.approx(2.0)
+    assert by["cacheblend@0.15"]["n_paired_full"] == 3
+    table = markdown_table(summarize(rows), "d", 6)
+    assert "| map_reduce | 1/3 | f1 0.250 (full 0.500) | 0.25x |" in table
+    assert "| cacheblend@0.15 | 3 | f1 0.000 | 2.00x |" in table
+
+
+def _greedy_plain(engine, prompt: str, max_new_tokens: int) -> str:
+    """The reference: the prompt as the chat template's user turn, full prefill, engine's greedy decode."""
+    import torch
+
+    from cacheblend_rag.config import SamplingParams
+    from cacheblend_rag.generation import decode
+
+    tok = engine.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    with torch.inference_mode():
+        out = engine.model(input_ids=torch.tensor([ids]), use_cache=True)
+    gen = decode(engine.model, tok, out.past_key_values, out.logits[0, -1].float(), len(ids), SamplingParams(max_new_tokens))
+    while True:
+        try:
+            next(gen)
+        except StopIteration as done:
+            return done.value.text
+
+
+@pytest.mark.parametrize("kind", ["map_reduce", "map_rerank"])
+def test_chain_answers_ttft_and_token_counts(kind):
+    from langchain_cacheblend import CacheBlendLLM
+
+    from cacheblend_rag.matching import ChunkRegistry
+
+    engine = tiny_engine()
+    # Chunks known to the engine's shared registry must not turn the chain's prompts into
+    # CacheBlend requests: the chains' LLM answers every prompt with a full prefill.
+    ChunkRegistry.for_engine(engine).add(SAMPLE_CHUNKS)
+    llm = lc.make_llm(engine, max_new_tokens=4)
+    assert isinstance(llm, CacheBlendLLM)
+    text = "The Eiffel Tower is in Paris."
+    assert llm.get_num_tokens(text) == len(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+    r = lc.run_chain(lc.make_chain(kind, llm, token_max=10**7), kind, SAMPLE_QUESTION, SAMPLE_CHUNKS[:3])
+    assert [c.mode for c in r.log] == ["plain_chat"] * r.calls
+    assert r.calls == (4 if kind == "map_reduce" else 3)  # a map call per chunk (+ combine)
+    assert r.prompt_tokens == sum(c.prompt_tokens for c in r.log) > 0
+    maps = r.log[:3]
+    if kind == "map_reduce":
+        last = r.log[-1]
+        assert "FINAL ANSWER" in last.prompt and not any("FINAL ANSWER" in c.prompt for c in maps)  # combine
+        assert r.text == _greedy_plain(engine, last.prompt, 4).strip()
+        # TTFT: every map call plus the combine call up to its first token, never its decode tail.
+        assert r.ttft_s >= sum(c.total_s for c in maps) + last.ttft_s
+        assert r.total_s - r.ttft_s >= last.total_s - last.ttft_s - 1e-3
+        assert r.ttft_s < r.total_s
+    else:
+        replies = [TolerantRerankParser().parse(_greedy_plain(engine, c.prompt, 4)) for c in maps]
+        best = max(replies, key=lambda p: int(p["score"]))  # first best wins: retrieval order
+        assert r.text == best["answer"].strip()
+        assert r.ttft_s == r.total_s >= sum(c.total_s for c in maps)  # the answer exists once all maps end
+    engine.close()
+
+
+def test_missing_langchain_cacheblend_names_the_fix(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "langchain_cacheblend", None)  # import raises ImportError
+    with pytest.raises(ImportError, match=re.escape("pip install -e integrations/langchain-cacheblend")):
+        lc.make_llm(None)
+
+    def factory(c):
+        raise AssertionError("the model loaded before the missing integration was reported")
+
+    cfg = BenchConfig(model="tiny", datasets=("crosschunk",), n=1, methods=("map_rerank",), out_dir=str(tmp_path),
+                      progress=False, plots=False)
+    with pytest.raises(ImportError, match="langchain-cacheblend"):
+        run_benchmark(cfg, engine_factory=factory, retriever=WordRetriever())
+    # Importing the package and the bench never needs it.
+    ok = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.modules['langchain_cacheblend'] = None; "
+         "import cacheblend_rag, cacheblend_rag.bench, cacheblend_rag.bench.runner, cacheblend_rag.cli"],
+        capture_output=True, text=True,
+    )
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_cli_chain_n(monkeypatch, tmp_path):
+    from cacheblend_rag import cli
+    from cacheblend_rag.bench import runner
+
+    seen = []
+    monkeypatch.setattr(runner, "run_benchmark", lambda cfg: seen.append(cfg) or [])
+    assert cli.main(["bench", "--n", "5", "--chain-n", "2", "--out", str(tmp_path), "--quiet"]) == 0
+    assert cli.main(["bench", "--n", "5", "--out", str(tmp_path), "--quiet"]) == 0
+    assert [c.chain_n for c in seen] == [2, None] and seen[0].n == 5
+
+
+def test_chain_n_must_not_be_negative(tmp_path):
+    with pytest.raises(ValueError, match="chain_n=-1"):
+        run_benchmark(BenchConfig(model="tiny", datasets=("crosschunk",), n=1, chain_n=-1, out_dir=str(tmp_path)))

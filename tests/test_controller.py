@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import math
 
 import pytest
@@ -10,9 +12,20 @@ import torch
 
 from cacheblend_rag import BlendConfig, CacheBlendEngine
 from cacheblend_rag.cli import build_parser
-from cacheblend_rag.controller import DeviceProfile, LoadingController, TierProfile
+from cacheblend_rag.controller import (
+    DeviceProfile,
+    FusedCost,
+    LoadingController,
+    TierProfile,
+)
 from cacheblend_rag.kv_store import KVStore
-from cacheblend_rag.profile import measure_tier, profile_engine
+from cacheblend_rag.profile import (
+    describe,
+    measure_fused,
+    measure_tier,
+    measure_tier_read,
+    profile_engine,
+)
 from cacheblend_rag.testing import make_model
 from cacheblend_rag.tiers import MemoryTier, ThrottledStore
 
@@ -33,6 +46,38 @@ TIERS = dict(
     ssd=TierProfile(read_bytes_per_s=1_000 * MB, cost_per_byte=0.1),
     slow=TierProfile(read_bytes_per_s=10 * MB, cost_per_byte=0.01),
 )
+
+# The fused path measured 0.1 + 1.5 r of a full prefill (the paper assumes 0 + 1 r).
+FUSED = FusedCost(fixed=0.1, per_ratio=1.5)
+
+
+def calibrated(device: str = "cpu-2t", **tiers: TierProfile) -> DeviceProfile:
+    return dataclasses.replace(synthetic(**tiers), fused=FUSED, device=device)
+
+
+# The quiet-machine benchmark of docs/pipeline.md, as a profile: SmolLM2-135M (30 layers, 3 KV heads
+# of 64 -> 46080 B/token in fp32), 1774 context tokens = 81.7 MB, full prefill 5.7 s (so the paper's
+# equal-delay ratio on the 20 MB/s tier is the 0.72 the controller chose there), a disk read that is
+# all CPU (~400 MB/s), the throttled tiers doing the same CPU work plus sleeping.
+BENCH_TOKENS = 1774
+DISK_CPU = 1 / (400 * MB)
+
+
+BENCH_FUSED = FusedCost(fixed=0.12, per_ratio=1.45)  # an assumed calibration: ~1.45x per recomputed token
+
+
+def bench_profile(device: str = "cpu-2t", fused: FusedCost | None = BENCH_FUSED) -> DeviceProfile:
+    return DeviceProfile(
+        model_id="SmolLM2-135M", fingerprint="b" * 40, device=device, dtype="float32", num_layers=30,
+        kv_values_per_token=2 * 30 * 3 * 64, prefill_points=[(BENCH_TOKENS, 5.7)], fused=fused,
+        assemble_s_per_token=5e-6 if fused else None,
+        tiers={
+            "memory": TierProfile(read_bytes_per_s=60_000 * MB, cost_per_byte=1.0, cpu_s_per_byte=1 / (60_000 * MB)),
+            "disk": TierProfile(read_bytes_per_s=400 * MB, cost_per_byte=0.1, cpu_s_per_byte=DISK_CPU),
+            "throttled100": TierProfile(read_bytes_per_s=96 * MB, cost_per_byte=0.01, cpu_s_per_byte=DISK_CPU),
+            "throttled20": TierProfile(read_bytes_per_s=20 * MB, cost_per_byte=0.01, cpu_s_per_byte=DISK_CPU),
+        },
+    )
 
 
 def test_prefill_cost_interpolates_and_extrapolates():
@@ -100,9 +145,161 @@ def test_profile_round_trips_and_checks_its_version(tmp_path):
     path = p.save(tmp_path / "sub" / "profile.json")
     q = DeviceProfile.load(path)
     assert q == p and q.tiers["slow"].read_bytes_per_s == 10 * MB
-    path.write_text(path.read_text().replace('"version": 1', '"version": 99'))
-    with pytest.raises(ValueError, match="re-run `cacheblend-rag profile`"):
+    c = bench_profile()
+    assert DeviceProfile.load(c.save(tmp_path / "cal.json")) == c  # the calibration survives the round trip
+    assert '"version": 2' in path.read_text()
+    path.write_text(path.read_text().replace('"version": 2', '"version": 99'))
+    with pytest.raises(ValueError, match="re-run `cacheblend-rag profile"):
         DeviceProfile.load(path)
+
+
+# A profile file as version 1 wrote it: no fused cost, no loader CPU costs.
+OLD_PROFILE = {
+    "model_id": "synthetic", "fingerprint": "f" * 40, "device": "cpu-2t", "dtype": "float32", "num_layers": 10,
+    "kv_values_per_token": KV_VALUES, "prefill_points": [[1000, 1.0], [2000, 2.5]],
+    "tiers": {
+        "memory": {"read_bytes_per_s": 10_000 * MB, "cost_per_byte": 1.0, "element_bytes": 4},
+        "slow": {"read_bytes_per_s": 10 * MB, "cost_per_byte": 0.01, "element_bytes": 4},
+    },
+    "meta": {"torch_threads": 2}, "version": 1,
+}
+
+
+def test_old_profile_without_calibration_loads_and_uses_the_papers_estimator(tmp_path):
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(OLD_PROFILE))
+    p = DeviceProfile.load(path)
+    assert p.fused is None and p.assemble_s_per_token is None and p.tiers["slow"].cpu_s_per_byte is None
+    assert p.version == 1 and p.is_cpu
+    ctl = LoadingController(p)
+    assert not ctl.calibrated and ctl.cpu_contention == 1.0
+    # Nothing measured about the loader's CPU: no contention, the paper's r x prefill, ratio 0.4.
+    assert ctl.contention_delay("slow", 1000) == 0.0
+    assert ctl.recompute_delay(0.4, 1000) == pytest.approx(0.4)
+    assert ctl.ratio_for(1000, "slow") == pytest.approx(0.4)
+    assert ctl.ratio_for(1000, "memory") == 0.15
+    assert "not calibrated" in describe(p, lengths=(1000,))
+
+
+def test_engine_warns_about_an_old_profile(tokenizer, tmp_path, caplog):
+    eng = CacheBlendEngine(make_model("llama"), tokenizer, store=KVStore(tmp_path / "kv"))
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(dict(OLD_PROFILE, fingerprint=eng.fingerprint)))
+    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.controller"):
+        ctl = LoadingController.for_engine(eng, path, measure=False)
+    assert not ctl.calibrated and "no fused-cost calibration" in caplog.text
+    # A calibration measured with other fusor/loader code is used, with a warning; current code: none.
+    from cacheblend_rag.profile import fused_code_id
+
+    for code, warns in (("0123456789abcdef", True), (fused_code_id(), False)):
+        caplog.clear()
+        prof = dataclasses.replace(calibrated(), fingerprint=eng.fingerprint, meta={"fused_calibration": {"code": code}})
+        with caplog.at_level(logging.WARNING, logger="cacheblend_rag.controller"):
+            ctl = LoadingController.for_engine(eng, prof.save(tmp_path / f"{code}.json"), measure=False)
+        assert ctl.calibrated and ("other fusor/loader code" in caplog.text) == warns
+        assert ("WARNING: calibrated against another version" in describe(prof, lengths=(1000,))) == warns
+    eng.close()
+
+
+# ------------------------------------------------------------------------------ calibration
+
+
+def test_fused_cost_fit_recovers_the_line_and_refuses_nonsense():
+    prefill = {1000: 2.0, 2000: 5.0}.__getitem__
+    pts = [(1000, r, (0.2 + 1.6 * r) * 2.0) for r in (0.15, 0.5)] + [(2000, 1.0, 1.8 * 5.0)]
+    f = FusedCost.fit(pts, prefill)
+    assert f.fixed == pytest.approx(0.2) and f.per_ratio == pytest.approx(1.6)
+    assert f.share(0.5) == pytest.approx(1.0) and len(f.points) == 3 and f.points[0][3] == 2.0
+    # A negative intercept is clamped to 0 and the slope refitted through the origin.
+    g = FusedCost.fit([(1000, 0.2, 0.2), (1000, 1.0, 2.4)], prefill)  # shares 0.1 and 1.2
+    assert g.fixed == 0.0 and g.per_ratio == pytest.approx((0.2 * 0.1 + 1.0 * 1.2) / (0.04 + 1.0))
+    with pytest.raises(ValueError, match="two distinct ratios"):
+        FusedCost.fit([(1000, 0.5, 1.0), (1000, 0.5, 1.1)], prefill)
+    with pytest.raises(ValueError, match="does not grow"):
+        FusedCost.fit([(1000, 0.15, 2.0), (1000, 1.0, 1.0)], prefill)
+    with pytest.raises(ValueError, match="per_ratio > 0"):
+        FusedCost(fixed=0.1, per_ratio=0.0)
+
+
+def test_calibrated_fast_tier_still_gets_the_floor():
+    ctl = LoadingController(calibrated(**TIERS))
+    assert ctl.calibrated
+    assert ctl.ratio_for(1000, "memory") == 0.15 and ctl.ratio_for(1000, "ssd") == 0.15
+    assert ctl.decide(1000, {}).ratio == 0.15
+
+
+def test_calibrated_slow_tier_never_gets_a_ratio_whose_recompute_exceeds_the_load():
+    ctl = LoadingController(calibrated(**TIERS))
+    # 0.4 s of load against (0.1 + 1.5 r) x 1 s: equal at r = 0.2, not the paper's 0.4.
+    assert ctl.recompute_delay(0.4, 1000) == pytest.approx(0.7)
+    assert ctl.ratio_for(1000, "slow") == pytest.approx(0.2)
+    assert ctl.recompute_delay(0.2, 1000) == pytest.approx(ctl.load_delay("slow", 1000))
+    # Still a larger, free ratio than the floor for a slow tier, and still capped.
+    assert ctl.ratio_for(1000, load_s=0.5) == pytest.approx(0.4 / 1.5)
+    assert ctl.ratio_for(1000, load_s=5.0) == 1.0
+    # A load shorter than the fixed part alone hides nothing: equal-delay ratio 0, the floor.
+    assert ctl.equal_delay_ratio(1000, 0.05) == 0.0 and ctl.ratio_for(1000, load_s=0.05) == 0.15
+    # Over a sweep of speeds and lengths: above the floor, recompute + contention <= load.
+    for n in (300, 1000, 1700, 4000):
+        for mbps in (1, 3, 10, 20, 50, 100, 1000):
+            tiers = {"t": TierProfile(read_bytes_per_s=mbps * MB, cpu_s_per_byte=1 / (400 * MB))}
+            for device in ("cpu-2t", "cuda-H100"):
+                c = LoadingController(dataclasses.replace(calibrated(device=device), tiers=tiers))
+                d = c.decide(n, {"t": n})
+                if d.ratio > c.quality_floor:
+                    assert d.est_recompute_s + d.est_contention_s <= d.est_load_s * (1 + 1e-9), (n, mbps, device, d)
+                if d.ratio < c.max_ratio:  # not capped: nothing larger would still hide
+                    assert c.recompute_delay(d.ratio + 0.01, n) + d.est_contention_s > d.est_load_s or d.ratio == c.quality_floor
+
+
+def test_throttled_tier_of_the_benchmark():
+    """docs/pipeline.md: at 20 MB/s the uncalibrated controller chose 0.72 and the recompute took
+    longer than the load (1.28x the pure load, vs 1.11x at the floor)."""
+    n, old = BENCH_TOKENS, LoadingController(bench_profile(fused=None), cpu_contention=0)  # the controller before
+    load = old.load_delay("throttled20", n)
+    assert load == pytest.approx(81.7e6 / 20e6, rel=1e-3)
+    assert old.ratio_for(n, "throttled20") == pytest.approx(0.72, abs=0.01)  # the regression, reproduced
+    ctl = LoadingController(bench_profile())
+    assert ctl.calibrated
+    d = ctl.decide(n, {"throttled20": n})
+    assert d.ratio < 0.5 and d.ratio > ctl.quality_floor
+    assert d.est_recompute_s + d.est_contention_s == pytest.approx(load)  # equal delay, contention included
+    assert ctl.recompute_delay(0.72, n) > load  # what 0.72 would really cost: longer than the load
+    # Memory, disk and the 100 MB/s tier: the floor, as measured.
+    for tier in ("memory", "disk", "throttled100"):
+        assert ctl.ratio_for(n, tier) == 0.15, tier
+    # At the floor the 100 MB/s tier's load hides; the 20 MB/s tier's does not (0.22 s fixed + r).
+    assert ctl.cheapest_tier(0.15, n) == "throttled100"
+    assert ctl.cheapest_tier(d.ratio, n) in ("throttled100", "throttled20")
+
+
+def test_cpu_contention_rule():
+    n = BENCH_TOKENS
+    cpu, gpu = LoadingController(bench_profile("cpu-2t")), LoadingController(bench_profile("cuda-NVIDIA_H200"))
+    assert cpu.cpu_contention == 1.0 and gpu.cpu_contention == 0.0
+    # The loader's CPU time on the 20 MB/s tier: the disk read's CPU plus the assembly.
+    want = cpu.profile.kv_bytes(n, "throttled20") * DISK_CPU + 5e-6 * n
+    assert want == pytest.approx(0.213, abs=0.001)
+    assert cpu.contention_delay("throttled20", n) == pytest.approx(want, rel=1e-3)
+    assert gpu.contention_delay("throttled20", n) == 0.0
+    r_cpu, r_gpu = cpu.ratio_for(n, "throttled20"), gpu.ratio_for(n, "throttled20")
+    assert r_cpu < r_gpu
+    assert cpu.recompute_delay(r_cpu, n) == pytest.approx(cpu.load_delay("throttled20", n) - want)
+    # Overridable: off (0) behaves like an accelerator, a larger factor lowers the ratio further.
+    assert LoadingController(bench_profile("cpu-2t"), cpu_contention=0).ratio_for(n, "throttled20") == pytest.approx(r_gpu)
+    assert LoadingController(bench_profile("cpu-2t"), cpu_contention=3).ratio_for(n, "throttled20") < r_cpu
+    # A tier whose read is all CPU (slow, but no waiting) hides nothing on a CPU: the floor.
+    busy = {"busy": TierProfile(read_bytes_per_s=10 * MB, cpu_s_per_byte=1 / (10 * MB))}
+    assert LoadingController(calibrated("cpu-2t", **busy)).ratio_for(1000, "busy") == 0.15
+    assert LoadingController(calibrated("cuda-x", **busy)).ratio_for(1000, "busy") == pytest.approx(0.2)
+    assert LoadingController(calibrated("cpu-2t", **busy)).tiers_that_hide(0.15, 1000) == ["busy"]
+    # A custom loader CPU estimate replaces the profile's.
+    ctl = LoadingController(calibrated("cpu-2t", **TIERS), loader_cpu=lambda tier, tokens: 0.05)
+    assert ctl.ratio_for(1000, "slow") == pytest.approx((0.35 - 0.1) / 1.5)
+    d = ctl.decide(1000, {"slow": 500, "ssd": 500})
+    assert d.est_contention_s == pytest.approx(0.1) and d.as_stats()["controller_est_contention_s"] == d.est_contention_s
+    with pytest.raises(ValueError, match="cpu_contention"):
+        LoadingController(calibrated(), cpu_contention=-1)
 
 
 def test_bad_arguments_are_named():
@@ -125,12 +322,54 @@ def test_measure_tier_sees_the_throttle():
     assert len(mem) == 0  # the probe chunk is discarded
 
 
-def test_profile_engine_measures_the_tiny_model(tokenizer, tmp_path):
+def test_measure_tier_counts_cpu_not_waiting():
+    mem = MemoryTier()
+    r = measure_tier_read(ThrottledStore(mem, 2 * MB), num_layers=2, kv_shape=(2, 8), dtype=torch.float16, tokens=256, repeats=1)
+    assert r.read_bytes_per_s <= 2 * MB and r.element_bytes == 2
+    # Most of a throttled read is sleeping, which is not CPU the compute loses.
+    assert 0 <= r.cpu_s_per_byte * r.read_bytes_per_s < 0.5
+
+
+def test_profile_engine_measures_the_tiny_model(tokenizer, tmp_path, monkeypatch):
+    import cacheblend_rag.profile as prof
+
     eng = CacheBlendEngine(make_model("llama"), tokenizer, store=KVStore(tmp_path / "kv"))
-    p = profile_engine(eng, lengths=(16, 32, 5000), tiers={"memory": MemoryTier()}, tier_tokens=16, repeats=1)
+    p = profile_engine(eng, lengths=(16, 32, 5000), tiers={"memory": MemoryTier()}, tier_tokens=16, repeats=1, fused_tokens=48)
     assert [n for n, _ in p.prefill_points] == [16, 32]  # 5000 exceeds the context window
     assert p.kv_values_per_token == 2 * eng.num_layers * eng.kv_shape[0] * eng.kv_shape[1]
     assert p.tiers["memory"].read_bytes_per_s > 0 and p.fingerprint == eng.fingerprint
+    assert p.tiers["memory"].cpu_s_per_byte is not None and p.assemble_s_per_token > 0
+    # The fused calibration ran at 48 context tokens (on a 64-wide model its slope is noise, so a
+    # fit may be rejected: then the measured points are kept in meta and fused stays None).
+    cal = p.meta["fused_calibration"]
+    assert cal["criterion"] == eng.config.criterion and cal["chunks"] == 4
+    assert p.fused is not None or [n for n, *_ in cal["rejected"]] == [48, 48, 48]
+    assert DeviceProfile.from_json(p.to_json()) == p
+    # The fit and its storage, on a measurement that grows with the ratio as a real model's does.
+    fake = prof.FusedMeasurement([(32, r, (0.2 + 1.5 * r) * 0.02) for r in (0.15, 0.5, 1.0)], 1e-6, 4)
+    monkeypatch.setattr(prof, "measure_prefill", lambda engine, lengths, repeats: [(16, 0.01), (32, 0.02)])
+    monkeypatch.setattr(prof, "measure_fused", lambda engine, **kw: fake)
+    q = profile_engine(eng, lengths=(16, 32), tiers={}, repeats=1)
+    assert q.fused.fixed == pytest.approx(0.2) and q.fused.per_ratio == pytest.approx(1.5)
+    assert q.assemble_s_per_token == 1e-6 and DeviceProfile.from_json(q.to_json()) == q
+    assert "fused prefill = (0.200 + 1.500 x r)" in describe(q, lengths=(32,))
+    skipped = profile_engine(eng, lengths=(16,), tiers={}, repeats=1, fused_ratios=())
+    assert skipped.fused is None and skipped.assemble_s_per_token is None
+    eng.close()
+
+
+def test_measure_fused_times_the_engines_cacheblend_mode(tokenizer, tmp_path):
+    eng = CacheBlendEngine(make_model("llama"), tokenizer, store=KVStore(tmp_path / "kv"))
+    store = eng.store
+    m = measure_fused(eng, tokens=64, ratios=(1.0, 0.2), chunks=3, repeats=1)
+    assert m.chunks == 3 and [(n, r) for n, r, _ in m.points] == [(64, 0.2), (64, 1.0)]
+    assert all(s > 0 for _, _, s in m.points) and m.assemble_s_per_token > 0
+    assert eng.store is store  # the engine's own store is back
+    # Clipped to the context window (prefix and question included).
+    big = measure_fused(eng, tokens=10_000, ratios=(0.5,), chunks=2, repeats=1)
+    assert big.points[0][0] < eng.context_window
+    with pytest.raises(ValueError, match="ratios"):
+        measure_fused(eng, ratios=(1.5,))
     eng.close()
 
 
@@ -138,6 +377,11 @@ def test_cli_has_the_profile_and_bench_commands():
     parser = build_parser()
     assert parser.parse_args(["profile", "--out", "x.json"]).out == "x.json"
     assert parser.parse_args(["pipeline-bench", "--throttle-mbps", "80,20"]).throttle_mbps == [80.0, 20.0]
+    assert parser.parse_args(["pipeline-bench", "--cpu-contention", "0"]).cpu_contention == 0.0
+    assert parser.parse_args(["pipeline-bench"]).cpu_contention is None
+    assert parser.parse_args(["profile"]).fused_ratios == (0.15, 0.5, 1.0)
+    assert parser.parse_args(["profile", "--fused-ratios", "none"]).fused_ratios == ()
+    assert parser.parse_args(["profile", "--fused-ratios", "0.2,1", "--fused-tokens", "512"]).fused_ratios == (0.2, 1.0)
 
 
 # ------------------------------------------------------------------------------ engine wiring
@@ -161,6 +405,7 @@ def test_engine_asks_the_controller_when_no_ratio_is_given(tokenizer, tmp_path):
     eng.controller = ctl
     res = eng.generate(Q, CHUNKS, max_new_tokens=3)
     assert res.stats["controller_ratio"] == pytest.approx(0.4) and res.stats["controller_tier"] == "disk"
+    assert res.stats["controller_est_contention_s"] == 0.0  # nothing measured about the loader's CPU
     assert res.stats["recompute_ratio"] == pytest.approx(0.4)
     assert res.stats["recomputed_per_layer"][-1] >= math.ceil(0.4 * n)
     # Same fused result as asking for that ratio directly.

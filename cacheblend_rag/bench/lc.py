@@ -1,11 +1,13 @@
 """LangChain baselines: MapReduce and MapRerank QA chains over the same model and chunks.
 
 The chains come from ``langchain_classic.chains.question_answering.load_qa_chain``. They send
-whole prompt strings to an LLM, so they run on :class:`EngineLLM`, a plain LangChain ``LLM`` over
-the engine's model: the prompt goes into the model's chat template as the user turn, is prefilled
-in full (no KV reuse: these chains have no chunk-cache notion) and decoded greedily with the
-engine's own decoder. The LLM logs each call's start, first-token and end times, from which the
-runner derives the chain's time to first token of its final answer.
+whole prompt strings to an LLM; they run on the project's own LangChain model,
+``langchain_cacheblend.CacheBlendLLM``, over the same engine (:func:`make_llm`). It gets a private,
+empty chunk registry, so no prompt ever matches a chunk: every prompt is answered as a "plain
+chat", i.e. the prompt goes into the model's chat template as the user turn, is prefilled in full
+(no KV reuse: these chains have no chunk-cache notion) and decoded greedily by the engine's own
+decoder. A callback handler (:class:`CallRecorder`) collects each call's engine stats, from which
+:func:`run_chain` derives the chain's time to first token of its final answer.
 
 MapRerank: LangChain's default prompt asks for "Helpful Answer: ...\\nScore: N" and its
 ``RegexParser`` raises ``ValueError`` on any reply without that exact shape, which small models
@@ -21,84 +23,71 @@ import re
 import time
 from dataclasses import dataclass
 from typing import Any
+from uuid import UUID
 
-import torch
-from langchain_core.language_models.llms import LLM
-from langchain_core.prompts import PromptTemplate
 from langchain_classic.output_parsers.regex import RegexParser
-from pydantic import ConfigDict, Field
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.prompts import PromptTemplate
 
-from ..config import SamplingParams
-from ..generation import decode  # the engine's own decoder, so greedy decoding is identical
+INSTALL_HINT = "pip install -e integrations/langchain-cacheblend"
+
+
+def cacheblend_llm_class():
+    """``langchain_cacheblend.CacheBlendLLM``, imported only when a chain runs (see INSTALL_HINT)."""
+    try:
+        from langchain_cacheblend import CacheBlendLLM
+    except ImportError as e:
+        raise ImportError(
+            f"the map_reduce and map_rerank baselines run on langchain_cacheblend.CacheBlendLLM, which "
+            f"could not be imported ({e}): {INSTALL_HINT}"
+        ) from e
+    return CacheBlendLLM
+
+
+def make_llm(engine, max_new_tokens: int = 64):
+    """The chains' LLM: ``CacheBlendLLM`` over ``engine``, answering every prompt as a plain chat.
+
+    Its own empty chunk registry (not the engine's shared one) means no prompt is ever split into
+    chunks, so each call is a full prefill of the whole prompt; greedy decoding (temperature 0);
+    ``cache=False`` so a globally set LangChain LLM cache can never answer a timed call.
+    ``get_num_tokens`` counts with the model's own tokenizer (CacheBlendLLM's ``get_token_ids``).
+    """
+    from ..matching import ChunkRegistry
+
+    return cacheblend_llm_class()(
+        engine=engine, registry=ChunkRegistry(), max_new_tokens=max_new_tokens, temperature=0.0, cache=False,
+    )
 
 
 @dataclass
 class CallLog:
-    start: float
-    first_token: float
-    end: float
+    prompt: str
+    reported_at: float  # perf_counter when LangChain reported the call's end (on_llm_end)
+    ttft_s: float  # engine stats of the call, measured from the start of its prefill
+    total_s: float
     prompt_tokens: int
-    truncated: bool
+    mode: str
 
 
-class EngineLLM(LLM):
-    """A LangChain LLM over a ``CacheBlendEngine``'s model and tokenizer (greedy by default)."""
+class CallRecorder(BaseCallbackHandler):
+    """Collects every LLM call of one chain run: its prompt and CacheBlendLLM's engine stats."""
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
+    raise_error = True
 
-    engine: Any
-    max_new_tokens: int = 64
-    calls: list = Field(default_factory=list)
+    def __init__(self) -> None:
+        self.calls: list[CallLog] = []
+        self._prompts: dict[UUID, str] = {}
 
-    @property
-    def _llm_type(self) -> str:
-        return "cacheblend-engine"
+    def on_llm_start(self, serialized: dict[str, Any], prompts: list[str], *, run_id: UUID, **kwargs: Any) -> None:
+        self._prompts[run_id] = prompts[0]  # LangChain starts one run per prompt
 
-    @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return {"model_id": self.engine.model_id, "max_new_tokens": self.max_new_tokens}
-
-    def _prompt_ids(self, prompt: str) -> tuple[list[int], bool]:
-        tok = self.engine.tokenizer
-        if getattr(tok, "chat_template", None):
-            text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
-        else:
-            text = prompt
-        ids = list(tok(text, add_special_tokens=False)["input_ids"])
-        room = self.engine.context_window - self.max_new_tokens
-        if len(ids) > room:
-            # Keep the end (the question and the answer cue); only tiny test models get here.
-            return ids[-room:], True
-        return ids, False
-
-    def _call(self, prompt: str, stop: list[str] | None = None, run_manager=None, **kwargs: Any) -> str:
-        start = time.perf_counter()
-        model = self.engine.model
-        ids, truncated = self._prompt_ids(prompt)
-        with torch.inference_mode():
-            out = model(input_ids=torch.tensor([ids], device=self.engine.device), use_cache=True, logits_to_keep=1)
-        cache = getattr(out, "cache", None)
-        cache = cache if cache is not None else out.past_key_values
-        first = [0.0]
-
-        def mark() -> None:
-            first[0] = time.perf_counter()
-
-        params = SamplingParams(max_new_tokens=int(kwargs.get("max_new_tokens", self.max_new_tokens)), stop=tuple(stop or ()))
-        gen = decode(model, self.engine.tokenizer, cache, out.logits[0, -1].float(), len(ids), params, mark)
-        parts = []
-        while True:
-            try:
-                parts.append(next(gen))
-            except StopIteration as done:
-                text = done.value.text
-                break
-        self.calls.append(CallLog(start, first[0], time.perf_counter(), len(ids), truncated))
-        return text
-
-    def get_num_tokens(self, text: str) -> int:
-        # The base class would load GPT-2's tokenizer from the hub; count with the model's own.
-        return len(self.engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+    def on_llm_end(self, response, *, run_id: UUID, **kwargs: Any) -> None:
+        now = time.perf_counter()
+        info = response.generations[0][0].generation_info or {}
+        self.calls.append(CallLog(
+            self._prompts.pop(run_id, ""), now, float(info.get("ttft_s", 0.0)), float(info.get("total_s", 0.0)),
+            int(info.get("prompt_tokens", 0)), str(info.get("mode")),
+        ))
 
 
 class TolerantRerankParser(RegexParser):
@@ -143,7 +132,7 @@ def rerank_prompt() -> PromptTemplate:
     return PromptTemplate(template=RERANK_TEMPLATE, input_variables=["context", "question"], output_parser=TolerantRerankParser())
 
 
-def make_chain(kind: str, llm: LLM, token_max: int = 3000):
+def make_chain(kind: str, llm, token_max: int = 3000):
     """``token_max``: MapReduce collapses mapped replies above this many tokens (LangChain's
     default 3000; the tiny test model's byte-level tokenizer needs more for the few-shot prompt)."""
     from langchain_classic.chains.question_answering import load_qa_chain
@@ -163,24 +152,38 @@ class ChainResult:
     total_s: float
     calls: int
     prompt_tokens: int
-    truncated_calls: int
+    log: list[CallLog]
 
 
-def run_chain(chain, llm: EngineLLM, kind: str, question: str, chunks: list[str]) -> ChainResult:
+def run_chain(chain, kind: str, question: str, chunks: list[str]) -> ChainResult:
     """Run the chain once; TTFT = time until the final answer's first token.
 
     MapReduce: the combine call's first token (all map calls included). MapRerank: the answer is
     picked from the map replies by score, so it exists only when the last map call ends.
+
+    The combine call's first-token instant is its ``on_llm_end`` time minus the part of the call
+    after the first token (engine stats ``total_s - ttft_s``; both are measured from the start of
+    its prefill). It is the last call and a single-prompt ``generate``, so its ``on_llm_end``
+    follows the end of its decode directly (map calls are batched: their ends are reported together
+    after the batch, which is why only the last call's instant is used). The only error is the few
+    microseconds between the engine's end of decode and the callback, and it adds to the TTFT.
     """
     from langchain_core.documents import Document
 
-    llm.calls.clear()
+    recorder = CallRecorder()
     t0 = time.perf_counter()
-    out = chain.invoke({"input_documents": [Document(page_content=c) for c in chunks], "question": question})
-    end = time.perf_counter()
-    calls = list(llm.calls)
-    ttft = (calls[-1].first_token - t0) if kind == "map_reduce" and calls else end - t0
-    return ChainResult(
-        str(out["output_text"]).strip(), ttft, end - t0, len(calls),
-        sum(c.prompt_tokens for c in calls), sum(c.truncated for c in calls),
+    out = chain.invoke(
+        {"input_documents": [Document(page_content=c) for c in chunks], "question": question},
+        config={"callbacks": [recorder]},
     )
+    end = time.perf_counter()
+    calls = list(recorder.calls)
+    odd = sorted({c.mode for c in calls} - {"plain_chat"})
+    if odd:
+        raise RuntimeError(f"{kind}: LLM calls answered in mode(s) {odd}, expected plain_chat (full prefill)")
+    if kind == "map_reduce" and calls:
+        last = calls[-1]
+        ttft = (last.reported_at - (last.total_s - last.ttft_s)) - t0
+    else:
+        ttft = end - t0
+    return ChainResult(str(out["output_text"]).strip(), ttft, end - t0, len(calls), sum(c.prompt_tokens for c in calls), calls)

@@ -8,6 +8,11 @@ with a selection criterion of ``cacheblend_rag.selector.CRITERIA``, and LangChai
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -80,12 +85,20 @@ def parse_methods(specs: Sequence[str], ratios: Sequence[float] = DEFAULT_RATIOS
     return list(out.values())
 
 
-def run_kv(engine, method: Method, question: str, chunks: list[str], max_new_tokens: int) -> dict:
-    """One greedy answer with an engine prefill mode; chunk caches must be precomputed first."""
-    res = engine.generate(
+def run_kv(engine, method: Method, question: str, chunks: list[str], max_new_tokens: int) -> tuple[dict, "torch.Tensor"]:
+    """One greedy answer with an engine prefill mode; chunk caches must be precomputed first.
+
+    Returns the row fields and the prefill's next-token logits (for fidelity to full prefill, taken
+    from the timed run itself rather than an extra prefill).
+    """
+    stream = engine.stream(
         question, chunks, mode=method.mode, config=method.blend_config(engine.config),
         max_new_tokens=max_new_tokens, temperature=0.0,
     )
+    for _ in stream:
+        pass
+    res, pre = stream.result, stream.prefill_result
+    assert res is not None and pre is not None
     s = res.stats
     return {
         "answer": res.text.strip(),
@@ -96,5 +109,6 @@ def run_kv(engine, method: Method, question: str, chunks: list[str], max_new_tok
         "chunk_hits": s.get("chunk_hits"),
         "chunk_misses": s.get("chunk_misses"),
         "recompute_fraction": s.get("recompute_fraction"),
+        "compute_fraction": s.get("compute_fraction", s.get("recompute_fraction")),
         "generated_tokens": s.get("generated_tokens"),
-    }
+    }, pre.logits

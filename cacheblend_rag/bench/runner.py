@@ -21,7 +21,6 @@ from tqdm.auto import tqdm
 
 from ..metrics import next_token_kl, qa_f1
 from . import datasets as ds
-from .lc import EngineLLM, make_chain, run_chain
 from .methods import DEFAULT_METHODS, DEFAULT_RATIOS, Method, parse_methods, run_kv
 from .summary import summarize, write_summary
 
@@ -41,18 +40,23 @@ class BenchConfig:
         "tiny" (random test model: mechanics only), or a model dir / .gguf / hub id.
     datasets: any of musique, hotpotqa, aclsum, crosschunk.
     n: questions per dataset (the first n of each file; crosschunk generates n).
+    chain_n: run the LangChain chains (map_reduce, map_rerank) only on the first ``chain_n`` of
+        those questions (None: all n); the KV methods still run on all n. The summary's TTFT ratios
+        pair questions, so a chain's ratio covers only the questions it ran.
     methods: method specs (see bench.methods); "cacheblend" expands over ``ratios``.
     top_ks: numbers of retrieved chunks; several values give the chunks sweep (paper: 6).
     chunk_tokens: chunk size in tokens (paper: 512).
     max_new_tokens / summary_max_new_tokens: answer budget for QA / summaries (greedy).
     chain_max_new_tokens: budget of each LangChain map call (their replies quote text).
-    fidelity: also measure next-token KL to full prefill for the KV modes (one extra prefill each).
+    fidelity: also measure next-token KL to full prefill for the KV modes, from each method's own
+        timed prefill (one extra full prefill per case only when full_recompute is not run).
     report_only: only rebuild the summary and plots from the finished cases in results.jsonl.
     """
 
     model: str = "smollm2"
     datasets: tuple[str, ...] = ds.DATASETS
     n: int = 30
+    chain_n: int | None = None
     methods: tuple[str, ...] = DEFAULT_METHODS
     ratios: tuple[float, ...] = DEFAULT_RATIOS
     top_ks: tuple[int, ...] = (6,)
@@ -73,15 +77,28 @@ class BenchConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+# The tiny test model's byte-level tokenizer turns LangChain's few-shot combine prompt into ~4.3k
+# tokens; the bench's tiny model gets a context window that holds it (RoPE has no position table,
+# so the weights are the same as testing.make_engine's).
+TINY_CONTEXT = 8192
+
+
+def tiny_engine(store_dir: str | None = None):
+    """``testing.make_engine("llama")``'s random model with an ``TINY_CONTEXT``-token window."""
+    from ..engine import CacheBlendEngine
+    from ..kv_store import KVStore
+    from ..testing import make_model, make_tokenizer
+
+    return CacheBlendEngine(make_model("llama", max_position_embeddings=TINY_CONTEXT), make_tokenizer(), store=KVStore(store_dir))
+
+
 def load_engine(cfg: BenchConfig):
     """The engine for ``cfg.model``; its KV store lives in ``<out_dir>/kv`` (2 GiB cap)."""
     from ..engine import CacheBlendEngine
 
     store = str(Path(cfg.out_dir) / "kv")
     if cfg.model == "tiny":
-        from ..testing import make_engine
-
-        return make_engine("llama", store_dir=store)
+        return tiny_engine(store)
     if cfg.model in ("smollm2", "default", ""):
         return CacheBlendEngine.from_pretrained(None, device=cfg.device, store_dir=store, store_size_limit=2 * 2**30)
     if cfg.model == "qwen2.5-coder-0.5b":
@@ -127,7 +144,7 @@ def _support_recall(example: ds.Example, chunks: Sequence[str]) -> float | None:
     return sum(any(s in c for c in chunks) for s in example.supports) / len(example.supports)
 
 
-def _warm_up(engine, methods: list[Method], llm: EngineLLM | None) -> None:
+def _warm_up(engine, methods: list[Method], llm: Any) -> None:
     """One untimed call per method, so first-call allocations do not land in a measured case."""
     chunks = ["Warm-up text about a quiet town.", "Another short warm-up passage."]
     engine.precompute(chunks, progress=False)
@@ -135,7 +152,7 @@ def _warm_up(engine, methods: list[Method], llm: EngineLLM | None) -> None:
         if m.is_kv:
             run_kv(engine, m, "Which town?", chunks, 2)
     if llm is not None:
-        llm._call("Say hello.", max_new_tokens=2)
+        llm.invoke("Say hello.", max_new_tokens=2)
     engine.flush()
 
 
@@ -150,6 +167,10 @@ def run_benchmark(
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.jsonl"
     methods = parse_methods(cfg.methods, cfg.ratios)
+    chain_n = cfg.n if cfg.chain_n is None else cfg.chain_n
+    if chain_n < 0:
+        raise ValueError(f"chain_n={chain_n} must be >= 0 (None: the same as n)")
+    kv_methods = [m for m in methods if m.is_kv]
     rows = read_results(results_path)
     done = {r["key"] for r in rows}
 
@@ -159,17 +180,24 @@ def run_benchmark(
         for name in cfg.datasets
     ]
     # Round-robin over datasets, so a run stopped early has covered every dataset about equally.
-    examples = [ex for group in zip_longest(*per_dataset) for ex in group if ex is not None]
-    cases = [(ex, k) for ex in examples for k in cfg.top_ks]
+    # i: the question's index in its dataset; the chains run on the first chain_n only.
+    examples = [(ex, i) for i, group in enumerate(zip_longest(*per_dataset)) for ex in group if ex is not None]
+    cases = [(ex, k, methods if i < chain_n else kv_methods) for ex, i in examples for k in cfg.top_ks]
+    cases = [c for c in cases if c[2]]
     model_name = cfg.model
-    todo = [
-        (ex, k) for ex, k in cases
-        if any(case_key(model_name, ex.dataset, ex.qid, m.name, k, cfg.chunk_tokens) not in done for m in methods)
-    ]
+    todo = []  # (example, top-k, its unfinished methods)
+    for ex, k, ms in cases:
+        pending = [m for m in ms if case_key(model_name, ex.dataset, ex.qid, m.name, k, cfg.chunk_tokens) not in done]
+        if pending:
+            todo.append((ex, k, pending))
     if todo and not cfg.report_only:
+        if any(not m.is_kv for _, _, ms in todo for m in ms):
+            from .lc import cacheblend_llm_class
+
+            cacheblend_llm_class()  # a missing langchain_cacheblend fails here, before the model loads
         engine = (engine_factory or load_engine)(cfg)
         try:
-            rows += _run_cases(cfg, engine, retriever, methods, todo, done, results_path, len(cases))
+            rows += _run_cases(cfg, engine, retriever, methods, todo, results_path, len(cases))
         finally:
             engine.close()
     rows = [r for r in rows if r.get("model") == model_name]
@@ -182,38 +210,44 @@ def run_benchmark(
     return rows
 
 
-def _run_cases(cfg, engine, retriever, methods, todo, done, results_path: Path, total: int) -> list[dict]:
+def _run_cases(cfg, engine, retriever, methods, todo, results_path: Path, total: int) -> list[dict]:
     from ..engine import CacheBlendEngine
 
     retriever = retriever or ds.Retriever()
     count = ds.token_counter(engine.tokenizer)
     summary_engine = None
-    if any(ex.task == "summary" for ex, _ in todo):
+    if any(ex.task == "summary" for ex, _, _ in todo):
         # Same model, weights and store; only the instruction differs (it keys its own caches).
         summary_engine = CacheBlendEngine(
             engine.model, engine.tokenizer, store=engine.store, config=engine.config,
             instruction=SUMMARY_INSTRUCTION, model_id=engine.model_id, fingerprint=engine.fingerprint,
         )
-    chains = [m for m in methods if not m.is_kv]
-    llm = EngineLLM(engine=engine, max_new_tokens=cfg.chain_max_new_tokens) if chains else None
-    # The tiny test model's 400-token byte-level vocabulary blows LangChain's few-shot combine
-    # prompt past any token_max; EngineLLM keeps the prompt's end instead (counted in the rows).
-    token_max = 10**7 if cfg.model == "tiny" else 3000
-    built = {m.kind: make_chain(m.kind, llm, token_max) for m in chains}
+    chains = list({m.kind: m for _, _, ms in todo for m in ms if not m.is_kv}.values())
+    llm, built = None, {}
+    if chains:
+        from .lc import make_chain, make_llm, run_chain
+
+        llm = make_llm(engine, cfg.chain_max_new_tokens)
+        # The tiny test model's 400-token byte-level vocabulary blows LangChain's few-shot combine
+        # prompt past any token_max (its window is TINY_CONTEXT instead).
+        token_max = 10**7 if cfg.model == "tiny" else 3000
+        built = {m.kind: make_chain(m.kind, llm, token_max) for m in chains}
     _warm_up(engine, methods, llm)
     new_rows: list[dict] = []
     bar = tqdm(todo, desc="bench", unit="case", disable=not cfg.progress, initial=total - len(todo), total=total)
     with results_path.open("a", encoding="utf-8") as sink:
-        for ex, k in bar:
+        for ex, k, pending in bar:
             eng = summary_engine if ex.task == "summary" else engine
             budget = cfg.summary_max_new_tokens if ex.task == "summary" else cfg.max_new_tokens
             chunks = retriever.top_k(ex.question, ds.chunk_documents(ex.documents, count, cfg.chunk_tokens), k)
-            pending = [m for m in methods if case_key(cfg.model, ex.dataset, ex.qid, m.name, k, cfg.chunk_tokens) not in done]
             if any(m.is_kv for m in pending):
                 eng.precompute(chunks, progress=False)  # deployment-time work, not part of TTFT
                 eng.flush()
+            # The reference for KL is full recompute's own timed prefill when it runs in this
+            # case (it runs first), else one extra untimed full prefill.
             ref_logits = None
-            if cfg.fidelity and any(m.is_kv for m in pending):
+            pending = sorted(pending, key=lambda m: m.mode != "full_recompute")
+            if cfg.fidelity and any(m.is_kv for m in pending) and pending[0].mode != "full_recompute":
                 ref_logits = eng.next_token_logits(ex.question, chunks, "full_recompute")
             base = {
                 "model": cfg.model, "dataset": ex.dataset, "qid": ex.qid, "top_k": k,
@@ -224,24 +258,24 @@ def _run_cases(cfg, engine, retriever, methods, todo, done, results_path: Path, 
             for m in pending:
                 bar.set_postfix_str(f"{ex.dataset} {m.name}")
                 if m.is_kv:
-                    res = run_kv(eng, m, ex.question, chunks, budget)
+                    res, logits = run_kv(eng, m, ex.question, chunks, budget)
                     eng.flush()  # prefix caching's background write-back must not overlap the next timing
+                    if cfg.fidelity and m.mode == "full_recompute" and ref_logits is None:
+                        ref_logits = logits
                     if ref_logits is not None:
-                        logits = eng.next_token_logits(ex.question, chunks, m.mode, config=m.blend_config(eng.config))
                         res["kl"] = next_token_kl(ref_logits, logits)
                 else:
                     llm.max_new_tokens = max(budget, cfg.chain_max_new_tokens)
-                    r = run_chain(built[m.kind], llm, m.kind, ex.question, chunks)
+                    r = run_chain(built[m.kind], m.kind, ex.question, chunks)
                     res = {
                         "answer": r.text, "ttft_s": r.ttft_s, "total_s": r.total_s, "calls": r.calls,
-                        "prompt_tokens": r.prompt_tokens, "truncated_calls": r.truncated_calls,
+                        "prompt_tokens": r.prompt_tokens,
                     }
                 metric, quality = score(ex, res["answer"])
                 row = dict(base, method=m.name, metric=metric, quality=quality, **res,
                            key=case_key(cfg.model, ex.dataset, ex.qid, m.name, k, cfg.chunk_tokens), time=time.time())
                 sink.write(json.dumps(row) + "\n")
                 sink.flush()
-                done.add(row["key"])
                 new_rows.append(row)
     eng_list = [e for e in (summary_engine,) if e is not None]
     for e in eng_list:

@@ -17,7 +17,8 @@ from ..metrics import normalize_answer
 FIELDS = [
     "dataset", "top_k", "method", "n", "metric", "quality", "ttft_mean_s", "ttft_median_s",
     "latency_mean_s", "throughput_qps", "speedup_vs_full_recompute", "speedup_vs_prefix_caching",
-    "kl_mean", "agreement", "recompute_fraction", "prompt_tokens_mean", "support_recall",
+    "n_paired_full", "full_quality_paired", "kl_mean", "agreement", "recompute_fraction",
+    "prompt_tokens_mean", "support_recall",
 ]
 
 
@@ -26,14 +27,19 @@ def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+def _pairs(rows: list[dict], ref: list[dict]) -> list[tuple[dict, dict]]:
+    """(ref row, row) for each question both finished (e.g. a chain run with --chain-n)."""
+    by_q = {r["qid"]: r for r in ref}
+    return [(by_q[r["qid"]], r) for r in rows if r["qid"] in by_q]
+
+
 def _speedup(rows: list[dict], ref: list[dict]) -> float | None:
     """Mean TTFT of ``ref`` over mean TTFT of ``rows``, on the questions both finished."""
-    by_q = {r["qid"]: r["ttft_s"] for r in ref}
-    pairs = [(by_q[r["qid"]], r["ttft_s"]) for r in rows if r["qid"] in by_q]
+    pairs = _pairs(rows, ref)
     if not pairs:
         return None
-    den = sum(p[1] for p in pairs)
-    return sum(p[0] for p in pairs) / den if den > 0 else None
+    den = sum(p[1]["ttft_s"] for p in pairs)
+    return sum(p[0]["ttft_s"] for p in pairs) / den if den > 0 else None
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -48,6 +54,7 @@ def summarize(rows: list[dict]) -> list[dict]:
         agree = [normalize_answer(r["answer"]) == full_answers[r["qid"]] for r in rs if r["qid"] in full_answers]
         total = sum(r["total_s"] for r in rs)
         is_kv = "kl" in rs[0] or rs[0].get("recompute_fraction") is not None
+        paired = _pairs(rs, full)
         out.append({
             "dataset": dataset,
             "top_k": k,
@@ -61,6 +68,9 @@ def summarize(rows: list[dict]) -> list[dict]:
             "throughput_qps": len(rs) / total if total > 0 else None,
             "speedup_vs_full_recompute": _speedup(rs, full),
             "speedup_vs_prefix_caching": _speedup(rs, prefix),
+            # The questions the full-prefill ratio is over, and full prefill's quality on them.
+            "n_paired_full": len(paired),
+            "full_quality_paired": _mean([f["quality"] for f, _ in paired]),
             "kl_mean": _mean([r.get("kl") for r in rs]),
             "agreement": (sum(agree) / len(agree)) if agree and is_kv else None,
             "recompute_fraction": _mean([r.get("recompute_fraction") for r in rs]),
@@ -106,7 +116,11 @@ def write_summary(summary: list[dict], out: Path, cfg: Any = None) -> None:
 
 
 def markdown_table(summary: list[dict], dataset: str, top_k: int | None = None) -> str:
-    """A table for docs: quality, TTFT speedups, fidelity."""
+    """A table for docs: quality, TTFT speedups, fidelity.
+
+    A method that ran on fewer questions than full prefill (``--chain-n``) shows them as "n/N"
+    and full prefill's quality on those questions in brackets; its TTFT ratios are over them too.
+    """
     lines = [
         "| method | n | quality | TTFT vs full | TTFT vs prefix | latency (s) | answers/s | KL | agree |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -115,11 +129,17 @@ def markdown_table(summary: list[dict], dataset: str, top_k: int | None = None) 
     def f(x, fmt):
         return "–" if x is None else format(x, fmt)
 
+    full_n = {(r["dataset"], r["top_k"]): r["n"] for r in summary if r["method"] == "full_recompute"}
     for r in summary:
         if r["dataset"] != dataset or (top_k is not None and r["top_k"] != top_k):
             continue
+        n, quality = str(r["n"]), f"{r['metric']} {f(r['quality'], '.3f')}"
+        of = full_n.get((r["dataset"], r["top_k"]))
+        if of is not None and r.get("n_paired_full", of) < of:
+            n = f"{r['n']}/{of}"
+            quality += f" (full {f(r.get('full_quality_paired'), '.3f')})"
         lines.append(
-            f"| {r['method']} | {r['n']} | {r['metric']} {f(r['quality'], '.3f')} | "
+            f"| {r['method']} | {n} | {quality} | "
             f"{f(r['speedup_vs_full_recompute'], '.2f')}x | {f(r['speedup_vs_prefix_caching'], '.2f')}x | "
             f"{f(r['latency_mean_s'], '.2f')} | {f(r['throughput_qps'], '.2f')} | {f(r['kl_mean'], '.3f')} | "
             f"{f(r['agreement'], '.2f')} |"
