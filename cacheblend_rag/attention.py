@@ -12,6 +12,21 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 ATTN_IMPLEMENTATION = "cacheblend_sdpa"
 PROBE_KWARG = "cacheblend_probe"
+GROUPS_KWARG = "cacheblend_row_groups"
+
+
+def row_groups(positions: torch.Tensor, groups: int) -> list[tuple[int, int, int]]:
+    """Split ascending query positions into ``groups`` blocks of rows: (first row, end row, keys).
+
+    Under an exact causal mask a block needs only the keys up to its last row's position; the rest
+    of each row is masked anyway. A causal prefill skips the masked half through ``is_causal``; the
+    fusor's scattered rows cannot, so a selected token would otherwise pay for the whole prompt.
+    """
+    n = int(positions.numel())
+    groups = max(1, min(groups, n))
+    bounds = [round(i * n / groups) for i in range(groups + 1)]
+    last = positions.tolist()
+    return [(a, b, last[b - 1] + 1) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
 class StopAfterProjection(Exception):
@@ -44,13 +59,42 @@ class AttentionProbe:
         self.weights = scores.softmax(dim=-1).mean(dim=(0, 1, 2))
 
 
+def _masked_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA, except on CPU with a mask and grouped K/V heads: there transformers copies
+    K/V once per query head group (``repeat_kv``; CUDA kernels need it), which costs more than the
+    attention itself for the few question rows of a fused prefill. CPU SDPA takes the mask with
+    ``enable_gqa`` directly, with the same result."""
+    groups = query.shape[1] // key.shape[1]
+    if (
+        query.device.type != "cpu"
+        or attention_mask is None
+        or groups == 1
+        or kwargs.get("dropout", 0.0)
+        or any(kwargs.get(k) is not None for k in ("softcap", "position_bias", "sliding_window", "s_aux"))
+    ):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, scale=kwargs.get("scaling"), enable_gqa=True
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
 def blend_attention_forward(module, query, key, value, attention_mask, **kwargs):
     probe = kwargs.pop(PROBE_KWARG, None)
+    groups = kwargs.pop(GROUPS_KWARG, None)
     if probe is not None:
         probe.observe(module, query, key, attention_mask, kwargs.get("scaling"))
         if probe.stop:
             raise StopAfterProjection
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if groups is None or len(groups) < 2 or attention_mask is None:
+        return _masked_sdpa(module, query, key, value, attention_mask, **kwargs)
+    # Exact: each row block reads only keys 0..its last position (row_groups); SDPA's output is
+    # [batch, rows, heads, head_dim], so the blocks concatenate on dim 1.
+    outs = [
+        _masked_sdpa(module, query[:, :, a:b], key[:, :, :e], value[:, :, :e], attention_mask[:, :, a:b, :e], **kwargs)[0]
+        for a, b, e in groups
+    ]
+    return torch.cat(outs, dim=1), None
 
 
 def install(model) -> None:

@@ -364,6 +364,7 @@ class CacheBlendEngine:
             recompute_first_layer=mode == "cacheblend",
             checks=checks,
             num_query=len(layout.segments[-1]),
+            attention_groups=config.attention_groups,
         )
         loader = LayerAssembler(
             self.store,

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from .attention import PROBE_KWARG, AttentionProbe, StopAfterProjection
+from .attention import GROUPS_KWARG, PROBE_KWARG, AttentionProbe, StopAfterProjection, row_groups
 from .selector import Criterion, Deviation, top_k
 
 LayerLoader = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
@@ -44,6 +44,7 @@ class FusionPlan:
     recompute_first_layer: bool
     checks: dict[int, int] = field(default_factory=dict)
     num_query: int = 0
+    attention_groups: int = 1  # row blocks for the selected tokens' attention (attention.row_groups)
 
     def initial_selection(self) -> torch.Tensor:
         sel = self.always | self.forced
@@ -115,8 +116,8 @@ def causal_mask(positions: torch.Tensor, length: int, dtype: torch.dtype) -> tor
     return mask[None, None]
 
 
-def _run_layer(layer, hidden, sel, length, kv, cache_kw, rope, mask, probe=None) -> torch.Tensor:
-    extra = {PROBE_KWARG: probe} if probe is not None else {}
+def _run_layer(layer, hidden, sel, kv, cache_kw, rope, mask, groups, probe=None) -> torch.Tensor:
+    extra = {PROBE_KWARG: probe} if probe is not None else {GROUPS_KWARG: groups}
     out = layer(
         hidden,
         attention_mask=mask,
@@ -145,11 +146,12 @@ def fuse(model, plan: FusionPlan, load: LayerLoader, criterion: Criterion) -> Fu
     sel = plan.initial_selection()
     hidden = backbone.embed_tokens(plan.input_ids[sel])[None]
     dtype = hidden.dtype
-    mask = rope = None  # depend only on the selection, which changes on check layers alone
+    mask = rope = groups = None  # depend only on the selection, which changes on check layers alone
     for i, layer in enumerate(layers):
         if mask is None:
             mask = causal_mask(sel, length, dtype)
             rope = backbone.rotary_emb(hidden, sel[None])
+            groups = row_groups(sel, plan.attention_groups)
         t0 = time.perf_counter()
         k_full, v_full = load(i)
         t1 = time.perf_counter()
@@ -165,7 +167,7 @@ def fuse(model, plan: FusionPlan, load: LayerLoader, criterion: Criterion) -> Fu
             kv = ScatterKV(k_full, v_full, sel, cand_rows)
             probe = AttentionProbe(plan.num_query if wants_attention else 0, stop=True)
             try:
-                _run_layer(layer, hidden, sel, length, kv, cache_kw, rope, mask, probe)
+                _run_layer(layer, hidden, sel, kv, cache_kw, rope, mask, groups, probe)
             except StopAfterProjection:
                 pass
             else:
@@ -184,8 +186,9 @@ def fuse(model, plan: FusionPlan, load: LayerLoader, criterion: Criterion) -> Fu
             sel = sel[rows]
             mask = causal_mask(sel, length, dtype)
             rope = backbone.rotary_emb(hidden, sel[None])
+            groups = row_groups(sel, plan.attention_groups)
         kv = ScatterKV(k_full, v_full, sel, None)
-        hidden = _run_layer(layer, hidden, sel, length, kv, cache_kw, rope, mask)
+        hidden = _run_layer(layer, hidden, sel, kv, cache_kw, rope, mask, groups)
         keys_out.append(kv.keys)
         values_out.append(kv.values)
         stats.computed_per_layer.append(int(sel.numel()))

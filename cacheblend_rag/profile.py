@@ -48,7 +48,11 @@ log = logging.getLogger("cacheblend_rag.profile")
 
 DEFAULT_LENGTHS = (128, 512, 1024, 2048)
 DEFAULT_TIER_COSTS = {"memory": 1.0, "disk": 0.1}  # relative price per stored byte (RAM vs SSD)
-DEFAULT_FUSED_RATIOS = (0.15, 0.5, 1.0)  # the floor, the middle, full recompute of the context
+# The floor and two points above it, all below saturation: the first chunk sits behind the
+# instruction exactly as cached and is never recomputed, so with c chunks any ratio above about
+# 1 - 1/c recomputes the same tokens (measured: r=1.0 cost only 1.25x r=0.5 with 3 chunks, which
+# bent a linear fit and made the controller under-predict recompute at r~0.7 by 35%).
+DEFAULT_FUSED_RATIOS = (0.15, 0.3, 0.5)
 DEFAULT_FUSED_TOKENS = 1024  # context tokens of the fused calibration (clipped to the window)
 
 

@@ -379,7 +379,7 @@ def test_cli_has_the_profile_and_bench_commands():
     assert parser.parse_args(["pipeline-bench", "--throttle-mbps", "80,20"]).throttle_mbps == [80.0, 20.0]
     assert parser.parse_args(["pipeline-bench", "--cpu-contention", "0"]).cpu_contention == 0.0
     assert parser.parse_args(["pipeline-bench"]).cpu_contention is None
-    assert parser.parse_args(["profile"]).fused_ratios == (0.15, 0.5, 1.0)
+    assert parser.parse_args(["profile"]).fused_ratios == (0.15, 0.3, 0.5)
     assert parser.parse_args(["profile", "--fused-ratios", "none"]).fused_ratios == ()
     assert parser.parse_args(["profile", "--fused-ratios", "0.2,1", "--fused-tokens", "512"]).fused_ratios == (0.2, 1.0)
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from cacheblend_rag import BlendConfig
+from cacheblend_rag.attention import row_groups
 from cacheblend_rag.fusor import causal_mask
 from cacheblend_rag.rope import shift_keys
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION
@@ -105,6 +106,34 @@ def test_check_layer_refreshes_every_token_but_computes_only_the_kept(engine):
     assert computed[0] == refreshed[0] and computed[1] < refreshed[1]
     assert computed[1] == refreshed[2] and computed[2:] == refreshed[2:]
     assert res.stats["compute_fraction"] < res.stats["recompute_fraction"]
+
+
+def test_row_grouped_attention_is_exact(engine, monkeypatch):
+    layout = engine.build_layout(Q, CHUNKS)
+    one = engine.prefill(layout, "cacheblend", BlendConfig(recompute_ratio=0.3, attention_groups=1))
+    many = engine.prefill(layout, "cacheblend", BlendConfig(recompute_ratio=0.3, attention_groups=7))
+    assert [s.tolist() for s in one.selected] == [s.tolist() for s in many.selected]
+    torch.testing.assert_close(many.logits, one.logits, rtol=1e-5, atol=1e-5)
+    for i in range(engine.num_layers):
+        for a, b in zip(_kv(many.cache, i), _kv(one.cache, i)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # Control: blocks that stop one key short of their last row's position change the answer.
+    import cacheblend_rag.fusor as fusor
+
+    short = lambda pos, g: [(a, b, e - 1) for a, b, e in row_groups(pos, g)]  # noqa: E731
+    monkeypatch.setattr(fusor, "row_groups", short)
+    cut = engine.prefill(layout, "cacheblend", BlendConfig(recompute_ratio=0.3, attention_groups=7))
+    assert float((cut.logits - one.logits).abs().max()) > 1e-4
+
+
+def test_row_groups_cover_rows_and_read_keys_up_to_their_last_position():
+    pos = torch.tensor([2, 3, 5, 8, 9, 13, 21])
+    blocks = row_groups(pos, 3)
+    assert [(a, b) for a, b, _ in blocks] == [(0, 2), (2, 5), (5, 7)]
+    assert [e for *_, e in blocks] == [4, 10, 22]
+    assert row_groups(pos, 100) == [(i, i + 1, int(p) + 1) for i, p in enumerate(pos)]
+    with pytest.raises(ValueError, match="attention_groups"):
+        BlendConfig(attention_groups=0)
 
 
 def test_explicit_schedule_and_boundary_tokens(engine):
