@@ -12,6 +12,8 @@ import torch
 
 from cacheblend_rag import BlendConfig, CacheBlendEngine
 from cacheblend_rag.cli import build_parser
+from functools import partial
+
 from cacheblend_rag.controller import (
     DeviceProfile,
     FusedCost,
@@ -30,6 +32,8 @@ from cacheblend_rag.testing import make_model
 from cacheblend_rag.tiers import MemoryTier, ThrottledStore
 
 MB = 1e6
+# Without the safety headroom: these tests check the equal-delay rule itself.
+Exact = partial(LoadingController, headroom=1.0)
 KV_VALUES = 1000  # K+V elements per token over all layers -> 4000 bytes/token in fp32
 
 
@@ -90,15 +94,15 @@ def test_prefill_cost_interpolates_and_extrapolates():
 
 
 def test_fast_tier_gets_the_quality_floor():
-    ctl = LoadingController(synthetic(**TIERS))
+    ctl = Exact(synthetic(**TIERS))
     # 1000 tokens x 4000 B = 4 MB from RAM at 10 GB/s = 0.4 ms, vs 1 s of full prefill.
     assert ctl.load_delay("memory", 1000) == pytest.approx(4e-4)
     assert ctl.ratio_for(1000, "memory") == 0.15
-    assert LoadingController(synthetic(**TIERS), quality_floor=0.05).ratio_for(1000, "memory") == 0.05
+    assert Exact(synthetic(**TIERS), quality_floor=0.05).ratio_for(1000, "memory") == 0.05
 
 
 def test_slow_tier_gets_the_equal_delay_ratio():
-    ctl = LoadingController(synthetic(**TIERS))
+    ctl = Exact(synthetic(**TIERS))
     # 4 MB at 10 MB/s = 0.4 s of load; recompute of r x 1 s equals it at r = 0.4.
     assert ctl.ratio_for(1000, "slow") == pytest.approx(0.4)
     assert ctl.recompute_delay(0.4, 1000) == pytest.approx(ctl.load_delay("slow", 1000))
@@ -106,11 +110,11 @@ def test_slow_tier_gets_the_equal_delay_ratio():
     assert ctl.ratio_for(2000, "slow") == pytest.approx(0.32)
     # Slower still: capped at a full recompute (or at max_ratio).
     assert ctl.ratio_for(1000, load_s=5.0) == 1.0
-    assert LoadingController(synthetic(**TIERS), max_ratio=0.5).ratio_for(1000, load_s=5.0) == 0.5
+    assert Exact(synthetic(**TIERS), max_ratio=0.5).ratio_for(1000, load_s=5.0) == 0.5
 
 
 def test_cheapest_tier_that_still_hides_the_load():
-    ctl = LoadingController(synthetic(**TIERS))
+    ctl = Exact(synthetic(**TIERS))
     # At r=0.15 of 1000 tokens (0.15 s) memory and ssd hide their load, slow (0.4 s) does not.
     assert ctl.tiers_that_hide(0.15, 1000) == ["memory", "ssd"]
     assert ctl.cheapest_tier(0.15, 1000) == "ssd"
@@ -121,7 +125,7 @@ def test_cheapest_tier_that_still_hides_the_load():
 
 
 def test_decide_mixes_tiers_and_ignores_recomputed_chunks():
-    ctl = LoadingController(synthetic(**TIERS))
+    ctl = Exact(synthetic(**TIERS))
     d = ctl.decide(1000, {"slow": 500, "memory": 300})
     assert d.tier == "slow" and d.loaded_tokens == 800
     assert d.est_load_s == pytest.approx(ctl.load_delay("slow", 500) + ctl.load_delay("memory", 300))
@@ -133,7 +137,7 @@ def test_decide_mixes_tiers_and_ignores_recomputed_chunks():
 
 def test_user_estimators_override_the_papers():
     # Recompute cost that grows with r^2 (say, attention-bound): equal delay at sqrt(load / 2).
-    ctl = LoadingController(
+    ctl = Exact(
         synthetic(**TIERS), recompute_delay=lambda r, n: 2.0 * r * r, load_delay=lambda tier, n: 0.5
     )
     assert ctl.ratio_for(1000, "anything") == pytest.approx(0.5, abs=1e-6)
@@ -171,7 +175,7 @@ def test_old_profile_without_calibration_loads_and_uses_the_papers_estimator(tmp
     p = DeviceProfile.load(path)
     assert p.fused is None and p.assemble_s_per_token is None and p.tiers["slow"].cpu_s_per_byte is None
     assert p.version == 1 and p.is_cpu
-    ctl = LoadingController(p)
+    ctl = Exact(p)
     assert not ctl.calibrated and ctl.cpu_contention == 1.0
     # Nothing measured about the loader's CPU: no contention, the paper's r x prefill, ratio 0.4.
     assert ctl.contention_delay("slow", 1000) == 0.0
@@ -222,14 +226,14 @@ def test_fused_cost_fit_recovers_the_line_and_refuses_nonsense():
 
 
 def test_calibrated_fast_tier_still_gets_the_floor():
-    ctl = LoadingController(calibrated(**TIERS))
+    ctl = Exact(calibrated(**TIERS))
     assert ctl.calibrated
     assert ctl.ratio_for(1000, "memory") == 0.15 and ctl.ratio_for(1000, "ssd") == 0.15
     assert ctl.decide(1000, {}).ratio == 0.15
 
 
 def test_calibrated_slow_tier_never_gets_a_ratio_whose_recompute_exceeds_the_load():
-    ctl = LoadingController(calibrated(**TIERS))
+    ctl = Exact(calibrated(**TIERS))
     # 0.4 s of load against (0.1 + 1.5 r) x 1 s: equal at r = 0.2, not the paper's 0.4.
     assert ctl.recompute_delay(0.4, 1000) == pytest.approx(0.7)
     assert ctl.ratio_for(1000, "slow") == pytest.approx(0.2)
@@ -244,7 +248,7 @@ def test_calibrated_slow_tier_never_gets_a_ratio_whose_recompute_exceeds_the_loa
         for mbps in (1, 3, 10, 20, 50, 100, 1000):
             tiers = {"t": TierProfile(read_bytes_per_s=mbps * MB, cpu_s_per_byte=1 / (400 * MB))}
             for device in ("cpu-2t", "cuda-H100"):
-                c = LoadingController(dataclasses.replace(calibrated(device=device), tiers=tiers))
+                c = Exact(dataclasses.replace(calibrated(device=device), tiers=tiers))
                 d = c.decide(n, {"t": n})
                 if d.ratio > c.quality_floor:
                     assert d.est_recompute_s + d.est_contention_s <= d.est_load_s * (1 + 1e-9), (n, mbps, device, d)
@@ -255,11 +259,11 @@ def test_calibrated_slow_tier_never_gets_a_ratio_whose_recompute_exceeds_the_loa
 def test_throttled_tier_of_the_benchmark():
     """docs/pipeline.md: at 20 MB/s the uncalibrated controller chose 0.72 and the recompute took
     longer than the load (1.28x the pure load, vs 1.11x at the floor)."""
-    n, old = BENCH_TOKENS, LoadingController(bench_profile(fused=None), cpu_contention=0)  # the controller before
+    n, old = BENCH_TOKENS, Exact(bench_profile(fused=None), cpu_contention=0)  # the controller before
     load = old.load_delay("throttled20", n)
     assert load == pytest.approx(81.7e6 / 20e6, rel=1e-3)
     assert old.ratio_for(n, "throttled20") == pytest.approx(0.72, abs=0.01)  # the regression, reproduced
-    ctl = LoadingController(bench_profile())
+    ctl = Exact(bench_profile())
     assert ctl.calibrated
     d = ctl.decide(n, {"throttled20": n})
     assert d.ratio < 0.5 and d.ratio > ctl.quality_floor
@@ -275,7 +279,7 @@ def test_throttled_tier_of_the_benchmark():
 
 def test_cpu_contention_rule():
     n = BENCH_TOKENS
-    cpu, gpu = LoadingController(bench_profile("cpu-2t")), LoadingController(bench_profile("cuda-NVIDIA_H200"))
+    cpu, gpu = Exact(bench_profile("cpu-2t")), Exact(bench_profile("cuda-NVIDIA_H200"))
     assert cpu.cpu_contention == 1.0 and gpu.cpu_contention == 0.0
     # The loader's CPU time on the 20 MB/s tier: the disk read's CPU plus the assembly.
     want = cpu.profile.kv_bytes(n, "throttled20") * DISK_CPU + 5e-6 * n
@@ -286,27 +290,27 @@ def test_cpu_contention_rule():
     assert r_cpu < r_gpu
     assert cpu.recompute_delay(r_cpu, n) == pytest.approx(cpu.load_delay("throttled20", n) - want)
     # Overridable: off (0) behaves like an accelerator, a larger factor lowers the ratio further.
-    assert LoadingController(bench_profile("cpu-2t"), cpu_contention=0).ratio_for(n, "throttled20") == pytest.approx(r_gpu)
-    assert LoadingController(bench_profile("cpu-2t"), cpu_contention=3).ratio_for(n, "throttled20") < r_cpu
+    assert Exact(bench_profile("cpu-2t"), cpu_contention=0).ratio_for(n, "throttled20") == pytest.approx(r_gpu)
+    assert Exact(bench_profile("cpu-2t"), cpu_contention=3).ratio_for(n, "throttled20") < r_cpu
     # A tier whose read is all CPU (slow, but no waiting) hides nothing on a CPU: the floor.
     busy = {"busy": TierProfile(read_bytes_per_s=10 * MB, cpu_s_per_byte=1 / (10 * MB))}
-    assert LoadingController(calibrated("cpu-2t", **busy)).ratio_for(1000, "busy") == 0.15
-    assert LoadingController(calibrated("cuda-x", **busy)).ratio_for(1000, "busy") == pytest.approx(0.2)
-    assert LoadingController(calibrated("cpu-2t", **busy)).tiers_that_hide(0.15, 1000) == ["busy"]
+    assert Exact(calibrated("cpu-2t", **busy)).ratio_for(1000, "busy") == 0.15
+    assert Exact(calibrated("cuda-x", **busy)).ratio_for(1000, "busy") == pytest.approx(0.2)
+    assert Exact(calibrated("cpu-2t", **busy)).tiers_that_hide(0.15, 1000) == ["busy"]
     # A custom loader CPU estimate replaces the profile's.
-    ctl = LoadingController(calibrated("cpu-2t", **TIERS), loader_cpu=lambda tier, tokens: 0.05)
+    ctl = Exact(calibrated("cpu-2t", **TIERS), loader_cpu=lambda tier, tokens: 0.05)
     assert ctl.ratio_for(1000, "slow") == pytest.approx((0.35 - 0.1) / 1.5)
     d = ctl.decide(1000, {"slow": 500, "ssd": 500})
     assert d.est_contention_s == pytest.approx(0.1) and d.as_stats()["controller_est_contention_s"] == d.est_contention_s
     with pytest.raises(ValueError, match="cpu_contention"):
-        LoadingController(calibrated(), cpu_contention=-1)
+        Exact(calibrated(), cpu_contention=-1)
 
 
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="quality_floor"):
-        LoadingController(synthetic(), quality_floor=0.8, max_ratio=0.5)
+        Exact(synthetic(), quality_floor=0.8, max_ratio=0.5)
     with pytest.raises(KeyError, match="tier 'tape' is not in the profile"):
-        LoadingController(synthetic(**TIERS)).load_delay("tape", 10)
+        Exact(synthetic(**TIERS)).load_delay("tape", 10)
     with pytest.raises(ValueError, match="prefill_points"):
         dataclasses.replace(synthetic(), prefill_points=[])
 
@@ -401,7 +405,7 @@ def test_engine_asks_the_controller_when_no_ratio_is_given(tokenizer, tmp_path):
     n = layout.num_context_tokens
     # A disk so slow that the load of this context takes as long as recomputing 40% of it.
     prof = synthetic(disk=TierProfile(read_bytes_per_s=1.0))
-    ctl = LoadingController(prof, load_delay=lambda tier, tokens: 0.4 * prof.prefill_s(n) * tokens / n)
+    ctl = Exact(prof, load_delay=lambda tier, tokens: 0.4 * prof.prefill_s(n) * tokens / n)
     eng.controller = ctl
     res = eng.generate(Q, CHUNKS, max_new_tokens=3)
     assert res.stats["controller_ratio"] == pytest.approx(0.4) and res.stats["controller_tier"] == "disk"
@@ -420,10 +424,22 @@ def test_engine_asks_the_controller_when_no_ratio_is_given(tokenizer, tmp_path):
 
 def test_controller_counts_only_cached_chunks_as_loads(tokenizer, tmp_path):
     eng = CacheBlendEngine(make_model("llama"), tokenizer, store=KVStore(tmp_path / "kv"))
-    eng.controller = LoadingController(synthetic(**TIERS), load_delay=lambda tier, n: 1e9)
+    eng.controller = Exact(synthetic(**TIERS), load_delay=lambda tier, n: 1e9)
     cold = eng.generate(Q, CHUNKS, max_new_tokens=1)  # every chunk is computed, nothing loaded
     assert cold.stats["controller_ratio"] == 0.15 and cold.stats["controller_tier"] is None
     eng.flush()
     warm = eng.generate(Q, CHUNKS, max_new_tokens=1)
     assert warm.stats["controller_ratio"] == 1.0 and warm.stats["controller_tier"] == "disk"
     eng.close()
+
+
+def test_headroom_keeps_the_chosen_recompute_under_the_load():
+    prof = synthetic(**TIERS)
+    exact, safe = Exact(prof), LoadingController(prof)  # default headroom 0.85
+    assert safe.headroom == 0.85
+    load = safe.load_delay("slow", 1000)
+    assert safe.ratio_for(1000, "slow") < exact.ratio_for(1000, "slow")
+    assert safe.recompute_delay(safe.ratio_for(1000, "slow"), 1000) == pytest.approx(0.85 * load)
+    assert safe.ratio_for(1000, "memory") == 0.15  # a fast tier still gets the floor
+    with pytest.raises(ValueError, match="headroom"):
+        LoadingController(prof, headroom=0.0)
