@@ -67,11 +67,14 @@ class LayerAssembler:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="cacheblend-load") if pipelined else None
         self._pending: dict[int, Future] = {}
         self._submitted = 0  # layers handed to the loader thread so far
+        self._lost: str | None = None  # first chunk that failed: queued layers stop reading
         self._rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if self._pool is not None:
             self._submit_upto(self.depth - 1)
 
     def _load(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._lost is not None:  # the request is being retried without that chunk
+            raise ChunkLost(self._lost)
         t0 = time.perf_counter()
         heads, dim = self.shape
         # Every position is either loaded here or recomputed (scattered) by the fusor on every
@@ -86,8 +89,10 @@ class LayerAssembler:
                     got = self.store.get_layer(spec.key, layer, device=self.device)
                 except Exception as exc:  # noqa: BLE001 - any storage fault means "recompute this chunk"
                     log.warning("reading layer %d of chunk %s failed: %r", layer, spec.key[:16], exc)
+                    self._lost = spec.key
                     raise ChunkLost(spec.key) from exc
                 if got is None:
+                    self._lost = spec.key
                     raise ChunkLost(spec.key)
                 k, v = got
             end = spec.start + spec.length

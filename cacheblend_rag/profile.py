@@ -41,7 +41,7 @@ from .controller import DeviceProfile, FusedCost, LoadingController, TierProfile
 
 __all__ = [
     "FusedMeasurement", "TierReading", "default_profile_path", "device_tag", "fused_code_id", "measure_fused", "measure_prefill",
-    "measure_tier", "measure_tier_read", "profile_engine", "register",
+    "measure_tier_read", "profile_engine", "register",
 ]
 
 log = logging.getLogger("cacheblend_rag.profile")
@@ -171,21 +171,6 @@ def measure_tier_read(
         return TierReading(nbytes / max(best, 1e-9), elem, best_cpu / max(nbytes, 1))
     finally:
         store.discard(key)
-
-
-def measure_tier(
-    store: Any,
-    *,
-    num_layers: int,
-    kv_shape: tuple[int, int],
-    dtype: torch.dtype,
-    tokens: int = 512,
-    repeats: int = 2,
-    device: torch.device | str = "cpu",
-) -> tuple[float, int]:
-    """(read bytes/s, bytes per stored element) of ``store``; see ``measure_tier_read``."""
-    r = measure_tier_read(store, num_layers=num_layers, kv_shape=kv_shape, dtype=dtype, tokens=tokens, repeats=repeats, device=device)
-    return r.read_bytes_per_s, r.element_bytes
 
 
 @dataclass

@@ -24,7 +24,6 @@ from cacheblend_rag.kv_store import KVStore
 from cacheblend_rag.profile import (
     describe,
     measure_fused,
-    measure_tier,
     measure_tier_read,
     profile_engine,
 )
@@ -320,8 +319,9 @@ def test_bad_arguments_are_named():
 
 def test_measure_tier_sees_the_throttle():
     mem = MemoryTier()
-    free, _ = measure_tier(mem, num_layers=2, kv_shape=(2, 8), dtype=torch.float32, tokens=64, repeats=1)
-    capped, elem = measure_tier(ThrottledStore(mem, 2 * MB), num_layers=2, kv_shape=(2, 8), dtype=torch.float16, tokens=64, repeats=1)
+    free = measure_tier_read(mem, num_layers=2, kv_shape=(2, 8), dtype=torch.float32, tokens=64, repeats=1).read_bytes_per_s
+    slow = measure_tier_read(ThrottledStore(mem, 2 * MB), num_layers=2, kv_shape=(2, 8), dtype=torch.float16, tokens=64, repeats=1)
+    capped, elem = slow.read_bytes_per_s, slow.element_bytes
     assert elem == 2 and capped <= 2 * MB < free
     assert len(mem) == 0  # the probe chunk is discarded
 
