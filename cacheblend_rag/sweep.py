@@ -20,6 +20,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from .bench.datasets import Example, Retriever, chunk_documents, load_musique, token_counter
+from .bench.methods import answer_with_logits
 from .config import BlendConfig
 from .engine import CacheBlendEngine, GenerationResult
 from .metrics import next_token_kl, qa_f1
@@ -63,11 +64,7 @@ def _run_one(engine, question: str, chunks: list[str], mode: str, bc: BlendConfi
         pre = engine.prefill(engine.build_layout(question, chunks), mode, bc)
         stats = dict(pre.stats, ttft_s=pre.stats["prefill_s"])
         return GenerationResult("", [], stats["ttft_s"], stats["ttft_s"], "length", stats), pre.logits
-    stream = engine.stream(question, chunks, mode=mode, config=bc, max_new_tokens=max_new_tokens, stop=["\n"])
-    for _ in stream:
-        pass
-    assert stream.result is not None and stream.prefill_result is not None
-    return stream.result, stream.prefill_result.logits
+    return answer_with_logits(engine, question, chunks, mode=mode, config=bc, max_new_tokens=max_new_tokens, stop=["\n"])
 
 
 def run_sweep(engine, cfg: SweepConfig, progress: bool = True) -> list[dict]:

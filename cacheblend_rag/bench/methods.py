@@ -8,15 +8,15 @@ with a selection criterion of ``cacheblend_rag.selector.CRITERIA``, and LangChai
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Sequence
+
+from ..config import MODES, BlendConfig
 
 if TYPE_CHECKING:
     import torch
 
-from dataclasses import dataclass, replace
-from typing import Sequence
-
-from ..config import MODES, BlendConfig
+    from ..engine import GenerationResult
 
 CHAINS = ("map_reduce", "map_rerank")
 DEFAULT_RATIOS = (0.05, 0.15, 0.3, 0.5)
@@ -85,20 +85,25 @@ def parse_methods(specs: Sequence[str], ratios: Sequence[float] = DEFAULT_RATIOS
     return list(out.values())
 
 
+def answer_with_logits(engine, question: str, chunks: list[str], **kwargs: Any) -> tuple["GenerationResult", "torch.Tensor"]:
+    """``engine.generate(question, chunks, **kwargs)`` plus the prefill's next-token logits."""
+    stream = engine.stream(question, chunks, **kwargs)
+    for _ in stream:
+        pass
+    assert stream.result is not None and stream.prefill_result is not None
+    return stream.result, stream.prefill_result.logits
+
+
 def run_kv(engine, method: Method, question: str, chunks: list[str], max_new_tokens: int) -> tuple[dict, "torch.Tensor"]:
     """One greedy answer with an engine prefill mode; chunk caches must be precomputed first.
 
     Returns the row fields and the prefill's next-token logits (for fidelity to full prefill, taken
     from the timed run itself rather than an extra prefill).
     """
-    stream = engine.stream(
-        question, chunks, mode=method.mode, config=method.blend_config(engine.config),
+    res, logits = answer_with_logits(
+        engine, question, chunks, mode=method.mode, config=method.blend_config(engine.config),
         max_new_tokens=max_new_tokens, temperature=0.0,
     )
-    for _ in stream:
-        pass
-    res, pre = stream.result, stream.prefill_result
-    assert res is not None and pre is not None
     s = res.stats
     return {
         "answer": res.text.strip(),
@@ -111,4 +116,4 @@ def run_kv(engine, method: Method, question: str, chunks: list[str], max_new_tok
         "recompute_fraction": s.get("recompute_fraction"),
         "compute_fraction": s.get("compute_fraction", s.get("recompute_fraction")),
         "generated_tokens": s.get("generated_tokens"),
-    }, pre.logits
+    }, logits
