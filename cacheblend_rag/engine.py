@@ -67,7 +67,7 @@ class CacheBlendEngine:
         instruction: str = DEFAULT_INSTRUCTION,
         model_id: str = "custom",
         fingerprint: str | None = None,
-        pipelined: bool = True,
+        pipelined: bool | None = None,
         controller=None,
     ):
         from .models import check_rope_support, model_fingerprint
@@ -77,6 +77,8 @@ class CacheBlendEngine:
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.config = config or BlendConfig()
+        # Read layer i+1.. from the store while layer i computes (paper section 5). None: decide per
+        # request from how layer 0's read went (loader.LayerAssembler._worth_overlap).
         self.pipelined = pipelined
         # Optional cacheblend_rag.controller.LoadingController: picks the recompute ratio of a
         # request that does not name one (stream/generate with recompute_ratio=None).
@@ -109,6 +111,7 @@ class CacheBlendEngine:
         cache_dir: str | None = None,
         store_dir: str | None = None,
         store_size_limit: int = 8 * 2**30,
+        memory_bytes: int = 2 * 2**30,
         **kwargs: Any,
     ) -> "CacheBlendEngine":
         """Load ``model`` (default: the bundled SmolLM2-135M-Instruct) and open its KV store.
@@ -117,6 +120,11 @@ class CacheBlendEngine:
         the process; entries are keyed by the model fingerprint, so models never mix. If that
         directory cannot be opened (read-only, not a directory, broken database) a warning is
         logged and a temporary store, deleted on ``close()``, is used instead.
+
+        ``memory_bytes`` (default 2 GiB; 0 turns it off) keeps recently used chunk caches in RAM
+        in front of the disk store (``tiers.TieredStore``): the chunks RAG retrieves come back
+        often, and a layer read from RAM skips the database lookup, file read and checksum, which
+        were 9% of a CacheBlend prefill on the bundled model (docs/engine.md).
         """
         from .models import default_cache_dir, load_model
 
@@ -130,6 +138,10 @@ class CacheBlendEngine:
             # The store is an optimisation: answer from a throw-away store rather than not at all.
             log.warning("%s; using a temporary KV store instead (chunk caches will not persist)", exc)
             store = KVStore(None, size_limit=store_size_limit, fingerprint=loaded.fingerprint)
+        if memory_bytes:
+            from .tiers import TieredStore
+
+            store = TieredStore.memory_over_disk(memory_bytes=memory_bytes, disk=store)
         return cls(
             loaded.model,
             loaded.tokenizer,
@@ -381,7 +393,7 @@ class CacheBlendEngine:
             out = fuse(self.model, plan, loader, resolve_criterion(config.criterion))
         finally:
             loader.close()
-        cache = _cache_from(list(zip(out.keys, out.values)))
+        cache = _cache_from(list(zip(out.keys, out.values)), adopt=True)
         stats = self._stats(mode, layout, hits, misses, out.stats.recomputed_per_layer, out.stats.computed_per_layer)
         total_load = sum(loader.load_s_per_layer)
         exposed = out.stats.load_s_per_layer  # time the fusor waited for each layer's K/V
@@ -397,6 +409,7 @@ class CacheBlendEngine:
             # Load time that ran behind the previous layer's compute (0 when not pipelined).
             load_hidden_s_per_layer=[max(0.0, l - e) if overlapped else 0.0 for l, e in zip(loader.load_s_per_layer, exposed)],
             compute_s_per_layer=out.stats.compute_s_per_layer,
+            pipelined=bool(loader.pipelined),  # as run: automatic mode decides on layer 0
             prefill_s=time.perf_counter() - t0,
         )
         if mode == "cacheblend":
@@ -513,11 +526,18 @@ def _output_cache(out) -> DynamicCache:
     return cache if cache is not None else out.past_key_values
 
 
-def _cache_from(kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+def _cache_from(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], *, adopt: bool = False) -> DynamicCache:
+    """A DynamicCache holding ``kv``: copied (``update`` concatenates into new storage), or with
+    ``adopt=True`` the tensors themselves, for buffers that belong to this request alone (the
+    fusor's output: copying the whole prompt's K/V cost 2% of a CacheBlend prefill)."""
     cache = DynamicCache()
     for i, (k, v) in enumerate(kv):
-        # DynamicLayer.update concatenates into new storage, so the inputs are never aliased.
-        cache.update(k if k.dim() == 4 else k[None], v if v.dim() == 4 else v[None], i)
+        k, v = (k if k.dim() == 4 else k[None]), (v if v.dim() == 4 else v[None])
+        if not adopt:
+            cache.update(k, v, i)
+            continue
+        cache.update(k[..., :0, :], v[..., :0, :], i)  # creates and initialises layer i, empty
+        cache.layers[i].keys, cache.layers[i].values = k, v
     return cache
 
 

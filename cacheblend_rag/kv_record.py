@@ -131,15 +131,21 @@ def encode_layer(k: torch.Tensor, v: torch.Tensor, fingerprint: str) -> bytes:
 def _tensor_from(buf: memoryview, dtype: torch.dtype, shape: tuple[int, int, int]) -> torch.Tensor:
     if buf.nbytes == 0:
         return torch.empty(shape, dtype=dtype)  # frombuffer rejects empty buffers
-    # bytearray copies once and gives the tensor memory it owns and may write to
-    # (frombuffer on immutable bytes would alias read-only memory and warn).
-    return torch.frombuffer(bytearray(buf), dtype=dtype).view(shape)
+    # A writable buffer (the store reads records into a bytearray) is wrapped without a copy;
+    # immutable bytes are copied once, since frombuffer would alias read-only memory.
+    if buf.readonly:
+        buf = bytearray(buf)
+    return torch.frombuffer(buf, dtype=dtype).view(shape)
 
 
 def decode_layer(
     blob: bytes, fingerprint: str, device: torch.device | str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Parse a record made by :func:`encode_layer`; raise CorruptRecordError on any mismatch."""
+    """Parse a record made by :func:`encode_layer`; raise CorruptRecordError on any mismatch.
+
+    The tensors share memory with ``blob`` when it is writable (a ``bytearray``): hand over a
+    buffer you will not reuse. Immutable ``bytes`` are copied.
+    """
     if not isinstance(blob, (bytes, bytearray, memoryview)):
         raise CorruptRecordError(f"record is {type(blob).__name__}, expected bytes")
     mv = memoryview(blob).cast("B")

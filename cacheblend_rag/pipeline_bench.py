@@ -125,12 +125,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     continue
                 load = _pure_load(store, keys, engine.num_layers)
                 runs = {}
+                auto = engine.pipelined
                 for piped in ((False, True) if rnd % 2 else (True, False)):  # alternate the order
                     engine.pipelined = piped
                     runs[piped] = _ttft(engine, args.question, chunks)
                 (seq, seq_stats), (pip, pip_stats) = runs[False], runs[True]
                 engine.pipelined = True
                 flo, _ = _ttft(engine, args.question, chunks, recompute_ratio=args.floor)
+                engine.pipelined = auto
                 engine.controller = None
                 r = rows[name]
                 for k, v in (

@@ -39,9 +39,24 @@ def rotation(rotary_emb: torch.nn.Module, delta: int, device: torch.device | str
     return cos[0, 0].float() / scale, sin[0, 0].float() / scale
 
 
-def apply_rotation(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotation(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``keys`` rotated by (cos, sin), in float32, cast to ``out``'s dtype (or ``keys``').
+
+    With a float32 ``out`` (same shape, not overlapping ``keys``) the result is written there
+    half by half, without temporaries: the loader rotates each chunk straight into its slot of
+    the prompt's K on every layer of every request.
+    """
     k32 = keys.float()
-    return (k32 * cos + _rotate_half(k32) * sin).to(keys.dtype)
+    if out is None or out.dtype != torch.float32:
+        rotated = k32 * cos + _rotate_half(k32) * sin
+        return rotated.to(keys.dtype) if out is None else out.copy_(rotated)
+    # rotate_half(k) = (-k2, k1), so out1 = k1*cos1 - k2*sin1 and out2 = k2*cos2 + k1*sin2.
+    h = k32.shape[-1] // 2
+    (k1, k2), (c1, c2), (s1, s2) = (t.split(h, dim=-1) for t in (k32, cos, sin))
+    o1, o2 = out[..., :h], out[..., h:]
+    torch.mul(k1, c1, out=o1).addcmul_(k2, s1, value=-1)
+    torch.mul(k2, c2, out=o2).addcmul_(k1, s2)
+    return out
 
 
 def shift_keys(rotary_emb: torch.nn.Module, keys: torch.Tensor, delta: int) -> torch.Tensor:

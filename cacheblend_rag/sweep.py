@@ -37,8 +37,13 @@ class SweepConfig:
     boundary_tokens: Sequence[int] = (0,)
     baselines: Sequence[str] = ("prefix_caching", "full_reuse")
     max_new_tokens: int = 24
+    repeats: int = 1  # rounds of every method per question; times are medians over rounds
     out: Path | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.repeats, int) or self.repeats < 1:
+            raise ValueError(f"repeats={self.repeats!r} must be an int >= 1 (rounds of every method per question)")
 
 
 def question_chunks(example: Example, tokenizer, cfg: SweepConfig, retriever: Retriever) -> list[str]:
@@ -70,39 +75,50 @@ def _run_one(engine, question: str, chunks: list[str], mode: str, bc: BlendConfi
 def run_sweep(engine, cfg: SweepConfig, progress: bool = True) -> list[dict]:
     retriever = Retriever()
     examples = load_musique(cfg.musique, cfg.questions)
-    methods = _methods(cfg)
+    methods = [("full_recompute", "full_recompute", None), *_methods(cfg)]
     rows: list[dict] = []
     out = open(cfg.out, "w") if cfg.out else None
     for qi, ex in enumerate(tqdm(examples, desc="sweep", unit="question", disable=not progress)):
         chunks = question_chunks(ex, engine.tokenizer, cfg, retriever)
         engine.precompute(chunks, progress=False)  # a deployment precomputes; not part of TTFT
         engine.flush()
-        ref, ref_logits = _run_one(engine, ex.question, chunks, "full_recompute", None, cfg.max_new_tokens)
+        first: dict[str, tuple[GenerationResult, Any]] = {}
+        ttft: dict[str, list[float]] = {name: [] for name, _, _ in methods}
+        prefill: dict[str, list[float]] = {name: [] for name, _, _ in methods}
+        # Every method once per round, rounds back to back: a slow spell of the machine hits all
+        # methods of a round alike, and the median over rounds drops it.
+        for _ in range(cfg.repeats):
+            for name, mode, bc in methods:
+                res, logits = _run_one(engine, ex.question, chunks, mode, bc, cfg.max_new_tokens)
+                engine.flush()  # a method's background write-back must not overlap the next timing
+                first.setdefault(name, (res, logits))
+                ttft[name].append(res.ttft_s)
+                prefill[name].append(res.stats["prefill_s"])
+        ref, ref_logits = first["full_recompute"]
+        ref_ttft, ref_prefill = statistics.median(ttft["full_recompute"]), statistics.median(prefill["full_recompute"])
         base = dict(question=qi, prompt_tokens=ref.stats["prompt_tokens"])
-        rows.append(dict(base, method="full_recompute", ttft_ratio=1.0, kl=0.0, agree=1.0, f1=qa_f1(ref.text, ex.answers),
-                         answer=ref.text, ttft_s=ref.ttft_s, prefill_s=ref.stats["prefill_s"], recompute_fraction=1.0,
-                         compute_fraction=1.0))
-        for name, mode, bc in methods:
-            res, logits = _run_one(engine, ex.question, chunks, mode, bc, cfg.max_new_tokens)
+        for name, mode, _ in methods:
+            res, logits = first[name]
             frac = res.stats["recompute_fraction"]
             work = res.stats.get("compute_fraction", frac)
+            pre_s = statistics.median(prefill[name])
             rows.append(dict(
                 base,
                 method=name,
-                ttft_ratio=res.ttft_s / ref.ttft_s,
+                ttft_ratio=statistics.median(ttft[name]) / ref_ttft,
                 kl=next_token_kl(ref_logits, logits),
                 # Without answers, agreement is on the greedy next token.
                 agree=float(res.token_ids == ref.token_ids if cfg.max_new_tokens else int(logits.argmax()) == int(ref_logits.argmax())),
                 f1=qa_f1(res.text, ex.answers),
                 answer=res.text,
-                ttft_s=res.ttft_s,
-                prefill_s=res.stats["prefill_s"],
+                ttft_s=statistics.median(ttft[name]),
+                prefill_s=pre_s,
                 recompute_fraction=frac,
                 compute_fraction=work,
-                overhead=res.stats["prefill_s"] / (work * ref.stats["prefill_s"]) if mode == "cacheblend" and work else None,
+                overhead=pre_s / (work * ref_prefill) if mode == "cacheblend" and work else None,
             ))
         if out:
-            for r in rows[-len(methods) - 1 :]:
+            for r in rows[-len(methods) :]:
                 out.write(json.dumps(r) + "\n")
             out.flush()
     if out:
@@ -174,6 +190,7 @@ def _cmd(args: argparse.Namespace) -> int:
         boundary_tokens=[int(x) for x in args.boundary_tokens.split(",")],
         baselines=[b for b in args.baselines.split(",") if b],
         max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
         out=Path(args.out) if args.out else None,
     )
     rows = run_sweep(engine, cfg)
@@ -198,5 +215,6 @@ def register(sub) -> None:
     p.add_argument("--boundary-tokens", default="0", help="comma list: first N tokens of each chunk always recomputed")
     p.add_argument("--baselines", default="prefix_caching,full_reuse")
     p.add_argument("--max-new-tokens", type=int, default=24, help="0: fidelity only (next-token KL), no answers")
+    p.add_argument("--repeats", type=int, default=1, help="rounds of every method per question; TTFT = median over rounds")
     p.add_argument("--out", default=None, help="JSONL of per-question rows (+ .summary.json)")
     p.set_defaults(func=_cmd)

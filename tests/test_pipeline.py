@@ -119,3 +119,23 @@ def test_a_chunk_lost_during_prefetch_is_recomputed_exactly(tokenizer, tmp_path)
     eng.flush()
     assert sum(eng.is_cached(c) for c in CHUNKS) == len(CHUNKS)  # the lost chunk was written back
     eng.close()
+
+
+def test_automatic_mode_reads_ahead_only_when_reads_wait_on_storage(tokenizer, tmp_path):
+    # pipelined=None (the default) decides on layer 0's read: a read that sleeps on storage is
+    # overlapped; on a CPU device, a read that is all CPU work (memory tier) runs inline, since a
+    # loader thread would only compete with the prefill for the same cores.
+    stores = {
+        "slow": ThrottledStore(KVStore(tmp_path / "kv"), RATE, name="disk"),
+        "memory": TieredStore([Tier(MemoryTier(), "memory")]),
+    }
+    runs = {}
+    for name, store in stores.items():
+        eng = CacheBlendEngine(make_model("llama"), tokenizer, store=store)
+        assert eng.pipelined is None
+        eng.precompute(CHUNKS, progress=False)
+        runs[name] = eng.prefill(eng.build_layout(Q, CHUNKS), "cacheblend")
+        eng.close()
+    assert runs["slow"].stats["pipelined"] is True and runs["slow"].stats["load_hidden_s"] > 0
+    assert runs["memory"].stats["pipelined"] is False and runs["memory"].stats["load_hidden_s"] == 0.0
+    assert torch.equal(runs["slow"].logits, runs["memory"].logits)
