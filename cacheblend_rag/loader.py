@@ -83,9 +83,10 @@ class LayerAssembler:
         """Automatic mode: read ahead in a thread unless the reads are CPU work on a CPU device.
 
         Overlap hides a read that waits on storage (a slow disk or network tier, or the copy to an
-        accelerator). A read served from the page cache is CPU work (copy, checksum, parsing) that
-        a thread can only run on the cores the prefill is using: measured on 2 cores, overlapping
-        it made a 3k-token prefill 8% slower than reading inline.
+        accelerator). A read served from RAM or the page cache is CPU work (copy, checksum,
+        parsing) that a thread can only run on the cores the prefill is using: on 2 cores,
+        overlapping it made a 3k-token prefill 8-9% slower than reading inline in two of three
+        measurements and was never clearly faster (docs/pipeline.md).
         """
         return self.device.type != "cpu" or cpu_s < 0.5 * wall_s
 

@@ -64,6 +64,28 @@ def test_record_round_trip_is_bit_exact(dtype: torch.dtype) -> None:
     k2.add_(1)  # decoded tensors own writable memory
 
 
+def test_writable_record_buffer_is_wrapped_not_copied() -> None:
+    # The store reads records into a bytearray and decodes it in place (no second copy of every
+    # layer on every request); bytes are immutable and get copied.
+    k, v = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
+    blob = bytearray(encode_layer(k, v, FP))
+    k2, v2 = decode_layer(blob, FP)
+    assert torch.equal(k2, k) and torch.equal(v2, v)
+    blob[HEADER_SIZE : HEADER_SIZE + 4] = bytes(4)  # the first float of K is now 0.0
+    assert k2[0, 0, 0].item() == 0.0 and torch.equal(v2, v)
+    k3, _ = decode_layer(bytes(encode_layer(k, v, FP)), FP)
+    k3.add_(1)  # a copy: writable, and bytes need no aliasing
+
+
+def test_store_reads_layers_into_writable_memory(store: KVStore) -> None:
+    layers = _layers(2, tokens=600, dtype=torch.float32)  # 77 KB a layer: a value file, not inline
+    store.put("w", layers)
+    k, v = store.get_layer("w", 1)
+    assert torch.equal(k, layers[1][0]) and torch.equal(v, layers[1][1])
+    k.mul_(2)  # the caller owns the tensors; the stored record is unchanged
+    assert torch.equal(store.get_layer("w", 1)[0], layers[1][0])
+
+
 def test_record_encodes_non_contiguous_views() -> None:
     base = torch.randn(7, 4, 16)
     k = base.transpose(0, 1)  # [4, 7, 16], non-contiguous
