@@ -101,17 +101,17 @@ def run_sweep(engine, cfg: SweepConfig, progress: bool = True) -> list[dict]:
             res, logits = first[name]
             frac = res.stats["recompute_fraction"]
             work = res.stats.get("compute_fraction", frac)
-            pre_s = statistics.median(prefill[name])
+            ttft_s, pre_s = statistics.median(ttft[name]), statistics.median(prefill[name])
             rows.append(dict(
                 base,
                 method=name,
-                ttft_ratio=statistics.median(ttft[name]) / ref_ttft,
+                ttft_ratio=ttft_s / ref_ttft,
                 kl=next_token_kl(ref_logits, logits),
                 # Without answers, agreement is on the greedy next token.
                 agree=float(res.token_ids == ref.token_ids if cfg.max_new_tokens else int(logits.argmax()) == int(ref_logits.argmax())),
                 f1=qa_f1(res.text, ex.answers),
                 answer=res.text,
-                ttft_s=statistics.median(ttft[name]),
+                ttft_s=ttft_s,
                 prefill_s=pre_s,
                 recompute_fraction=frac,
                 compute_fraction=work,

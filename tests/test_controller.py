@@ -6,14 +6,13 @@ import dataclasses
 import json
 import logging
 import math
+from functools import partial
 
 import pytest
 import torch
 
 from cacheblend_rag import BlendConfig, CacheBlendEngine
 from cacheblend_rag.cli import build_parser
-from functools import partial
-
 from cacheblend_rag.controller import (
     DeviceProfile,
     FusedCost,
