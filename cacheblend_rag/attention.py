@@ -15,15 +15,22 @@ PROBE_KWARG = "cacheblend_probe"
 GROUPS_KWARG = "cacheblend_row_groups"
 
 
+MAX_BLOCK_ROWS = 512  # layers 0-2 recompute long runs of rows: more blocks skip more masked keys
+
+
 def row_groups(positions: torch.Tensor, groups: int) -> list[tuple[int, int, int]]:
-    """Split ascending query positions into ``groups`` blocks of rows: (first row, end row, keys).
+    """Split ascending query positions into blocks of rows: (first row, end row, keys).
 
     Under an exact causal mask a block needs only the keys up to its last row's position; the rest
     of each row is masked anyway. A causal prefill skips the masked half through ``is_causal``; the
     fusor's scattered rows cannot, so a selected token would otherwise pay for the whole prompt.
+    ``groups`` blocks at least, and no block over ``MAX_BLOCK_ROWS`` rows: the first layers
+    recompute every candidate (thousands of contiguous rows), where 2 blocks would still compute
+    about a third more keys than needed; the ~15% of later layers stay at ``groups`` blocks, since
+    their scattered late rows gain nothing from more (docs/engine.md, "Row blocks").
     """
     n = int(positions.numel())
-    groups = max(1, min(groups, n))
+    groups = max(1, min(max(groups, -(-n // MAX_BLOCK_ROWS)), n))
     bounds = [round(i * n / groups) for i in range(groups + 1)]
     last = positions.tolist()
     return [(a, b, last[b - 1] + 1) for a, b in zip(bounds, bounds[1:]) if b > a]

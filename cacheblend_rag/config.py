@@ -32,9 +32,10 @@ class BlendConfig:
         be, so its first tokens tend to deviate most; counted inside the budget.
     attention_groups: speed only, never the result: the recomputed tokens' attention runs in this
         many blocks of rows, each reading the keys up to its last position instead of the whole
-        prompt (a causal prefill skips the masked half; scattered rows cannot). 1 = one call.
-        Default 2: measured 5% faster than 1 on 3k-token MuSiQue prompts; 4 and 8 were slower
-        than 2 (per-call overhead outgrows the keys saved; docs/engine.md).
+        prompt (a causal prefill skips the masked half; scattered rows cannot). A minimum: a
+        layer recomputing more than 512 rows (the first layers) uses more blocks of at most 512
+        (``attention.MAX_BLOCK_ROWS``). Default 2: measured 5% faster than 1 on 3k-token MuSiQue
+        prompts; 4 and 8 were no faster than 2 on the later layers (docs/engine.md).
     """
 
     recompute_ratio: float = 0.15

@@ -132,6 +132,9 @@ def test_row_groups_cover_rows_and_read_keys_up_to_their_last_position():
     assert [(a, b) for a, b, _ in blocks] == [(0, 2), (2, 5), (5, 7)]
     assert [e for *_, e in blocks] == [4, 10, 22]
     assert row_groups(pos, 100) == [(i, i + 1, int(p) + 1) for i, p in enumerate(pos)]
+    # Long runs of rows (the first layers recompute every candidate) get blocks of <= 512 rows.
+    tail = torch.arange(300, 1500)
+    assert [(a, b, e) for a, b, e in row_groups(tail, 2)] == [(0, 400, 700), (400, 800, 1100), (800, 1200, 1500)]
     with pytest.raises(ValueError, match="attention_groups"):
         BlendConfig(attention_groups=0)
 
