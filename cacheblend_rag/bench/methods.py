@@ -98,7 +98,8 @@ def run_kv(engine, method: Method, question: str, chunks: list[str], max_new_tok
     """One greedy answer with an engine prefill mode; chunk caches must be precomputed first.
 
     Returns the row fields and the prefill's next-token logits (for fidelity to full prefill, taken
-    from the timed run itself rather than an extra prefill).
+    from the timed run itself rather than an extra prefill). ``writeback_keys`` (prefix caching
+    only) names the prefix entries the call stored; it is for the runner, not the results.
     """
     res, logits = answer_with_logits(
         engine, question, chunks, mode=method.mode, config=method.blend_config(engine.config),
@@ -116,4 +117,5 @@ def run_kv(engine, method: Method, question: str, chunks: list[str], max_new_tok
         "recompute_fraction": s.get("recompute_fraction"),
         "compute_fraction": s.get("compute_fraction", s.get("recompute_fraction")),
         "generated_tokens": s.get("generated_tokens"),
+        "writeback_keys": s.get("writeback_keys", []),
     }, logits

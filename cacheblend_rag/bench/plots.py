@@ -60,20 +60,27 @@ def make_plots(summary: list[dict], out: Path, dpi: int = 80) -> list[Path]:
     fig.savefig(paths[-1], dpi=dpi)
     plt.close(fig)
 
-    # 2. Quality and TTFT against the recompute ratio, full prefill / full reuse as references.
-    fig, axes = _grid(len(datasets), rows=2)
+    # 2. Quality, TTFT and (when measured) next-token KL to full prefill against the recompute
+    # ratio, full prefill / full reuse as references. KL is the sensitive fidelity measure where a
+    # small model's answer F1 is near zero for every method.
+    keys = ["quality", "ttft_mean_s"]
+    if any(r.get("kl_mean") is not None and _ratio(r["method"]) is not None for r in summary):
+        keys.append("kl_mean")
+    labels = {"ttft_mean_s": "TTFT (s)", "kl_mean": "KL(full prefill || method)"}
+    fig, axes = _grid(len(datasets), rows=len(keys))
     for j, d in enumerate(datasets):
         rows = [r for r in summary if r["dataset"] == d and r["top_k"] == main_k]
         blend = sorted((r for r in rows if _ratio(r["method"]) is not None), key=lambda r: _ratio(r["method"]))
-        for i, key in enumerate(("quality", "ttft_mean_s")):
+        for i, key in enumerate(keys):
             ax = axes[i][j]
-            ax.plot([_ratio(r["method"]) for r in blend], [r[key] for r in blend], "o-", color="tab:blue", label="cacheblend")
+            pts = [(_ratio(r["method"]), r[key]) for r in blend if r.get(key) is not None]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color="tab:blue", label="cacheblend")
             for ref in ("full_recompute", "full_reuse", "prefix_caching"):
                 for r in rows:
-                    if r["method"] == ref:
+                    if r["method"] == ref and r.get(key) is not None:
                         ax.axhline(r[key], color=_color(ref), ls="--", lw=1, label=ref)
             ax.set_xlabel("recompute ratio")
-            ax.set_ylabel((rows[0]["metric"] if rows else "quality") if key == "quality" else "TTFT (s)")
+            ax.set_ylabel(labels.get(key, rows[0]["metric"] if rows else "quality"))
             if i == 0:
                 ax.set_title(f"{d} (top-{main_k})", fontsize=9)
     axes[0][0].legend(fontsize=6)
