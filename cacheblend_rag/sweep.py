@@ -20,7 +20,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from .bench.datasets import Example, Retriever, chunk_documents, load_musique, token_counter
-from .bench.methods import answer_with_logits
+from .bench.methods import answer_with_logits, settle
 from .config import BlendConfig
 from .engine import CacheBlendEngine, GenerationResult
 from .metrics import next_token_kl, qa_f1
@@ -90,10 +90,7 @@ def run_sweep(engine, cfg: SweepConfig, progress: bool = True) -> list[dict]:
         for rnd in range(cfg.repeats):
             for name, mode, bc in methods:
                 res, logits = _run_one(engine, ex.question, chunks, mode, bc, cfg.max_new_tokens)
-                engine.flush()  # a method's background write-back must not overlap the next timing
-                if rnd + 1 < cfg.repeats:  # prefix caching meets the prompt first-seen every round
-                    for key in res.stats.get("writeback_keys", []):
-                        engine.store.discard(key)
+                settle(engine, res.stats.get("writeback_keys", []), keep=rnd + 1 == cfg.repeats)
                 first.setdefault(name, (res, logits))
                 ttft[name].append(res.ttft_s)
                 prefill[name].append(res.stats["prefill_s"])

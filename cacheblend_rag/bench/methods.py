@@ -119,3 +119,14 @@ def run_kv(engine, method: Method, question: str, chunks: list[str], max_new_tok
         "generated_tokens": s.get("generated_tokens"),
         "writeback_keys": s.get("writeback_keys", []),
     }, logits
+
+
+def settle(engine, writeback_keys: Sequence[str], keep: bool) -> None:
+    """End a timed call: wait for its background write-back, so it cannot overlap the next timing,
+    and unless ``keep``, drop the prefix entries it stored, so that a repeated round of the same
+    prompt meets it first-seen again (prefix caching would otherwise only load its own write-back).
+    """
+    engine.flush()
+    if not keep:
+        for key in writeback_keys:
+            engine.store.discard(key)

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from ..metrics import next_token_kl, qa_f1
 from . import datasets as ds
-from .methods import DEFAULT_METHODS, DEFAULT_RATIOS, Method, parse_methods, run_kv
+from .methods import DEFAULT_METHODS, DEFAULT_RATIOS, Method, parse_methods, run_kv, settle
 from .summary import summarize, write_summary
 
 log = logging.getLogger("cacheblend_rag.bench")
@@ -181,11 +181,7 @@ def _timed_rounds(eng, methods: list[Method], question: str, chunks: list[str], 
         for m in methods:
             on_method(m)
             res, logits = run_kv(eng, m, question, chunks, budget)
-            eng.flush()  # prefix caching's background write-back must not overlap the next timing
-            stored = res.pop("writeback_keys")
-            if rnd + 1 < repeats:
-                for key in stored:
-                    eng.store.discard(key)
+            settle(eng, res.pop("writeback_keys"), keep=rnd + 1 == repeats)
             rounds[m.name].append((res["ttft_s"], res["total_s"]))
             out.setdefault(m.name, (res, logits))
     if repeats > 1:
