@@ -94,18 +94,21 @@ def answer_with_logits(engine, question: str, chunks: list[str], **kwargs: Any) 
     return stream.result, stream.prefill_result.logits
 
 
-def run_kv(engine, method: Method, question: str, chunks: list[str], max_new_tokens: int) -> tuple[dict, "torch.Tensor"]:
+def run_kv(engine, method: Method, question: str, chunks: list[str], max_new_tokens: int,
+           keep_writeback: bool = True) -> tuple[dict, "torch.Tensor"]:
     """One greedy answer with an engine prefill mode; chunk caches must be precomputed first.
 
     Returns the row fields and the prefill's next-token logits (for fidelity to full prefill, taken
-    from the timed run itself rather than an extra prefill). ``writeback_keys`` (prefix caching
-    only) names the prefix entries the call stored; it is for the runner, not the results.
+    from the timed run itself rather than an extra prefill). The call ends with ``settle``: its
+    background write-back has finished, and unless ``keep_writeback`` the prefix entries it stored
+    are dropped again (a repeated timing round must meet the prompt first-seen).
     """
     res, logits = answer_with_logits(
         engine, question, chunks, mode=method.mode, config=method.blend_config(engine.config),
         max_new_tokens=max_new_tokens, temperature=0.0,
     )
     s = res.stats
+    settle(engine, s.get("writeback_keys", []), keep=keep_writeback)
     return {
         "answer": res.text.strip(),
         "ttft_s": res.ttft_s,
@@ -117,7 +120,6 @@ def run_kv(engine, method: Method, question: str, chunks: list[str], max_new_tok
         "recompute_fraction": s.get("recompute_fraction"),
         "compute_fraction": s.get("compute_fraction", s.get("recompute_fraction")),
         "generated_tokens": s.get("generated_tokens"),
-        "writeback_keys": s.get("writeback_keys", []),
     }, logits
 
 

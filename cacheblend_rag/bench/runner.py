@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from ..metrics import next_token_kl, qa_f1
 from . import datasets as ds
-from .methods import DEFAULT_METHODS, DEFAULT_RATIOS, Method, parse_methods, run_kv, settle
+from .methods import DEFAULT_METHODS, DEFAULT_RATIOS, Method, parse_methods, run_kv
 from .summary import summarize, write_summary
 
 log = logging.getLogger("cacheblend_rag.bench")
@@ -180,8 +180,7 @@ def _timed_rounds(eng, methods: list[Method], question: str, chunks: list[str], 
     for rnd in range(repeats):
         for m in methods:
             on_method(m)
-            res, logits = run_kv(eng, m, question, chunks, budget)
-            settle(eng, res.pop("writeback_keys"), keep=rnd + 1 == repeats)
+            res, logits = run_kv(eng, m, question, chunks, budget, keep_writeback=rnd + 1 == repeats)
             rounds[m.name].append((res["ttft_s"], res["total_s"]))
             out.setdefault(m.name, (res, logits))
     if repeats > 1:
@@ -294,7 +293,6 @@ def _run_cases(cfg, engine, retriever, methods, todo, results_path: Path, total:
             kv_results = _timed_rounds(eng, [m for m in pending if m.is_kv], ex.question, chunks, budget, cfg.repeats,
                                        lambda m: bar.set_postfix_str(f"{ex.dataset} {m.name}"))
             for m in pending:
-                bar.set_postfix_str(f"{ex.dataset} {m.name}")
                 if m.is_kv:
                     res, logits = kv_results[m.name]
                     if cfg.fidelity and m.mode == "full_recompute" and ref_logits is None:
@@ -302,6 +300,7 @@ def _run_cases(cfg, engine, retriever, methods, todo, results_path: Path, total:
                     if ref_logits is not None:
                         res["kl"] = next_token_kl(ref_logits, logits)
                 else:
+                    bar.set_postfix_str(f"{ex.dataset} {m.name}")
                     llm.max_new_tokens = max(budget, cfg.chain_max_new_tokens)
                     r = run_chain(built[m.kind], m.kind, ex.question, chunks)
                     res = {
