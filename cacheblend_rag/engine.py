@@ -432,7 +432,8 @@ class CacheBlendEngine:
             "recomputed_per_layer": recomputed,
             "recompute_fraction": sum(recomputed) / total if total else 0.0,
             # Token-layers through attention and the MLP; on check layers the tokens dropped
-            # there get fresh K/V from a projection-only pass (fusor.py), so this can be smaller.
+            # there, and on the last layer all but the last position, get fresh K/V from a
+            # projection-only pass (fusor.py), so this can be smaller.
             "computed_per_layer": computed,
             "compute_fraction": sum(computed) / total if total else 0.0,
         }

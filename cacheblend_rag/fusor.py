@@ -7,7 +7,9 @@ selected token attends to every earlier token, reused or fresh, and to no later 
 layers the fresh-vs-cached deviation ranks the tokens and only the top ones go on (gradual
 filtering): a token recomputed on layer i+1 was recomputed on layer i, so its input hidden state
 exists. A check layer first runs a projection-only capture pass over the current tokens (their K/V
-are all refreshed and scored), then the full layer over the kept ones.
+are all refreshed and scored), then the full layer over the kept ones. On the last layer only the
+last position's output is ever read (the next-token logits), so the other selected tokens get a
+capture pass for their K/V and the last position alone runs attention and the MLP.
 """
 
 from __future__ import annotations
@@ -130,6 +132,18 @@ def _run_layer(layer, hidden, sel, kv, cache_kw, rope, mask, groups, probe=None)
     return out[0] if isinstance(out, tuple) else out
 
 
+def _capture(layer, hidden, sel, kv, cache_kw, rope, mask, probe: AttentionProbe) -> None:
+    """Run ``layer`` only up to its K/V projections: ``kv`` gets the fresh K/V of ``sel``."""
+    try:
+        _run_layer(layer, hidden, sel, kv, cache_kw, rope, mask, None, probe)
+    except StopAfterProjection:
+        return
+    raise RuntimeError(
+        f"{type(layer).__name__} did not call its attention function: the capture pass "
+        "needs an attention implementation dispatched through transformers' interface"
+    )
+
+
 @torch.inference_mode()
 def fuse(model, plan: FusionPlan, load: LayerLoader, criterion: Criterion) -> FusionOutput:
     backbone = model.model
@@ -143,6 +157,7 @@ def fuse(model, plan: FusionPlan, load: LayerLoader, criterion: Criterion) -> Fu
     selected_log: list[torch.Tensor] = []
     wants_attention = getattr(criterion, "needs_attention", False) and plan.num_query > 0
 
+    last_layer = len(layers) - 1
     sel = plan.initial_selection()
     hidden = backbone.embed_tokens(plan.input_ids[sel])[None]
     dtype = hidden.dtype
@@ -166,15 +181,7 @@ def fuse(model, plan: FusionPlan, load: LayerLoader, criterion: Criterion) -> Fu
             cand_rows = (plan.candidate[sel] & ~plan.forced[sel]).nonzero().flatten()
             kv = ScatterKV(k_full, v_full, sel, cand_rows)
             probe = AttentionProbe(plan.num_query if wants_attention else 0, stop=True)
-            try:
-                _run_layer(layer, hidden, sel, kv, cache_kw, rope, mask, groups, probe)
-            except StopAfterProjection:
-                pass
-            else:
-                raise RuntimeError(
-                    f"{type(layer).__name__} did not call its attention function: the capture pass "
-                    "needs an attention implementation dispatched through transformers' interface"
-                )
+            _capture(layer, hidden, sel, kv, cache_kw, rope, mask, probe)
             dev = kv.deviation
             assert dev is not None
             if wants_attention and probe.weights is not None:
@@ -187,6 +194,16 @@ def fuse(model, plan: FusionPlan, load: LayerLoader, criterion: Criterion) -> Fu
             mask = causal_mask(sel, length, dtype)
             rope = backbone.rotary_emb(hidden, sel[None])
             groups = row_groups(sel, plan.attention_groups)
+        if i == last_layer and sel.numel() > 1:
+            # Past the last layer only the last position's output is read (the next-token logits);
+            # the other selected tokens need their fresh K/V for decoding, not their attention or
+            # MLP outputs. So they get a capture pass and the last position alone runs the layer.
+            if i not in plan.checks:  # a check's capture pass has already refreshed the kept rows
+                _capture(layer, hidden, sel, ScatterKV(k_full, v_full, sel, None), cache_kw, rope, mask, AttentionProbe(0, stop=True))
+            hidden, sel = hidden[:, -1:], sel[-1:]
+            mask = causal_mask(sel, length, dtype)
+            rope = backbone.rotary_emb(hidden, sel[None])
+            groups = None
         kv = ScatterKV(k_full, v_full, sel, None)
         hidden = _run_layer(layer, hidden, sel, kv, cache_kw, rope, mask, groups)
         keys_out.append(kv.keys)

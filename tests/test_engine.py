@@ -104,8 +104,30 @@ def test_check_layer_refreshes_every_token_but_computes_only_the_kept(engine):
     assert later > 1e-3  # control: with 20% recomputed, layer 2 is not exact
     computed, refreshed = res.stats["computed_per_layer"], res.stats["recomputed_per_layer"]
     assert computed[0] == refreshed[0] and computed[1] < refreshed[1]
-    assert computed[1] == refreshed[2] and computed[2:] == refreshed[2:]
+    assert computed[1] == refreshed[2] and computed[2:-1] == refreshed[2:-1]
     assert res.stats["compute_fraction"] < res.stats["recompute_fraction"]
+
+
+def test_last_layer_runs_attention_and_mlp_for_the_last_position_only(engine):
+    # Only the last position's output reaches the logits; the other selected tokens need their
+    # last-layer K/V alone. test_ratio_one_equals_full_prefill checks that those K/V and the logits
+    # stay exact; this checks that the work is actually skipped.
+    layout = engine.build_layout(Q, CHUNKS)
+    last = engine.model.model.layers[-1]
+    rows: dict[str, int] = {}
+    hooks = [
+        mod.register_forward_hook(lambda m, args, out, name=name: rows.__setitem__(name, args[0].shape[-2]))
+        for name, mod in (("k_proj", last.self_attn.k_proj), ("mlp", last.mlp))
+    ]
+    try:
+        res = engine.prefill(layout, "cacheblend", BlendConfig(recompute_ratio=0.2))
+    finally:
+        for h in hooks:
+            h.remove()
+    kept = int(res.selected[-1].numel())
+    assert kept > 1
+    assert rows == {"k_proj": 1, "mlp": 1}  # the last call: the last position's full layer
+    assert res.stats["recomputed_per_layer"][-1] == kept and res.stats["computed_per_layer"][-1] == 1
 
 
 def test_row_grouped_attention_is_exact(engine, monkeypatch):
