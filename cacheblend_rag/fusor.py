@@ -161,12 +161,14 @@ def fuse(model, plan: FusionPlan, load: LayerLoader, criterion: Criterion) -> Fu
     sel = plan.initial_selection()
     hidden = backbone.embed_tokens(plan.input_ids[sel])[None]
     dtype = hidden.dtype
-    mask = rope = groups = None  # depend only on the selection, which changes on check layers alone
+
+    def selection_inputs(hidden: torch.Tensor, sel: torch.Tensor):
+        return causal_mask(sel, length, dtype), backbone.rotary_emb(hidden, sel[None]), row_groups(sel, plan.attention_groups)
+
+    # Mask, rotary embeddings and row blocks depend only on the selection, which changes on check
+    # layers and the last layer alone.
+    mask, rope, groups = selection_inputs(hidden, sel)
     for i, layer in enumerate(layers):
-        if mask is None:
-            mask = causal_mask(sel, length, dtype)
-            rope = backbone.rotary_emb(hidden, sel[None])
-            groups = row_groups(sel, plan.attention_groups)
         t0 = time.perf_counter()
         k_full, v_full = load(i)
         t1 = time.perf_counter()
@@ -191,9 +193,7 @@ def fuse(model, plan: FusionPlan, load: LayerLoader, criterion: Criterion) -> Fu
             rows[cand_rows[keep]] = True
             hidden = hidden[:, rows]
             sel = sel[rows]
-            mask = causal_mask(sel, length, dtype)
-            rope = backbone.rotary_emb(hidden, sel[None])
-            groups = row_groups(sel, plan.attention_groups)
+            mask, rope, groups = selection_inputs(hidden, sel)
         if i == last_layer and sel.numel() > 1:
             # Past the last layer only the last position's output is read (the next-token logits);
             # the other selected tokens need their fresh K/V for decoding, not their attention or
@@ -201,9 +201,7 @@ def fuse(model, plan: FusionPlan, load: LayerLoader, criterion: Criterion) -> Fu
             if i not in plan.checks:  # a check's capture pass has already refreshed the kept rows
                 _capture(layer, hidden, sel, ScatterKV(k_full, v_full, sel, None), cache_kw, rope, mask, AttentionProbe(0, stop=True))
             hidden, sel = hidden[:, -1:], sel[-1:]
-            mask = causal_mask(sel, length, dtype)
-            rope = backbone.rotary_emb(hidden, sel[None])
-            groups = None
+            mask, rope, groups = selection_inputs(hidden, sel)
         kv = ScatterKV(k_full, v_full, sel, None)
         hidden = _run_layer(layer, hidden, sel, kv, cache_kw, rope, mask, groups)
         keys_out.append(kv.keys)
