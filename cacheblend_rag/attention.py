@@ -7,12 +7,16 @@ those few rows. Without a probe this is exactly transformers' own SDPA path.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 ATTN_IMPLEMENTATION = "cacheblend_sdpa"
 PROBE_KWARG = "cacheblend_probe"
 GROUPS_KWARG = "cacheblend_row_groups"
+APE_KWARG = "cacheblend_context_attention"
 
 
 MAX_BLOCK_ROWS = 512  # layers 0-2 recompute long runs of rows: more blocks skip more masked keys
@@ -36,6 +40,43 @@ def row_groups(positions: torch.Tensor, groups: int) -> list[tuple[int, int, int
     return [(a, b, last[b - 1] + 1) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
+@dataclass(frozen=True)
+class ContextAttention:
+    """APE-style reweighting (arXiv 2502.05431) of what the question reads from the chunks.
+
+    For the last ``rows`` query rows (None: all; the question, then each decoded token), the
+    attention logits to keys ``start..end-1`` (the chunks, prefilled apart) are divided by
+    ``temperature`` and shifted by ``log(scale)`` before one softmax over all keys: APE's
+    log-sum-exp merge of the shared-prefix, context and own-token attentions, in one pass.
+    Other rows and keys are untouched.
+    """
+
+    start: int
+    end: int
+    temperature: float = 1.0
+    scale: float = 1.0
+    rows: int | None = None
+
+    def with_rows(self, rows: int | None) -> "ContextAttention":
+        return ContextAttention(self.start, self.end, self.temperature, self.scale, rows)
+
+
+def _context_attention(spec: ContextAttention, module, query, key, value, attention_mask, scaling):
+    """Eager attention of the reweighted rows; [batch, rows, heads, head_dim] like SDPA's output."""
+    groups = query.shape[1] // key.shape[1]
+    k, v = key.float(), value.float()
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scores = torch.matmul(query.float(), k.transpose(-1, -2)) * scale  # [b, heads, rows, keys]
+    ctx = slice(spec.start, min(spec.end, scores.shape[-1]))
+    scores[..., ctx] = scores[..., ctx] / spec.temperature + math.log(spec.scale)
+    if attention_mask is not None:
+        scores = scores + attention_mask[..., : scores.shape[-1]].float()
+    out = torch.matmul(scores.softmax(dim=-1), v)  # [b, heads, rows, d]
+    return out.transpose(1, 2).to(query.dtype)
+
+
 class StopAfterProjection(Exception):
     """Raised by the attention function for a capture pass, once K/V are in the cache."""
 
@@ -43,27 +84,34 @@ class StopAfterProjection(Exception):
 class AttentionProbe:
     """Records the mean attention of the last ``num_queries`` query rows over all keys.
 
-    ``stop=True`` makes the attention function raise ``StopAfterProjection`` after observing: the
-    fusor's capture pass needs a layer's fresh K/V (and this probe), not its output.
+    ``weights`` is ``[kv_len]`` (mean over query rows and heads); ``group_weights`` is
+    ``[kv_heads, kv_len]``, the mean within each K/V head group (query-guided selection can keep a
+    token that one group reads hard). ``stop=True`` makes the attention function raise
+    ``StopAfterProjection`` after observing: the fusor's capture pass needs a layer's fresh K/V
+    (and this probe), not its output.
     """
 
     def __init__(self, num_queries: int, stop: bool = False):
         self.num_queries, self.stop = num_queries, stop
         self.weights: torch.Tensor | None = None  # [kv_len]
+        self.group_weights: torch.Tensor | None = None  # [kv_heads, kv_len]
 
     def observe(self, module, query, key, attention_mask, scaling) -> None:
         if self.num_queries == 0:
             return
         q = query[:, :, -self.num_queries :].float()  # [b, heads, nq, d]
-        k = key.float()
-        groups = q.shape[1] // k.shape[1]
+        k = key.float()  # [b, kv_heads, kv_len, d]
+        kv_heads = k.shape[1]
+        groups = q.shape[1] // kv_heads
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
         scores = torch.matmul(q, k.transpose(-1, -2)) * scale
         if attention_mask is not None:
             scores = scores + attention_mask[:, :, -self.num_queries :, : k.shape[-2]].float()
-        self.weights = scores.softmax(dim=-1).mean(dim=(0, 1, 2))
+        per_head = scores.softmax(dim=-1).mean(dim=(0, 2))  # [heads, kv_len]
+        self.group_weights = per_head.view(kv_heads, groups, -1).mean(dim=1)
+        self.weights = self.group_weights.mean(dim=0)
 
 
 def _masked_sdpa(module, query, key, value, attention_mask, **kwargs):
@@ -89,10 +137,21 @@ def _masked_sdpa(module, query, key, value, attention_mask, **kwargs):
 def blend_attention_forward(module, query, key, value, attention_mask, **kwargs):
     probe = kwargs.pop(PROBE_KWARG, None)
     groups = kwargs.pop(GROUPS_KWARG, None)
+    context: ContextAttention | None = kwargs.pop(APE_KWARG, None)
     if probe is not None:
         probe.observe(module, query, key, attention_mask, kwargs.get("scaling"))
         if probe.stop:
             raise StopAfterProjection
+    if context is not None:
+        n = query.shape[2] if context.rows is None else min(context.rows, query.shape[2])
+        mask = attention_mask[:, :, -n:] if attention_mask is not None else None
+        tail = _context_attention(context, module, query[:, :, -n:], key, value, mask, kwargs.get("scaling"))
+        if n == query.shape[2]:
+            return tail, None
+        head_mask = attention_mask[:, :, :-n] if attention_mask is not None else None
+        head_groups = [(a, min(b, query.shape[2] - n), e) for a, b, e in (groups or []) if a < query.shape[2] - n]
+        head = blend_attention_forward(module, query[:, :, :-n], key, value, head_mask, **kwargs, **{GROUPS_KWARG: head_groups or None})[0]
+        return torch.cat([head, tail], dim=1), None
     if groups is None or len(groups) < 2 or attention_mask is None:
         return _masked_sdpa(module, query, key, value, attention_mask, **kwargs)
     # Exact: each row block reads only keys 0..its last position (row_groups); SDPA's output is

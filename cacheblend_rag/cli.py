@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 # Subcommand modules; each defines ``register(subparsers)``.
-SUBCOMMANDS = ("cacheblend_rag.sweep", "cacheblend_rag.bench.cli", "cacheblend_rag.profile", "cacheblend_rag.pipeline_bench")
+SUBCOMMANDS = ("cacheblend_rag.sweep", "cacheblend_rag.bench.cli", "cacheblend_rag.bench.fidelity", "cacheblend_rag.bench.calibrate", "cacheblend_rag.profile", "cacheblend_rag.pipeline_bench")
 
 
 def split_text(text: str, tokenizer, max_tokens: int) -> list[str]:

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence, Union
 
 MODES = ("full_recompute", "prefix_caching", "full_reuse", "cacheblend")
+# How the cacheblend mode picks the context tokens it recomputes (BlendConfig.strategy).
+STRATEGIES = ("hkvd", "question", "chunk")
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,33 @@ class BlendConfig:
     boundary_tokens: the first N tokens of every non-exact chunk are always recomputed. A chunk
         cached behind the instruction prefix starts where the prompt's attention sink used to
         be, so its first tokens tend to deviate most; counted inside the budget.
+    strategy: which context tokens get fresh K/V.
+        "hkvd" (the paper's): layers 0-1 recompute every non-exact context token, then the
+        check layers keep the tokens whose K/V deviate most (``criterion``, ``filter_layers``,
+        ``schedule``).
+        "question" (question-guided, as ProphetKV and FusionRAG): first the question alone runs
+        over the reused cache through every layer, and each context token is scored by the
+        attention the question gives it (``question_layers``, ``question_heads``); the top
+        ``recompute_ratio`` of the context are then recomputed on every layer, with the
+        question. Later work found deviation a poor guide to what the answer reads
+        (docs/quality.md).
+        "chunk": the same scoring pass, then whole chunks with the most question attention are
+        recomputed on every layer (at least one; more while they fit in ``recompute_ratio``).
+    question_layers: "question"/"chunk" scoring: average the question's attention over "all"
+        layers (ProphetKV) or read the "last" layer alone (FusionRAG).
+    question_heads: "question"/"chunk" scoring: "mean" attention over all heads, or "max" over
+        the K/V head groups of each group's mean (a token one group reads hard is kept).
+    selection_window: "question" only: also recompute up to this many tokens either side of a
+        high-scoring token (scores are max-pooled over the window before the top-k, so the
+        budget holds). 0 picks tokens alone.
+    context_temperature, context_scale: APE (arXiv 2502.05431): the question's and each
+        generated token's attention logits to the chunks are divided by the temperature and
+        shifted by log(scale) (APE's merge of separately encoded contexts: T = S = 0.9 in the
+        paper). 1.0 and 1.0 (the default) leave attention exact. Fused modes only
+        (``cacheblend``, ``full_reuse``).
+    neighbour_caches: use a chunk's cross-chunk-aware cache (``engine.precompute(...,
+        neighbours=n)``: prefilled behind its most similar chunks) where one was computed. The
+        prompt's first chunk always uses its plain cache, which is exact there.
     attention_groups: speed only, never the result: the recomputed tokens' attention runs in this
         many blocks of rows, each reading the keys up to its last position instead of the whole
         prompt (a causal prefill skips the masked half; scattered rows cannot). A minimum: a
@@ -44,8 +73,27 @@ class BlendConfig:
     schedule: tuple[tuple[int, float], ...] | None = None
     boundary_tokens: int = 0
     attention_groups: int = 2
+    strategy: str = "hkvd"
+    question_layers: str = "all"
+    question_heads: str = "mean"
+    selection_window: int = 0
+    neighbour_caches: bool = True
+    context_temperature: float = 1.0
+    context_scale: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy={self.strategy!r}: choose one of {', '.join(STRATEGIES)}")
+        if self.question_layers not in ("all", "last"):
+            raise ValueError(f"question_layers={self.question_layers!r}: choose 'all' or 'last'")
+        if self.question_heads not in ("mean", "max"):
+            raise ValueError(f"question_heads={self.question_heads!r}: choose 'mean' or 'max'")
+        for name in ("context_temperature", "context_scale"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < float("inf"):
+                raise ValueError(f"{name}={value!r} must be a positive finite number (1.0: attention unchanged)")
+        if not isinstance(self.selection_window, int) or self.selection_window < 0:
+            raise ValueError(f"selection_window={self.selection_window!r} must be an int >= 0")
         if not 0.0 <= self.recompute_ratio <= 1.0:
             raise ValueError(
                 f"recompute_ratio={self.recompute_ratio} is outside [0, 1]: it is the fraction of "
@@ -69,6 +117,10 @@ class BlendConfig:
                 raise ValueError(
                     f"schedule={self.schedule!r}: fractions must lie in [0, 1] and never grow"
                 )
+
+    @property
+    def reweights_context(self) -> bool:
+        return self.context_temperature != 1.0 or self.context_scale != 1.0
 
     def with_ratio(self, ratio: float | None) -> "BlendConfig":
         return self if ratio is None else replace(self, recompute_ratio=ratio, schedule=None)

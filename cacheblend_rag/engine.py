@@ -15,13 +15,15 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from . import attention
+from .attention import APE_KWARG, ContextAttention
 from .config import BlendConfig, SamplingParams, check_mode
-from .fusor import FusionPlan, fuse
+from .fusor import FusionPlan, fuse, question_pass
 from .generation import DecodeState, decode, model_cache_kwarg
 from .kv_store import KVStore, KVStoreOpenError, chunk_key
 from .loader import ChunkLost, LayerAssembler, LoadSpec
 from .prompt import DEFAULT_INSTRUCTION, PromptBuilder, PromptLayout, Segment
-from .selector import resolve_criterion
+from .rope import shift_keys
+from .selector import pick_chunks, pick_tokens, resolve_criterion
 
 log = logging.getLogger("cacheblend_rag.engine")
 
@@ -33,6 +35,8 @@ class PrefillResult:
     layout: PromptLayout
     stats: dict[str, Any]
     selected: list[torch.Tensor] | None = None  # per layer recomputed positions (fused modes)
+    # Extra model-call keywords decoding must pass on (APE reweighting of the chunks' attention).
+    attention_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -97,6 +101,10 @@ class CacheBlendEngine:
         )
         self.context_window = int(getattr(cfg, "max_position_embeddings", 0) or 0) or 2048
         self._prefix_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        # Plain chunk key -> key of the chunk's cross-chunk-aware cache (precompute(neighbours=n)).
+        # Kept per engine: precompute recomputes the neighbour sets (embeddings only) and finds
+        # stored caches again, so a changed corpus points a chunk at a new cache, never an old one.
+        self._neighbour_keys: dict[str, str] = {}
         self._lock = threading.Lock()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="cacheblend-writeback")
 
@@ -121,6 +129,9 @@ class CacheBlendEngine:
         directory cannot be opened (read-only, not a directory, broken database) a warning is
         logged and a temporary store, deleted on ``close()``, is used instead.
 
+        Without a ``config``, a quality profile saved by ``cacheblend-rag calibrate`` for this
+        model sets the strategy and recompute ratio; otherwise ``BlendConfig()``'s defaults hold.
+
         ``memory_bytes`` (default 2 GiB; 0 turns it off) keeps recently used chunk caches in RAM
         in front of the disk store (``tiers.TieredStore``): the chunks RAG retrieves come back
         often, and a layer read from RAM skips the database lookup, file read and checksum, which
@@ -142,6 +153,8 @@ class CacheBlendEngine:
             from .tiers import TieredStore
 
             store = TieredStore.memory_over_disk(memory_bytes=memory_bytes, disk=store)
+        if kwargs.get("config") is None:
+            kwargs["config"] = _calibrated_config(loaded.fingerprint)
         return cls(
             loaded.model,
             loaded.tokenizer,
@@ -171,36 +184,76 @@ class CacheBlendEngine:
                 self._prefix_kv = [_layer_kv(cache, i) for i in range(self.num_layers)]
             return _cache_from(self._prefix_kv)
 
-    def compute_chunk(self, segment: Segment) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Prefill one chunk behind the instruction prefix; return its own K/V per layer."""
+    def compute_chunk(self, segment: Segment, behind: Sequence[Segment] = ()) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Prefill one chunk behind the instruction prefix (and the ``behind`` segments, for a
+        cross-chunk-aware cache); return its own K/V per layer, ``[kv_heads, len(segment),
+        head_dim]``, with keys rotated as if the chunk sat right after the prefix."""
         plen = len(self.prompts.prefix_ids)
-        n = len(segment)
+        ids = [t for seg in behind for t in seg.token_ids] + list(segment.token_ids)
+        start = plen + len(ids) - len(segment)  # where the chunk itself begins
         cache = self._prefix_cache()
         with torch.inference_mode():
             self.model(
-                input_ids=torch.tensor([segment.token_ids], device=self.device),
-                position_ids=torch.arange(plen, plen + n, device=self.device)[None],
+                input_ids=torch.tensor([ids], device=self.device),
+                position_ids=torch.arange(plen, plen + len(ids), device=self.device)[None],
                 use_cache=True,
                 logits_to_keep=1,
                 **{model_cache_kwarg(self.model): cache},
             )
+        rotary = self.model.model.rotary_emb
         return [
-            (k[0, :, plen:].contiguous(), v[0, :, plen:].contiguous())
+            # Loaders shift keys from the position right after the prefix: un-rotate them there.
+            (shift_keys(rotary, k[0, :, start:], plen - start).contiguous(), v[0, :, start:].contiguous())
             for k, v in (_layer_kv(cache, i) for i in range(self.num_layers))
         ]
 
-    def precompute(self, texts: Iterable[str], *, progress: bool = True) -> int:
-        """Compute and store the KV of every chunk not cached yet. Returns how many were computed."""
-        segments = [self.prompts.chunk_segment(t) for t in dict.fromkeys(_check_texts(texts))]
+    def precompute(
+        self,
+        texts: Iterable[str],
+        *,
+        neighbours: int = 0,
+        embed: Callable[[list[str]], torch.Tensor] | None = None,
+        progress: bool = True,
+    ) -> int:
+        """Compute and store the KV of every chunk not cached yet. Returns how many were computed.
+
+        neighbours: also cache each chunk prefilled behind its ``neighbours`` most similar chunks
+            among ``texts`` (FusionRAG's offline step; ``embed`` or the bundled MiniLM ranks them),
+            keeping only the chunk's own K/V. Generation then uses that cache wherever the chunk
+            is not first in the prompt (``BlendConfig.neighbour_caches``). It costs about
+            ``neighbours + 1`` times the chunk's prefill on top of the plain cache, and holds for
+            this corpus: precompute again after the corpus changes.
+        """
+        if not isinstance(neighbours, int) or isinstance(neighbours, bool) or neighbours < 0:
+            raise ValueError(f"neighbours={neighbours!r} must be an int >= 0 (0: plain chunk caches only)")
+        texts = list(dict.fromkeys(_check_texts(texts)))
+        segments = [self.prompts.chunk_segment(t) for t in texts]
+        plen = len(self.prompts.prefix_ids)
         computed = 0
         self._store_prefix()
         for seg in tqdm(segments, desc="precompute KV", unit="chunk", disable=not progress):
-            self._check_fits(len(self.prompts.prefix_ids) + len(seg), f"chunk {seg.text[:40]!r}...")
+            self._check_fits(plen + len(seg), f"chunk {seg.text[:40]!r}...")
             key = self.chunk_key(seg)
             if self.store.contains(key):
                 continue
             self.store.put(key, self.compute_chunk(seg))
             computed += 1
+        if neighbours == 0:
+            return computed
+        from .neighbours import nearest
+
+        near = nearest(texts, neighbours, embed)
+        for seg, idx in tqdm(list(zip(segments, near)), desc="precompute neighbour-aware KV", unit="chunk", disable=not progress):
+            if not idx:
+                continue
+            behind = [segments[j] for j in idx]
+            context = list(self.prompts.prefix_ids) + [t for b in behind for t in b.token_ids]
+            self._check_fits(len(context) + len(seg), f"chunk {seg.text[:40]!r}... behind its {len(idx)} neighbours (use fewer neighbours)")
+            nb_key = self.chunk_key(seg, context_ids=context)
+            if not self.store.contains(nb_key):
+                self.store.put(nb_key, self.compute_chunk(seg, behind))
+                computed += 1
+            self._neighbour_keys[self.chunk_key(seg)] = nb_key
         return computed
 
     def _store_prefix(self) -> None:
@@ -324,7 +377,7 @@ class CacheBlendEngine:
         candidate = torch.zeros_like(always)
         forced = torch.zeros_like(always)
         specs: list[LoadSpec] = []
-        hits = misses = 0
+        hits = misses = neighbour_hits = 0
         miss_s = 0.0
         token_ids = layout.token_ids
         self._store_prefix()
@@ -345,7 +398,12 @@ class CacheBlendEngine:
                 else:
                     always[span] = True
                 continue
+            exact = off == len(prefix) and tuple(token_ids[:off]) == tuple(prefix)
             key = self.chunk_key(seg)
+            nb_key = self._neighbour_keys.get(key) if config.neighbour_caches and not exact else None
+            if nb_key is not None and nb_key not in avoid and self.store.contains(nb_key):
+                key = nb_key
+                neighbour_hits += 1
             kv = None
             if key not in avoid and self.store.contains(key):
                 hits += 1
@@ -356,14 +414,14 @@ class CacheBlendEngine:
                 miss_s += time.perf_counter() - tm
                 self._writer.submit(self.store.put, key, kv)
             specs.append(LoadSpec(off, len(seg), key, off - len(prefix), kv))
-            exact = off == len(prefix) and tuple(token_ids[:off]) == tuple(prefix)
             if not exact:
                 candidate[span] = True
                 if config.boundary_tokens:
                     forced[off : off + min(config.boundary_tokens, len(seg))] = True
 
         checks: dict[int, int] = {}
-        if mode == "cacheblend":
+        hkvd = mode == "cacheblend" and config.strategy == "hkvd"
+        if hkvd:
             n_ctx = layout.num_context_tokens
             n_forced = int(forced.sum())
             for layer, frac in config.check_points():
@@ -374,10 +432,11 @@ class CacheBlendEngine:
             always=always,
             candidate=candidate,
             forced=forced,
-            recompute_first_layer=mode == "cacheblend",
+            recompute_first_layer=hkvd,
             checks=checks,
             num_query=len(layout.segments[-1]),
             attention_groups=config.attention_groups,
+            context_attention=_context_attention(layout, config),
         )
         loader = LayerAssembler(
             self.store,
@@ -390,21 +449,30 @@ class CacheBlendEngine:
             self.num_layers,
             pipelined=self.pipelined if pipelined is None else pipelined,
         )
+        scoring_s = 0.0
         try:
-            out = fuse(self.model, plan, loader, resolve_criterion(config.criterion))
+            if mode == "cacheblend" and not hkvd:
+                plan, load, scoring_s = self._guided_plan(plan, layout, config, loader)
+            else:
+                load = loader
+            out = fuse(self.model, plan, load, resolve_criterion(config.criterion))
         finally:
             loader.close()
         cache = _cache_from(list(zip(out.keys, out.values)), adopt=True)
         stats = self._stats(mode, layout, hits, misses, out.stats.recomputed_per_layer, out.stats.computed_per_layer)
+        stats["neighbour_hits"] = neighbour_hits
         total_load = sum(loader.load_s_per_layer)
-        exposed = out.stats.load_s_per_layer  # time the fusor waited for each layer's K/V
+        # Time the fusor waited for each layer's K/V (a question-guided prefill reads them in its
+        # scoring pass; the recompute pass then finds them in memory).
+        exposed = out.stats.load_s_per_layer
         overlapped = loader.pipelined
         stats.update(
             miss_compute_s=miss_s,
             load_s=total_load,
             load_exposed_s=out.stats.load_s,
             load_hidden_s=max(0.0, total_load - out.stats.load_s) if overlapped else 0.0,
-            compute_s=out.stats.compute_s,
+            compute_s=out.stats.compute_s + scoring_s,
+            scoring_s=scoring_s,
             load_s_per_layer=list(loader.load_s_per_layer),
             load_exposed_s_per_layer=list(exposed),
             # Load time that ran behind the previous layer's compute (0 when not pipelined).
@@ -414,8 +482,37 @@ class CacheBlendEngine:
             prefill_s=time.perf_counter() - t0,
         )
         if mode == "cacheblend":
-            stats.update(criterion=getattr(config.criterion, "__name__", config.criterion), recompute_ratio=config.recompute_ratio)
-        return PrefillResult(cache, out.logits, layout, stats, out.selected)
+            stats.update(criterion=getattr(config.criterion, "__name__", config.criterion), recompute_ratio=config.recompute_ratio,
+                         strategy=config.strategy)
+        context = plan.context_attention
+        return PrefillResult(cache, out.logits, layout, stats, out.selected,
+                             attention_kwargs={} if context is None else {APE_KWARG: context.with_rows(None)})
+
+    def _guided_plan(self, plan: FusionPlan, layout: PromptLayout, config: BlendConfig, loader: LayerAssembler):
+        """Question-guided selection: score the context by the question's attention over the reused
+        cache, then force the chosen tokens (or whole chunks) on every layer.
+
+        Returns the recompute plan, a loader over the K/V the scoring pass already read, and the
+        scoring pass's compute time.
+        """
+        qp = question_pass(self.model, plan, loader, layers=config.question_layers, heads=config.question_heads)
+        n_forced = int(plan.forced.sum())
+        budget = max(0, math.ceil(config.recompute_ratio * layout.num_context_tokens) - n_forced)
+        selectable = plan.candidate & ~plan.forced
+        forced = plan.forced.clone()
+        if config.strategy == "question":
+            forced[pick_tokens(qp.scores, selectable, budget, config.selection_window)] = True
+        elif budget > 0:
+            spans = [(off, off + len(seg)) for seg, off in zip(layout.segments, layout.offsets()) if bool(plan.candidate[off])]
+            for i in pick_chunks(qp.scores, spans, budget):
+                forced[spans[i][0] : spans[i][1]] = True
+        guided = FusionPlan(
+            input_ids=plan.input_ids, always=plan.always, candidate=plan.candidate, forced=forced,
+            recompute_first_layer=False, num_query=plan.num_query, attention_groups=plan.attention_groups,
+            context_attention=plan.context_attention,
+        )
+        kv = list(zip(qp.keys, qp.values))
+        return guided, kv.__getitem__, qp.compute_s
 
     def _stats(
         self, mode: str, layout: PromptLayout, hits: int, misses: int, recomputed: list[int], computed: list[int] | None = None
@@ -516,10 +613,34 @@ class GenerationStream:
         def first() -> None:
             ttft[0] = time.perf_counter() - self.t0
 
-        state: DecodeState = yield from decode(eng.model, eng.tokenizer, pre.cache, pre.logits, len(self.layout), self.params, first)
+        state: DecodeState = yield from decode(eng.model, eng.tokenizer, pre.cache, pre.logits, len(self.layout), self.params, first,
+                                               model_kwargs=pre.attention_kwargs)
         total = time.perf_counter() - self.t0
         stats = dict(pre.stats, **self.controller_stats, ttft_s=ttft[0], total_s=total, generated_tokens=len(state.token_ids))
         self.result = GenerationResult(state.text, state.token_ids, ttft[0], total, state.finish_reason, stats)
+
+
+def _context_attention(layout: PromptLayout, config: BlendConfig) -> ContextAttention | None:
+    """APE's reweighting of the chunks (from the first chunk to the question), if configured."""
+    if not config.reweights_context or len(layout.segments) < 3:
+        return None
+    offsets = layout.offsets()
+    return ContextAttention(offsets[1], offsets[-1], config.context_temperature, config.context_scale)
+
+
+def _calibrated_config(fingerprint: str) -> BlendConfig | None:
+    from .calibration import QualityProfile, quality_profile_path
+
+    path = quality_profile_path(fingerprint)
+    if not path.is_file():
+        return None
+    try:
+        profile = QualityProfile.load(path)
+    except (OSError, ValueError, TypeError) as exc:
+        log.warning("ignoring the unreadable quality profile %s (%s); rerun `cacheblend-rag calibrate`", path, exc)
+        return None
+    log.info("using the calibrated %s strategy at recompute_ratio=%.3g from %s", profile.strategy, profile.recompute_ratio, path)
+    return profile.config()
 
 
 def _output_cache(out) -> DynamicCache:

@@ -10,6 +10,10 @@ exists. A check layer first runs a projection-only capture pass over the current
 are all refreshed and scored), then the full layer over the kept ones. On the last layer only the
 last position's output is ever read (the next-token logits), so the other selected tokens get a
 capture pass for their K/V and the last position alone runs attention and the MLP.
+
+Question-guided strategies (``question_pass``) first run the question alone over the reused K/V
+through every layer, reading its attention to each context token; the fusor then recomputes the
+chosen tokens on every layer (``FusionPlan.forced``, no checks).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from .attention import GROUPS_KWARG, PROBE_KWARG, AttentionProbe, StopAfterProjection, row_groups
+from .attention import APE_KWARG, GROUPS_KWARG, PROBE_KWARG, AttentionProbe, ContextAttention, StopAfterProjection, row_groups
 from .selector import Criterion, Deviation, top_k
 
 LayerLoader = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
@@ -47,6 +51,7 @@ class FusionPlan:
     checks: dict[int, int] = field(default_factory=dict)
     num_query: int = 0
     attention_groups: int = 1  # row blocks for the selected tokens' attention (attention.row_groups)
+    context_attention: ContextAttention | None = None  # APE reweighting of the question's rows
 
     def initial_selection(self) -> torch.Tensor:
         sel = self.always | self.forced
@@ -118,8 +123,10 @@ def causal_mask(positions: torch.Tensor, length: int, dtype: torch.dtype) -> tor
     return mask[None, None]
 
 
-def _run_layer(layer, hidden, sel, kv, cache_kw, rope, mask, groups, probe=None) -> torch.Tensor:
+def _run_layer(layer, hidden, sel, kv, cache_kw, rope, mask, groups, probe=None, context=None) -> torch.Tensor:
     extra = {PROBE_KWARG: probe} if probe is not None else {GROUPS_KWARG: groups}
+    if context is not None:
+        extra[APE_KWARG] = context
     out = layer(
         hidden,
         attention_mask=mask,
@@ -144,6 +151,57 @@ def _capture(layer, hidden, sel, kv, cache_kw, rope, mask, probe: AttentionProbe
     )
 
 
+@dataclass
+class QuestionPass:
+    scores: torch.Tensor  # [L] question attention per prompt position (pooled over layers/heads)
+    keys: list[torch.Tensor]  # per layer [1, kv_heads, L, head_dim]: loaded K/V, question rows fresh
+    values: list[torch.Tensor]
+    load_s: float
+    compute_s: float
+
+
+@torch.inference_mode()
+def question_pass(model, plan: FusionPlan, load: LayerLoader, *, layers: str = "all", heads: str = "mean") -> QuestionPass:
+    """Run ``plan.always`` (the question and the text between chunks) over the reused K/V of every
+    layer and score each position by the attention of the last ``plan.num_query`` rows.
+
+    layers: "all" averages the scores over layers (ProphetKV), "last" reads the last layer only
+    (FusionRAG). heads: "mean" over all heads, or "max" over the K/V head groups' means.
+    The loaded K/V are returned so the recompute pass need not read the store again; only the
+    question's own rows were written, and the recompute pass recomputes them anyway.
+    """
+    backbone = model.model
+    length = plan.input_ids.numel()
+    cache_kw = _cache_kwarg(backbone.layers[0])
+    sel = plan.always.nonzero().flatten()
+    if plan.num_query <= 0 or sel.numel() == 0 or int(sel[-1]) != length - 1:
+        raise ValueError("question_pass needs the question (the prompt's last positions) in plan.always")
+    hidden = backbone.embed_tokens(plan.input_ids[sel])[None]
+    mask = causal_mask(sel, length, hidden.dtype)
+    rope = backbone.rotary_emb(hidden, sel[None])
+    keys, values, per_layer = [], [], []
+    load_s = compute_s = 0.0
+    last = len(backbone.layers) - 1
+    for i, layer in enumerate(backbone.layers):
+        t0 = time.perf_counter()
+        k_full, v_full = load(i)
+        t1 = time.perf_counter()
+        kv = ScatterKV(k_full, v_full, sel, None)
+        probe = AttentionProbe(plan.num_query, stop=i == last)  # the last layer's output feeds nothing
+        try:
+            hidden = _run_layer(layer, hidden, sel, kv, cache_kw, rope, mask, None, probe)
+        except StopAfterProjection:
+            pass
+        assert probe.group_weights is not None
+        per_layer.append(probe.group_weights.max(0).values if heads == "max" else probe.weights)
+        keys.append(kv.keys)
+        values.append(kv.values)
+        load_s += t1 - t0
+        compute_s += time.perf_counter() - t1
+    scores = per_layer[-1] if layers == "last" else torch.stack(per_layer).mean(0)
+    return QuestionPass(scores, keys, values, load_s, compute_s)
+
+
 @torch.inference_mode()
 def fuse(model, plan: FusionPlan, load: LayerLoader, criterion: Criterion) -> FusionOutput:
     backbone = model.model
@@ -165,9 +223,15 @@ def fuse(model, plan: FusionPlan, load: LayerLoader, criterion: Criterion) -> Fu
     def selection_inputs(hidden: torch.Tensor, sel: torch.Tensor):
         return causal_mask(sel, length, dtype), backbone.rotary_emb(hidden, sel[None]), row_groups(sel, plan.attention_groups)
 
+    def context_rows(sel: torch.Tensor) -> ContextAttention | None:
+        # The selected rows past the chunks (the question) read the chunks reweighted.
+        spec = plan.context_attention
+        return None if spec is None else spec.with_rows(int((sel >= spec.end).sum()))
+
     # Mask, rotary embeddings and row blocks depend only on the selection, which changes on check
     # layers and the last layer alone.
     mask, rope, groups = selection_inputs(hidden, sel)
+    context = context_rows(sel)
     for i, layer in enumerate(layers):
         t0 = time.perf_counter()
         k_full, v_full = load(i)
@@ -194,6 +258,7 @@ def fuse(model, plan: FusionPlan, load: LayerLoader, criterion: Criterion) -> Fu
             hidden = hidden[:, rows]
             sel = sel[rows]
             mask, rope, groups = selection_inputs(hidden, sel)
+            context = context_rows(sel)
         if i == last_layer and sel.numel() > 1:
             # Past the last layer only the last position's output is read (the next-token logits);
             # the other selected tokens need their fresh K/V for decoding, not their attention or
@@ -202,8 +267,9 @@ def fuse(model, plan: FusionPlan, load: LayerLoader, criterion: Criterion) -> Fu
                 _capture(layer, hidden, sel, ScatterKV(k_full, v_full, sel, None), cache_kw, rope, mask, AttentionProbe(0, stop=True))
             hidden, sel = hidden[:, -1:], sel[-1:]
             mask, rope, groups = selection_inputs(hidden, sel)
+            context = context_rows(sel)
         kv = ScatterKV(k_full, v_full, sel, None)
-        hidden = _run_layer(layer, hidden, sel, kv, cache_kw, rope, mask, groups)
+        hidden = _run_layer(layer, hidden, sel, kv, cache_kw, rope, mask, groups, context=context)
         keys_out.append(kv.keys)
         values_out.append(kv.values)
         stats.computed_per_layer.append(int(sel.numel()))

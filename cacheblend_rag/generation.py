@@ -65,6 +65,7 @@ def decode(
     start_position: int,
     params: SamplingParams,
     on_first_token: Callable[[], None] | None = None,
+    model_kwargs: dict | None = None,
 ) -> Iterator[str]:
     """Yield text deltas; the generator's return value is the final ``DecodeState``."""
     device = first_logits.device
@@ -112,6 +113,7 @@ def decode(
                 use_cache=True,
                 logits_to_keep=1,
                 **{cache_kw: cache},
+                **(model_kwargs or {}),
             )
         position += 1
         logits = out.logits[:, -1].float()

@@ -102,3 +102,36 @@ def top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
     if k == 0:
         return torch.zeros(0, dtype=torch.long, device=scores.device)
     return torch.topk(scores.float(), k, sorted=False).indices.sort().values
+
+
+# ----------------------------------------------------------------------------- question-guided
+def pick_tokens(scores: torch.Tensor, candidate: torch.Tensor, k: int, window: int = 0) -> torch.Tensor:
+    """The ``k`` candidate positions with the highest question attention, ascending.
+
+    scores: [L] attention per prompt position; candidate: [L] bool, the selectable positions.
+    ``window`` > 0 max-pools the scores over ``2 * window + 1`` positions first, so the neighbours
+    of a strongly read token rank with it (CacheClip recomputes a pick's neighbours too) while the
+    budget ``k`` still holds.
+    """
+    s = scores.float()
+    if window > 0:
+        s = torch.nn.functional.max_pool1d(s[None, None], 2 * window + 1, stride=1, padding=window)[0, 0]
+    cand = candidate.nonzero().flatten()
+    return cand[top_k(s[cand], k)]
+
+
+def pick_chunks(scores: torch.Tensor, spans: list[tuple[int, int]], budget: int) -> list[int]:
+    """Indices of the chunks (``(start, end)`` spans) the question attends to most: the best one,
+    then more in order of attention mass while their tokens fit in ``budget``."""
+    if not spans:
+        return []
+    mass = torch.stack([scores[a:b].float().sum() for a, b in spans])
+    order = torch.argsort(mass, descending=True, stable=True).tolist()
+    chosen, used = [order[0]], spans[order[0]][1] - spans[order[0]][0]
+    for i in order[1:]:
+        n = spans[i][1] - spans[i][0]
+        if used + n > budget:
+            break
+        chosen.append(i)
+        used += n
+    return sorted(chosen)

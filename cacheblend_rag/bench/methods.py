@@ -23,6 +23,15 @@ DEFAULT_RATIOS = (0.05, 0.15, 0.3, 0.5)
 DEFAULT_METHODS = ("full_recompute", "prefix_caching", "full_reuse", "cacheblend", "map_reduce", "map_rerank")
 
 
+# Suffix options after "/": a BlendConfig change each (docs/quality.md names them).
+OPTIONS: dict[str, dict[str, Any]] = {
+    "last": {"question_layers": "last"},
+    "max": {"question_heads": "max"},
+    "nb": {"neighbour_caches": True},
+    "ape": {"context_temperature": 0.9, "context_scale": 0.9},  # the APE paper's T = S = 0.9
+}
+
+
 @dataclass(frozen=True)
 class Method:
     name: str
@@ -30,30 +39,57 @@ class Method:
     mode: str | None = None
     ratio: float | None = None
     criterion: str | None = None
+    options: tuple[tuple[str, Any], ...] = ()  # BlendConfig fields set by "/" suffixes
 
     @property
     def is_kv(self) -> bool:
         return self.kind == "kv"
 
     def blend_config(self, base: BlendConfig) -> BlendConfig | None:
-        if self.mode != "cacheblend":
+        """The config of this method's prefill. Benchmarks compare chunk caches explicitly:
+        neighbour-aware caches are used only by methods named with "/nb"."""
+        if not self.is_kv:
             return None
-        cfg = base.with_ratio(self.ratio)
-        return replace(cfg, criterion=self.criterion) if self.criterion else cfg
+        cfg = replace(base, neighbour_caches=False)
+        if self.mode == "cacheblend":
+            cfg = cfg.with_ratio(self.ratio)
+            if self.criterion:
+                cfg = replace(cfg, criterion=self.criterion)
+        return replace(cfg, **dict(self.options))
 
 
 def cacheblend_name(ratio: float, criterion: str | None = None) -> str:
     return f"cacheblend@{ratio:g}" + (f":{criterion}" if criterion else "")
 
 
+def _options(spec: str, parts: list[str]) -> tuple[tuple[str, Any], ...]:
+    out: dict[str, Any] = {}
+    for p in parts:
+        if p in OPTIONS:
+            out.update(OPTIONS[p])
+        elif p.startswith("w") and p[1:].isdigit():
+            out["selection_window"] = int(p[1:])
+        else:
+            raise ValueError(f"method {spec!r}: unknown option {p!r}; choose from {', '.join(OPTIONS)}, w<N> (selection window)")
+    return tuple(sorted(out.items()))
+
+
 def parse_method(spec: str, ratios: Sequence[float] = DEFAULT_RATIOS) -> list[Method]:
+    """``cacheblend@0.15`` (the paper's HKVD selection), ``question@0.15`` / ``chunk@0.15``
+    (question-guided tokens / chunks), each optionally with ``:CRITERION`` (hkvd) and "/"
+    options: ``last`` (question attention of the last layer), ``max`` (max over head groups),
+    ``w<N>`` (selection window), ``nb`` (neighbour-aware chunk caches), ``ape`` (APE's attention
+    temperature and scale, 0.9 each); ``nb`` and ``ape`` apply to full_reuse too."""
     spec = spec.strip()
     if spec in CHAINS:
         return [Method(spec, spec)]
-    if spec in MODES and spec != "cacheblend":
-        return [Method(spec, "kv", spec)]
-    if spec == "cacheblend" or spec.startswith("cacheblend@") or spec.startswith("cacheblend:"):
-        rest = spec[len("cacheblend") :]
+    head, *opts = spec.split("/")
+    options = _options(spec, opts)
+    if head in MODES and head != "cacheblend":
+        return [Method(spec, "kv", head, options=options)]
+    strategy = next((s for s in ("cacheblend", "hkvd", "question", "chunk") if head == s or head.startswith(s + "@") or head.startswith(s + ":")), None)
+    if strategy is not None:
+        rest = head[len(strategy) :]
         criterion = None
         if ":" in rest:
             rest, criterion = rest.split(":", 1)
@@ -68,12 +104,17 @@ def parse_method(spec: str, ratios: Sequence[float] = DEFAULT_RATIOS) -> list[Me
                 raise ValueError(f"method {spec!r}: the ratio after '@' must be a number, e.g. cacheblend@0.15") from None
         else:
             rs = list(ratios)
+        # Explicit, so a method means the same whatever the engine's default strategy is.
+        options = tuple(sorted(dict(options, strategy="hkvd" if strategy == "cacheblend" else strategy).items()))
+        out = []
         for r in rs:
-            BlendConfig(recompute_ratio=r)  # validates the range with a clear message
-        return [Method(cacheblend_name(r, criterion), "kv", "cacheblend", r, criterion) for r in rs]
+            BlendConfig(recompute_ratio=r, **dict(options))  # validates with a clear message
+            name = cacheblend_name(r, criterion) if strategy in ("cacheblend", "hkvd") else f"{strategy}@{r:g}"
+            out.append(Method(name + "".join("/" + o for o in opts), "kv", "cacheblend", r, criterion, options))
+        return out
     raise ValueError(
         f"unknown method {spec!r}: choose from full_recompute, prefix_caching, full_reuse, "
-        "cacheblend[@RATIO][:CRITERION], map_reduce, map_rerank"
+        "cacheblend[@RATIO][:CRITERION], question@RATIO, chunk@RATIO (each with /options), map_reduce, map_rerank"
     )
 
 

@@ -37,7 +37,7 @@ SUMMARY_INSTRUCTION = (
 class BenchConfig:
     """What to run. Defaults are the paper's set-up where this machine allows it.
 
-    model: "smollm2" (bundled SmolLM2-135M-Instruct), "qwen2.5-coder-0.5b" (see bench.qwen),
+    model: "smollm2" (bundled SmolLM2-135M-Instruct), "qwen2.5-coder-0.5b" or "qwen2.5-coder-1.5b" (see bench.qwen),
         "tiny" (random test model: mechanics only), or a model dir / .gguf / hub id.
     datasets: any of musique, hotpotqa, aclsum, crosschunk.
     n: questions per dataset (the first n of each file; crosschunk generates n).
@@ -110,10 +110,11 @@ def load_engine(cfg: BenchConfig):
         return tiny_engine(store)
     if cfg.model in ("smollm2", "default", ""):
         return CacheBlendEngine.from_pretrained(None, device=cfg.device, store_dir=store, store_size_limit=2 * 2**30)
-    if cfg.model == "qwen2.5-coder-0.5b":
-        from .qwen import qwen_gguf_path
+    from .qwen import MODELS, qwen_gguf_path
 
-        return CacheBlendEngine.from_pretrained(str(qwen_gguf_path()), device=cfg.device, store_dir=store, store_size_limit=2 * 2**30)
+    if cfg.model in MODELS:
+        path = qwen_gguf_path(model=MODELS[cfg.model])
+        return CacheBlendEngine.from_pretrained(str(path), device=cfg.device, store_dir=store, store_size_limit=2 * 2**30)
     return CacheBlendEngine.from_pretrained(cfg.model, device=cfg.device, store_dir=store, store_size_limit=2 * 2**30)
 
 

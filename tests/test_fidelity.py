@@ -1,0 +1,121 @@
+"""The fidelity benchmark: its metrics against brute-force references, and a small real run."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from cacheblend_rag.bench.fidelity import (
+    FidelityConfig, agreement_f1, bootstrap_mean_ci, run_fidelity, summarize, teacher_forced_loglik,
+)
+from cacheblend_rag.bench.methods import parse_methods
+from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION
+
+
+def test_teacher_forced_loglik_equals_a_full_forward_over_prompt_and_answer(engine):
+    layout = engine.build_layout(SAMPLE_QUESTION, SAMPLE_CHUNKS)
+    pre = engine.prefill(layout, "full_recompute")
+    target = [5, 77, 123, 9]
+    got = teacher_forced_loglik(engine, pre.cache, pre.logits, len(layout), target)
+    ids = torch.tensor([list(layout.token_ids) + target])
+    with torch.inference_mode():
+        logits = engine.model(input_ids=ids).logits[0].float()
+    lp = torch.log_softmax(logits[len(layout) - 1 : -1], -1)
+    expected = float(lp.gather(1, torch.tensor(target)[:, None]).mean())
+    assert got == pytest.approx(expected, abs=1e-4)
+    # A cache that decoding already extended is cropped back to the prompt first.
+    engine.model(input_ids=torch.tensor([[7, 8]]), position_ids=torch.tensor([[len(layout), len(layout) + 1]]),
+                 use_cache=True, cache=pre.cache)
+    assert teacher_forced_loglik(engine, pre.cache, pre.logits, len(layout), target) == pytest.approx(expected, abs=1e-4)
+
+
+def test_agreement_and_bootstrap():
+    assert agreement_f1("The Thames.", "thames") == 1.0
+    assert agreement_f1("", "") == 1.0
+    assert agreement_f1("river Thames", "Thames") == pytest.approx(2 / 3)
+    lo, hi = bootstrap_mean_ci([0.0, 1.0] * 50)
+    assert lo < 0.5 < hi and hi - lo < 0.25
+    assert bootstrap_mean_ci([0.2] * 10) == pytest.approx((0.2, 0.2))
+    assert all(math.isnan(x) for x in bootstrap_mean_ci([1.0]))
+
+
+def test_method_specs_with_strategies_and_options():
+    names = [m.name for m in parse_methods(["question@0.15/last/w2/nb", "chunk@0.3", "full_reuse/nb", "hkvd@0.15"])]
+    assert names == ["question@0.15/last/w2/nb", "chunk@0.3", "full_reuse/nb", "cacheblend@0.15"]
+    m = parse_methods(["question@0.15/last/w2/nb"])[0]
+    from cacheblend_rag import BlendConfig
+
+    cfg = m.blend_config(BlendConfig())
+    assert (cfg.strategy, cfg.question_layers, cfg.selection_window, cfg.neighbour_caches) == ("question", "last", 2, True)
+    assert parse_methods(["full_reuse"])[0].blend_config(BlendConfig()).neighbour_caches is False
+    with pytest.raises(ValueError, match="unknown option 'deep'"):
+        parse_methods(["question@0.15/deep"])
+    with pytest.raises(ValueError, match="need neighbour-aware caches: pass --neighbours"):
+        FidelityConfig(methods=("question@0.15/nb",), neighbours=0)
+    with pytest.raises(ValueError, match="engine prefill modes only"):
+        FidelityConfig(methods=("map_reduce",))
+
+
+def test_fidelity_run_scores_an_exact_method_as_agreeing(tmp_path):
+    from cacheblend_rag.bench.runner import tiny_engine
+
+    engine = tiny_engine(str(tmp_path / "kv"))
+    cfg = FidelityConfig(model="tiny", datasets=("hotpotqa",), n=1, methods=("full_reuse", "question@1", "question@0.2/nb"),
+                         neighbours=1, max_new_tokens=4, out_dir=str(tmp_path / "out"), progress=False, plots=False)
+    try:
+        rows = run_fidelity(cfg, engine=engine)
+    finally:
+        engine.close()
+    by = {r["method"]: r for r in rows}
+    exact = by["question@1"]
+    assert exact["agree"] and exact["agree_f1"] == 1.0 and exact["kl"] < 1e-6
+    assert exact["tf_loglik"] == pytest.approx(exact["tf_loglik_full"], abs=1e-4)
+    assert by["question@0.2/nb"]["neighbour_hits"] > 0 and by["full_reuse"]["neighbour_hits"] == 0
+    assert by["full_reuse"]["kl"] > 1e-6
+    summary = {e["method"]: e for e in summarize(rows) if e["dataset"] == "all"}
+    assert summary["full_reuse"]["kl_vs_reuse"] == pytest.approx(1.0)
+    assert summary["question@1"]["kl_worse_than_reuse"] == 0.0
+    saved = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert {e["method"] for e in saved["summary"]} == set(by)
+    # Resumable: a second run finds every question finished and loads no model.
+    assert len(run_fidelity(cfg, engine=None)) == len(rows)
+
+
+def test_calibrate_saves_the_cheapest_ratio_that_agrees_and_from_pretrained_uses_it(tmp_path, monkeypatch):
+    from cacheblend_rag import CacheBlendEngine
+    from cacheblend_rag.bench.calibrate import calibrate, read_sample
+    from cacheblend_rag.bench.runner import tiny_engine
+    from cacheblend_rag.calibration import QualityProfile, choose_ratio, quality_profile_path
+    from cacheblend_rag.testing import make_model, make_tokenizer
+
+    engine = tiny_engine(str(tmp_path / "kv"))
+    try:
+        profile = calibrate(engine, [(SAMPLE_QUESTION, SAMPLE_CHUNKS)], "question", [0.0, 1.0], 0.99, max_new_tokens=6, progress=False)
+    finally:
+        engine.close()
+    assert profile.curve["1"] == 1.0  # ratio 1 is exact, so it agrees
+    assert profile.recompute_ratio == (0.0 if profile.curve["0"] >= 0.99 else 1.0) and profile.reached
+    assert choose_ratio({0.1: 0.5, 0.3: 0.7}, 0.9) == (0.3, False)  # not reached: the best tried
+    assert choose_ratio({0.1: 0.95, 0.3: 0.97}, 0.9) == (0.1, True)
+
+    monkeypatch.setenv("CACHEBLEND_RAG_HOME", str(tmp_path / "home"))
+    model_dir = tmp_path / "model"
+    make_model("llama").save_pretrained(model_dir)
+    make_tokenizer().save_pretrained(model_dir)
+    plain = CacheBlendEngine.from_pretrained(str(model_dir), memory_bytes=0)
+    from cacheblend_rag import BlendConfig
+
+    assert plain.config == BlendConfig()
+    QualityProfile("chunk", 0.25, 0.9, True, 1).save(quality_profile_path(plain.fingerprint))
+    plain.close()
+    tuned = CacheBlendEngine.from_pretrained(str(model_dir), memory_bytes=0)
+    assert (tuned.config.strategy, tuned.config.recompute_ratio) == ("chunk", 0.25)
+    tuned.close()
+
+    bad = tmp_path / "sample.json"
+    bad.write_text(json.dumps([{"question": "q"}]))
+    with pytest.raises(ValueError, match="expected a JSON list of"):
+        read_sample(str(bad))
