@@ -24,3 +24,4 @@ __all__ = [
     "node_text",
     "node_chunks",
 ]
+__version__ = "0.2.0.dev0"
