@@ -8,7 +8,7 @@ import pytest
 from langchain_core.documents import Document
 from langchain_core.embeddings import DeterministicFakeEmbedding
 from langchain_core.vectorstores import InMemoryVectorStore
-from langchain_tests.integration_tests import RetrieversIntegrationTests
+from langchain_tests.integration_tests import ChatModelIntegrationTests, RetrieversIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 from cacheblend_rag.testing import make_engine
@@ -54,3 +54,13 @@ class TestCacheBlendRetrieverIntegration(RetrieversIntegrationTests):
     @property
     def retriever_query_example(self) -> str:
         return "What is the value of item 3?"
+
+
+class TestChatCacheBlendIntegration(ChatModelIntegrationTests):
+    @property
+    def chat_model_class(self) -> type[ChatCacheBlend]:
+        return ChatCacheBlend
+
+    @property
+    def chat_model_params(self) -> dict:
+        return {"engine": _engine(), "max_tokens": 8}
