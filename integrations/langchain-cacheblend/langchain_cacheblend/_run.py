@@ -42,6 +42,11 @@ class Request:
     question: str
     chunks: tuple[str, ...] = ()
     messages: tuple[dict[str, str], ...] = ()
+    chunk_source: str = "none"
+    """Where the chunks came from: "explicit" (flagged blocks, dicts), "matched" (known chunk
+    texts found in the prompt) or "none"."""
+    chunks_matched: int = 0
+    """How many known chunk texts the registry found in the prompt (0 for explicit inputs)."""
 
     @property
     def plain(self) -> bool:
@@ -68,6 +73,7 @@ class Run:
         self.request = request
         self.result: RunResult | None = None
         self.cancelled = threading.Event()
+        self._cache_read = 0
         if request.plain:
             self._plain_ids = _plain_prompt_ids(engine, request.messages)
             _check_fits(engine, len(self._plain_ids), engine_kwargs["max_new_tokens"])
@@ -84,6 +90,8 @@ class Run:
 
     def __iter__(self) -> Iterator[str]:
         with engine_lock(self.engine):
+            if not self.request.plain:
+                self._cache_read = _cached_chunk_tokens(self.engine, self._stream)
             deltas = self._run_plain() if self.request.plain else self._run_engine()
             try:
                 for delta in deltas:
@@ -97,7 +105,12 @@ class Run:
         yield from self._stream
         res = self._stream.result
         assert res is not None
-        self.result = RunResult(res.text, list(res.token_ids), res.finish_reason, dict(res.stats))
+        stats = dict(res.stats)
+        if stats.get("mode") == "prefix_caching":
+            stats["cache_read_tokens"] = int(stats.get("reused_prefix_tokens", 0))
+        else:
+            stats["cache_read_tokens"] = self._cache_read
+        self.result = RunResult(res.text, list(res.token_ids), res.finish_reason, stats)
 
     def _run_plain(self) -> Iterator[str]:
         eng = self.engine
@@ -129,8 +142,23 @@ class Run:
             "ttft_s": ttft[0],
             "total_s": time.perf_counter() - t0,
             "generated_tokens": len(state.token_ids),
+            "cache_read_tokens": 0,
         }
         self.result = RunResult(state.text, list(state.token_ids), state.finish_reason, stats)
+
+
+def _cached_chunk_tokens(engine, stream) -> int:
+    """Tokens of the chunks whose KV the coming prefill reads from the store instead of computing.
+
+    Checked under the engine lock after the pending write-backs finished, so it sees exactly the
+    store the prefill will see. ``full_recompute`` reads nothing.
+    """
+    if stream.mode == "full_recompute":
+        return 0
+    engine.flush()
+    return sum(
+        len(seg) for seg in stream.layout.segments if seg.reusable and engine.store.contains(engine.chunk_key(seg))
+    )
 
 
 def _plain_prompt_ids(engine, messages: Sequence[dict[str, str]]) -> list[int]:
