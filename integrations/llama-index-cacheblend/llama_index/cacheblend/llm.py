@@ -173,8 +173,15 @@ class CacheBlendLLM(CustomLLM):
             return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return "\n\n".join(m["content"] for m in messages) + "\n"
 
-    def stream_prompt(self, prompt: str, formatted: bool = False, **overrides: Any) -> GenerationStream:
-        """Answer a plain prompt: over its known chunks if it has any, else by full prefill.
+    def stream_prompt(
+        self, prompt: str, formatted: bool = False, chunks: Optional[Sequence[str]] = None, **overrides: Any
+    ) -> GenerationStream:
+        """Answer a prompt: over ``chunks`` if given, else over its known chunks if it has any,
+        else by full prefill.
+
+        ``chunks`` (what :class:`CacheBlendSynthesizer` passes): texts that occur, in this order and
+        unchanged, in ``prompt`` (a QA template formatted with them as ``context_str``). They are
+        the engine's documents; the prompt's text around them becomes the question turn.
 
         The full-prefill answer wraps the prompt as a user turn of the model's chat template,
         unless a ``completion_to_prompt`` was given: then that formats it (``formatted=True``:
@@ -184,6 +191,8 @@ class CacheBlendLLM(CustomLLM):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
         if not prompt.strip():
             raise ValueError("prompt is empty: pass a non-empty prompt string")
+        if chunks is not None:
+            return self.stream_chunks(question_around(prompt, chunks), chunks, **overrides)
         matched = self._match(prompt, overrides)
         return matched or self._stream_text(self._format_completion(prompt, formatted), overrides)
 
@@ -254,12 +263,54 @@ class CacheBlendLLM(CustomLLM):
         return gen()
 
 
-def _completion(result: Optional[GenerationResult]) -> CompletionResponse:
+def question_around(prompt: str, chunks: Sequence[str]) -> str:
+    """``prompt`` without ``chunks`` (found in order, unchanged): the non-blank pieces around
+    them, stripped and joined by blank lines."""
+    pieces: list[str] = []
+    pos = 0
+    for i, chunk in enumerate(chunks):
+        at = prompt.find(chunk, pos) if chunk else -1
+        if at < 0:
+            raise ValueError(
+                f"chunk {i} ({chunk[:40]!r}...) does not occur in the prompt after the chunks before "
+                "it: the prompt template must hold {context_str}, the chunks joined unchanged in order"
+            )
+        pieces.append(prompt[pos:at])
+        pos = at + len(chunk)
+    pieces.append(prompt[pos:])
+    question = "\n\n".join(p.strip() for p in pieces if p.strip())
+    if not question:
+        raise ValueError("the prompt holds only the chunks and no question: the template needs {query_str}")
+    return question
+
+
+def raw_response(result: GenerationResult) -> dict[str, Any]:
+    """A completion's ``raw``: a plain dict (LlamaIndex's ``TokenCountingHandler`` reads
+    ``raw["usage"]``), with the engine's text, token ids, timings and stats."""
+    prompt_tokens = int(result.stats.get("prompt_tokens", 0))
+    completion_tokens = len(result.token_ids)
+    return {
+        "text": result.text,
+        "token_ids": list(result.token_ids),
+        "finish_reason": result.finish_reason,
+        "ttft_s": result.ttft_s,
+        "total_s": result.total_s,
+        "stats": result.stats,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+
+
+def _completion(result: Optional[GenerationResult], text: Optional[str] = None, delta: Optional[str] = None) -> CompletionResponse:
     assert result is not None
     return CompletionResponse(
-        text=result.text,
+        text=result.text if text is None else text,
+        delta=delta,
         additional_kwargs={"cacheblend": result.stats, "finish_reason": result.finish_reason},
-        raw=result,
+        raw=raw_response(result),
     )
 
 
@@ -276,17 +327,24 @@ async def _acomplete(engine: CacheBlendEngine, stream: GenerationStream) -> Comp
 
 
 def _responses(engine: CacheBlendEngine, stream: GenerationStream) -> CompletionResponseGen:
-    text = ""
+    # One delta behind, so the last response carries the stats and the dict ``raw``.
+    text, pending = "", None
     for delta in drain_and_flush(engine, stream):
+        if pending is not None:
+            yield CompletionResponse(text=text, delta=pending)
         text += delta
-        yield CompletionResponse(text=text, delta=delta)
+        pending = delta
+    yield _completion(stream.result, text, pending or "")
 
 
 async def _aresponses(engine: CacheBlendEngine, stream: GenerationStream) -> CompletionResponseAsyncGen:
-    text = ""
+    text, pending = "", None
     async for delta in iterate_in_thread(drain_and_flush(engine, stream)):
+        if pending is not None:
+            yield CompletionResponse(text=text, delta=pending)
         text += delta
-        yield CompletionResponse(text=text, delta=delta)
+        pending = delta
+    yield _completion(stream.result, text, pending or "")
 
 
 def drain_and_flush(engine: CacheBlendEngine, stream: GenerationStream) -> Iterator[str]:
