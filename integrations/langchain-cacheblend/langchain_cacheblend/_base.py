@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import warnings
-from typing import Any, AsyncIterator, Callable, Iterator, Literal, Sequence
+from typing import Any, Literal, Sequence
 
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
@@ -232,48 +231,6 @@ class CacheBlendParams(BaseModel):
             "chunks_matched": run.request.chunks_matched,
             **run.result.stats,
         }
-
-
-def stream_in_thread(make_iter: Callable[[], Iterator[Any]]) -> AsyncIterator[Any]:
-    """Run a blocking iterator in a worker thread and yield its items on the event loop."""
-
-    async def agen() -> AsyncIterator[Any]:
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        done = object()
-        stop = threading.Event()
-
-        def worker() -> None:
-            try:
-                it = make_iter()
-                try:
-                    for item in it:
-                        loop.call_soon_threadsafe(queue.put_nowait, (item, None))
-                        if stop.is_set():
-                            break
-                finally:
-                    close = getattr(it, "close", None)
-                    if close is not None:
-                        close()
-            except BaseException as err:  # re-raised in the consumer
-                loop.call_soon_threadsafe(queue.put_nowait, (done, err))
-                return
-            loop.call_soon_threadsafe(queue.put_nowait, (done, None))
-
-        task = loop.run_in_executor(None, worker)
-        try:
-            while True:
-                item, err = await queue.get()
-                if err is not None:
-                    raise err
-                if item is done:
-                    break
-                yield item
-        finally:
-            stop.set()  # the consumer left early: let the worker end and release the engine
-            await task
-
-    return agen()
 
 
 def _is_chunk(block: object) -> bool:

@@ -11,7 +11,9 @@ from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.prompt_values import PromptValue
 
-from ._base import CacheBlendParams, stream_in_thread
+from cacheblend_rag.aio import iterate_in_thread
+
+from ._base import CacheBlendParams
 from ._run import Run
 from .inputs import RAGPromptValue
 
@@ -95,7 +97,7 @@ class ChatCacheBlend(CacheBlendParams, BaseChatModel):
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
         run = self._start(self._request_from_messages(messages), stop, kwargs)
-        async for delta in stream_in_thread(lambda: iter(run)):
+        async for delta in iterate_in_thread(iter(run)):
             yield ChatGenerationChunk(message=AIMessageChunk(content=delta))
         yield self._last_chunk(run)
 

@@ -6,6 +6,7 @@ import time
 from typing import Any, Iterator, Optional, Sequence
 
 from cacheblend_rag import MODES, CacheBlendEngine, GenerationResult, PromptLayout, SamplingParams, Segment
+from cacheblend_rag.aio import iterate_in_thread
 from cacheblend_rag.config import check_mode
 from cacheblend_rag.engine import GenerationStream
 from cacheblend_rag.matching import ChunkRegistry
@@ -30,7 +31,6 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.llm import default_completion_to_prompt
 
-from ._aio import iterate_in_thread
 
 # Per-call keyword arguments of complete()/stream_complete() that override the fields.
 GENERATION_KEYS = ("mode", "recompute_ratio", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
