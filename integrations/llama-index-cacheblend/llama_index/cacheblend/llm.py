@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any, Iterator, Optional, Sequence
 
-from cacheblend_rag import MODES, CacheBlendEngine, GenerationResult, PromptLayout, SamplingParams, Segment
+from cacheblend_rag import MODES, CacheBlendEngine, GenerationResult, SamplingParams
 from cacheblend_rag.aio import iterate_in_thread
 from cacheblend_rag.config import check_mode
 from cacheblend_rag.engine import GenerationStream
 from cacheblend_rag.matching import ChunkRegistry
+from cacheblend_rag.plain import chat_text, plain_stream
 from llama_index.core.base.llms.generic_utils import (
     completion_response_to_chat_response,
     stream_completion_response_to_chat_response,
@@ -168,10 +168,7 @@ class CacheBlendLLM(CustomLLM):
         )
 
     def _apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        tok = self._engine.tokenizer
-        if getattr(tok, "chat_template", None):
-            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return "\n\n".join(m["content"] for m in messages) + "\n"
+        return chat_text(self._engine.tokenizer, messages)
 
     def stream_prompt(
         self, prompt: str, formatted: bool = False, chunks: Optional[Sequence[str]] = None, **overrides: Any
@@ -197,22 +194,11 @@ class CacheBlendLLM(CustomLLM):
         return matched or self._stream_text(self._format_completion(prompt, formatted), overrides)
 
     def _stream_text(self, text: str, overrides: dict[str, Any]) -> GenerationStream:
-        t0 = time.perf_counter()
-        eng = self._engine
-        ids = tuple(eng.tokenizer(text, add_special_tokens=False)["input_ids"])
         kw = self.generation_kwargs(**overrides)
         params = SamplingParams(
             kw["max_new_tokens"], kw["temperature"], kw["top_p"], kw["top_k"], tuple(kw.get("stop") or ()), kw["seed"]
         )
-        if len(ids) + params.max_new_tokens > eng.context_window:
-            raise ValueError(
-                f"the prompt is {len(ids)} tokens plus {params.max_new_tokens} to generate, more than "
-                f"the model's context window of {eng.context_window} tokens: shorten the prompt or "
-                "lower max_new_tokens"
-            )
-        # One non-reusable segment: the engine's full_recompute prefill, decode and stats as usual.
-        layout = PromptLayout((Segment(text, ids, reusable=False),))
-        return GenerationStream(eng, layout, "full_recompute", eng.config, params, t0)
+        return plain_stream(self._engine, text, params)
 
     def stream_messages(self, messages: Sequence[ChatMessage], **overrides: Any) -> GenerationStream:
         """Answer chat messages: over the known chunks in their text if any, else by full prefill
