@@ -351,6 +351,8 @@ def test_templated_prompt_reuses_registered_chunks(engine, index):
     resp = llm.complete(prompt)
     stats = resp.additional_kwargs["cacheblend"]
     assert (stats["mode"], stats["chunk_hits"], stats["chunk_misses"]) == ("cacheblend", 2, 0)
+    assert (stats["chunk_source"], stats["chunks_matched"]) == ("matched", 2)
+    assert resp.raw["stats"]["chunks_matched"] == 2
     rest = ChunkRegistry(chunks).match(prompt).remainder()
     assert "Query: Where is the Eiffel Tower?" in rest and not any(c in rest for c in chunks)
     assert resp.text == engine.generate(rest, chunks, **GEN).text
@@ -517,3 +519,22 @@ def test_bundled_embedding_is_llama_index_huggingface_embedding(tmp_path):
     assert torch.allclose(torch.tensor(emb.get_query_embedding(texts[0])), torch.tensor(ref[0]), atol=1e-5)
     with pytest.raises(FileNotFoundError, match="is not a directory: pass a local sentence-transformers model dir"):
         LocalSentenceTransformerEmbedding(tmp_path / "missing")
+
+
+def test_unmatched_prompt_warns_once_and_reports_zero_matches(engine, index):
+    import warnings
+
+    precompute_index(index, engine, progress=False)  # registers the node texts
+    llm = CacheBlendLLM(engine=engine, **GEN)
+    altered = [n.get_content(MetadataMode.NONE).upper() for n in list(index.docstore.docs.values())[:2]]
+    with pytest.warns(UserWarning, match=r"the prompt contains none of the 5 chunk texts registered with this engine"):
+        resp = llm.complete(_qa_prompt(altered))
+    stats = resp.additional_kwargs["cacheblend"]
+    assert (stats["mode"], stats["chunk_source"], stats["chunks_matched"]) == ("full_recompute", "none", 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per LLM
+        llm.complete(_qa_prompt(altered, "And the other one?"))
+        # The synthesizer passes its chunks explicitly.
+        synth = CacheBlendSynthesizer(llm=llm)
+        out = synth.synthesize(QUESTION, index.as_retriever(similarity_top_k=TOP_K).retrieve(QUESTION))
+    assert (out.metadata["cacheblend"]["chunk_source"], out.metadata["cacheblend"]["chunks"]) == ("explicit", TOP_K)

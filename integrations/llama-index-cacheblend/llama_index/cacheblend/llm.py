@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from typing import Any, Iterator, Optional, Sequence
 
 from cacheblend_rag import MODES, CacheBlendEngine, GenerationResult, SamplingParams
@@ -32,6 +34,14 @@ from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.llm import default_completion_to_prompt
 
 
+NO_MATCH = (
+    "the prompt contains none of the {n} chunk texts registered with this engine, so it is answered "
+    "with a full prefill and no KV reuse. Chunks are found verbatim: query through "
+    "CacheBlendSynthesizer (CacheBlendQueryEngine, or index.as_query_engine(llm=llm, "
+    "response_synthesizer=CacheBlendSynthesizer(llm=llm))), and precompute with the metadata_mode "
+    "the query uses. This warning is shown once per LLM; every answer's "
+    "additional_kwargs['cacheblend'] reports chunks_matched."
+)
 # Per-call keyword arguments of complete()/stream_complete() that override the fields.
 GENERATION_KEYS = ("mode", "recompute_ratio", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 
@@ -73,6 +83,7 @@ class CacheBlendLLM(CustomLLM):
     )
 
     _engine: CacheBlendEngine = PrivateAttr()
+    _warned_no_match: bool = PrivateAttr(default=False)
 
     def __init__(self, engine: CacheBlendEngine | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -145,11 +156,22 @@ class CacheBlendLLM(CustomLLM):
         """An answer over the known chunks found in ``text``, or None when there are none."""
         if not self.match_chunks:
             return None
-        match = self.chunk_registry.match(text)
+        registry = self.chunk_registry
+        match = registry.match(text)
         question = match.remainder()
-        if not match.spans or not question.strip():
-            return None  # no chunks, or nothing but chunks: answer the prompt as it is
-        return self.stream_chunks(question, match.chunks, **overrides)
+        if not match.spans:
+            self._warn_no_match(len(registry))
+            return None
+        if not question.strip():
+            return None  # nothing but chunks: answer the prompt as it is
+        return _reported(self.stream_chunks(question, match.chunks, **overrides), "matched", len(match.spans))
+
+    def _warn_no_match(self, registered: int) -> None:
+        """Once per LLM: chunks are registered, yet this prompt contains none of them verbatim."""
+        if self._warned_no_match or registered == 0:
+            return
+        self._warned_no_match = True
+        warnings.warn(NO_MATCH.format(n=registered), UserWarning, stacklevel=2)
 
     def _format_completion(self, prompt: str, formatted: bool) -> str:
         if self.completion_to_prompt is not default_completion_to_prompt:
@@ -189,9 +211,9 @@ class CacheBlendLLM(CustomLLM):
         if not prompt.strip():
             raise ValueError("prompt is empty: pass a non-empty prompt string")
         if chunks is not None:
-            return self.stream_chunks(question_around(prompt, chunks), chunks, **overrides)
+            return _reported(self.stream_chunks(question_around(prompt, chunks), chunks, **overrides), "explicit", 0)
         matched = self._match(prompt, overrides)
-        return matched or self._stream_text(self._format_completion(prompt, formatted), overrides)
+        return matched or _reported(self._stream_text(self._format_completion(prompt, formatted), overrides), "none", 0)
 
     def _stream_text(self, text: str, overrides: dict[str, Any]) -> GenerationStream:
         kw = self.generation_kwargs(**overrides)
@@ -206,7 +228,8 @@ class CacheBlendLLM(CustomLLM):
         if not messages:
             raise ValueError("no messages: pass at least one ChatMessage")
         joined = "\n\n".join(m.content or "" for m in messages if m.role != MessageRole.ASSISTANT)
-        return self._match(joined, overrides) or self._stream_text(self._format_messages(messages), overrides)
+        matched = self._match(joined, overrides)
+        return matched or _reported(self._stream_text(self._format_messages(messages), overrides), "none", 0)
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
@@ -290,12 +313,21 @@ def raw_response(result: GenerationResult) -> dict[str, Any]:
     }
 
 
-def _completion(result: Optional[GenerationResult], text: Optional[str] = None, delta: Optional[str] = None) -> CompletionResponse:
+def _reported(stream: GenerationStream, source: str, matched: int) -> GenerationStream:
+    """Note on the stream where its chunks came from, for the answer's stats."""
+    stream.chunk_report = {"chunk_source": source, "chunks_matched": matched}  # type: ignore[attr-defined]
+    return stream
+
+
+def _completion(stream: GenerationStream, text: Optional[str] = None, delta: Optional[str] = None) -> CompletionResponse:
+    result = stream.result
     assert result is not None
+    stats = dict(result.stats, **getattr(stream, "chunk_report", {}))
+    result = dataclasses.replace(result, stats=stats)
     return CompletionResponse(
         text=result.text if text is None else text,
         delta=delta,
-        additional_kwargs={"cacheblend": result.stats, "finish_reason": result.finish_reason},
+        additional_kwargs={"cacheblend": stats, "finish_reason": result.finish_reason},
         raw=raw_response(result),
     )
 
@@ -303,13 +335,13 @@ def _completion(result: Optional[GenerationResult], text: Optional[str] = None, 
 def _complete(engine: CacheBlendEngine, stream: GenerationStream) -> CompletionResponse:
     for _ in drain_and_flush(engine, stream):
         pass
-    return _completion(stream.result)
+    return _completion(stream)
 
 
 async def _acomplete(engine: CacheBlendEngine, stream: GenerationStream) -> CompletionResponse:
     async for _ in iterate_in_thread(drain_and_flush(engine, stream)):
         pass
-    return _completion(stream.result)
+    return _completion(stream)
 
 
 def _responses(engine: CacheBlendEngine, stream: GenerationStream) -> CompletionResponseGen:
@@ -320,7 +352,7 @@ def _responses(engine: CacheBlendEngine, stream: GenerationStream) -> Completion
             yield CompletionResponse(text=text, delta=pending)
         text += delta
         pending = delta
-    yield _completion(stream.result, text, pending or "")
+    yield _completion(stream, text, pending or "")
 
 
 async def _aresponses(engine: CacheBlendEngine, stream: GenerationStream) -> CompletionResponseAsyncGen:
@@ -330,7 +362,7 @@ async def _aresponses(engine: CacheBlendEngine, stream: GenerationStream) -> Com
             yield CompletionResponse(text=text, delta=pending)
         text += delta
         pending = delta
-    yield _completion(stream.result, text, pending or "")
+    yield _completion(stream, text, pending or "")
 
 
 def drain_and_flush(engine: CacheBlendEngine, stream: GenerationStream) -> Iterator[str]:
