@@ -157,3 +157,17 @@ def test_benchmark_commands_without_data_fail_naming_the_flag(command, no_data_e
     err = capsys.readouterr().err
     assert err.startswith("error: no musique data file given: pass --musique PATH or set CACHEBLEND_RAG_MUSIQUE=PATH")
     assert tiny_from_pretrained == []  # nothing was loaded, and no path beside the checkout was tried
+
+
+def test_pipeline_bench_builds_its_chunks_from_the_given_musique_file(tmp_path):
+    from cacheblend_rag.pipeline_bench import _chunks
+    from cacheblend_rag.testing import make_tokenizer
+
+    rows = [{"question": "q", "answers": ["a"], "ctxs": [{"title": "t", "text": p} for p in PARAGRAPHS]}]
+    path = tmp_path / "musique.json"
+    path.write_text(json.dumps(rows), encoding="utf-8")
+    tok = make_tokenizer()
+    assert [len(tok(p, add_special_tokens=False)["input_ids"]) for p in PARAGRAPHS] == [39, 34, 36]
+    # Each chunk merges passages until it holds min_tokens: the first alone, then the other two.
+    assert _chunks(2, 35, tok, path) == [PARAGRAPHS[0], "\n".join(PARAGRAPHS[1:])]
+    assert _chunks(5, 35, tok, path) == [PARAGRAPHS[0], "\n".join(PARAGRAPHS[1:])]  # the file holds only two
