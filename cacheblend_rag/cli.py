@@ -8,6 +8,9 @@ import json
 import sys
 from pathlib import Path
 
+from . import __version__
+from .paths import DataFileError
+
 # Subcommand modules; each defines ``register(subparsers)``.
 SUBCOMMANDS = ("cacheblend_rag.sweep", "cacheblend_rag.bench.cli", "cacheblend_rag.bench.fidelity", "cacheblend_rag.bench.calibrate", "cacheblend_rag.profile", "cacheblend_rag.pipeline_bench")
 
@@ -47,43 +50,84 @@ def read_chunks(paths: list[str], tokenizer, max_tokens: int) -> list[str]:
     return chunks
 
 
+def retrieve(question: str, chunks: list[str], top_k: int) -> list[str]:
+    """The ``top_k`` chunks most similar to ``question`` (bundled all-MiniLM-L6-v2), best first;
+    every chunk when ``top_k`` is 0 or at least their number."""
+    if top_k == 0 or top_k >= len(dict.fromkeys(chunks)):
+        return chunks
+    from .bench.datasets import Retriever
+
+    return Retriever().top_k(question, chunks, top_k)
+
+
 def _ask(args: argparse.Namespace) -> int:
     from .engine import CacheBlendEngine
 
+    if args.top_k < 0:
+        raise SystemExit(f"error: --top-k {args.top_k}: pass a number of chunks >= 1, or 0 to send every chunk")
     engine = CacheBlendEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
-    chunks = read_chunks(args.files, engine.tokenizer, args.chunk_tokens)
-    if args.precompute:
-        engine.precompute(chunks)
-    stream = engine.stream(
-        args.question,
-        chunks,
-        mode=args.mode,
-        recompute_ratio=args.ratio,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-    )
-    for delta in stream:
-        print(delta, end="", flush=True)
-    print()
-    res = stream.result
-    assert res is not None
+    try:
+        chunks = retrieve(args.question, read_chunks(args.files, engine.tokenizer, args.chunk_tokens), args.top_k)
+        if args.precompute:
+            engine.precompute(chunks, progress=not args.json)
+        stream = engine.stream(
+            args.question,
+            chunks,
+            mode=args.mode,
+            recompute_ratio=args.ratio,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+        )
+        for delta in stream:
+            if not args.json:
+                print(delta, end="", flush=True)
+        res = stream.result
+        assert res is not None
+    finally:
+        engine.close()
     s = res.stats
+    if args.json:
+        out = {
+            "question": args.question,
+            "answer": res.text,
+            "finish_reason": res.finish_reason,
+            "ttft_s": res.ttft_s,
+            "total_s": res.total_s,
+            "chunks": chunks,
+            "stats": s,
+        }
+        print(json.dumps(out, indent=1, default=_jsonable))
+        return 0
+    print()
     print(
         f"[{s['mode']}] time to first token {res.ttft_s:.2f}s, {s['chunks']} chunks "
         f"({s['chunk_hits']} cached, {s['chunk_misses']} computed now), "
         f"recomputed {100 * s['recompute_fraction']:.0f}% of token-layers",
         file=sys.stderr,
     )
-    engine.close()
     return 0
+
+
+def _jsonable(value: object) -> object:
+    """Numbers and arrays among the stats (numpy / torch scalars) as plain JSON values."""
+    for attr in ("tolist", "item"):
+        if hasattr(value, attr):
+            return getattr(value, attr)()
+    return str(value)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cacheblend-rag", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     ask = sub.add_parser("ask", help="answer a question over text files or a JSON list of chunks")
     ask.add_argument("question")
     ask.add_argument("files", nargs="+", help="text files (split into paragraph chunks) or .json lists of chunks")
+    ask.add_argument(
+        "--top-k", type=int, default=6,
+        help="answer over the K chunks most similar to the question (bundled MiniLM embedder; default 6; 0: every chunk)",
+    )
+    ask.add_argument("--json", action="store_true", help="print one JSON object (answer, chunks used, stats) instead of streaming")
     ask.add_argument("--model", default=None, help="model dir, .gguf file or hub id (default: bundled SmolLM2-135M-Instruct)")
     ask.add_argument("--mode", default="cacheblend", choices=["full_recompute", "prefix_caching", "full_reuse", "cacheblend"])
     ask.add_argument("--ratio", type=float, default=None, help="recompute ratio (default 0.15)")
@@ -101,7 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except DataFileError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -16,6 +16,11 @@ Matching rules:
   first (last) character are both alphanumeric, it is not a match ("Paris" inside "Parisian");
 * the same chunk may match several times; every occurrence is reported.
 
+Size: a registry holds at most ``max_chunks`` texts (100,000 by default) and evicts the least
+recently used one beyond that; registering a text again or finding it in a prompt counts as a use.
+An evicted chunk is simply not found any more (its KV stays in the engine's store): wrappers that
+register what they retrieve make it known again the next time it is retrieved.
+
 Cost: chunks are indexed by their first ``prefix_chars`` characters (shorter chunks by their full
 text, grouped by length), so a scan costs one dict lookup per prompt position and short-chunk
 length, plus one ``startswith`` per candidate, independent of how many chunks are registered.
@@ -29,6 +34,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 DEFAULT_PREFIX_CHARS = 32
+DEFAULT_MAX_CHUNKS = 100_000
 
 
 @dataclass(frozen=True)
@@ -72,11 +78,18 @@ class ChunkRegistry:
     _per_engine: "weakref.WeakKeyDictionary[object, ChunkRegistry]" = weakref.WeakKeyDictionary()
     _per_engine_lock = threading.Lock()
 
-    def __init__(self, texts: Iterable[str] = (), *, prefix_chars: int = DEFAULT_PREFIX_CHARS):
+    def __init__(
+        self, texts: Iterable[str] = (), *, prefix_chars: int = DEFAULT_PREFIX_CHARS, max_chunks: int | None = DEFAULT_MAX_CHUNKS
+    ):
         if prefix_chars < 1:
             raise ValueError(f"prefix_chars={prefix_chars} must be >= 1")
+        if max_chunks is not None and (not isinstance(max_chunks, int) or max_chunks < 1):
+            raise ValueError(f"max_chunks={max_chunks!r} must be an int >= 1, or None for no bound")
         self.prefix_chars = prefix_chars
-        self._texts: dict[str, str] = {}  # stripped key -> registered text (first wins)
+        self.max_chunks = max_chunks
+        self.evicted = 0  # texts dropped so far to stay within max_chunks
+        # stripped key -> registered text (first wins); ordered from least to most recently used
+        self._texts: dict[str, str] = {}
         self._long: dict[str, list[str]] = {}  # first prefix_chars chars -> keys, longest first
         self._short: dict[int, set[str]] = {}  # length (< prefix_chars) -> keys
         self._lock = threading.Lock()
@@ -92,7 +105,11 @@ class ChunkRegistry:
             return reg
 
     def add(self, texts: Iterable[str]) -> int:
-        """Register chunk texts (blank ones are ignored). Returns how many were new."""
+        """Register chunk texts (blank ones are ignored). Returns how many were new.
+
+        A text already known counts as recently used; beyond ``max_chunks`` the least recently
+        used texts are evicted.
+        """
         if isinstance(texts, str):
             raise TypeError("add takes a list of chunk texts, got a single str; wrap it as [text]")
         new = 0
@@ -101,7 +118,10 @@ class ChunkRegistry:
                 if not isinstance(text, str):
                     raise TypeError(f"chunk texts must be str, got {type(text).__name__}")
                 key = text.strip()
-                if not key or key in self._texts:
+                if not key:
+                    continue
+                if key in self._texts:
+                    self._texts[key] = self._texts.pop(key)  # most recently used
                     continue
                 self._texts[key] = text
                 new += 1
@@ -111,7 +131,23 @@ class ChunkRegistry:
                     bucket.sort(key=len, reverse=True)
                 else:
                     self._short.setdefault(len(key), set()).add(key)
+                if self.max_chunks is not None and len(self._texts) > self.max_chunks:
+                    self._evict(next(iter(self._texts)))
         return new
+
+    def _evict(self, key: str) -> None:
+        del self._texts[key]
+        self.evicted += 1
+        if len(key) >= self.prefix_chars:
+            bucket = self._long[key[: self.prefix_chars]]
+            bucket.remove(key)
+            if not bucket:
+                del self._long[key[: self.prefix_chars]]
+        else:
+            group = self._short[len(key)]
+            group.discard(key)
+            if not group:
+                del self._short[len(key)]
 
     def __contains__(self, text: object) -> bool:
         return isinstance(text, str) and text.strip() in self._texts
@@ -120,7 +156,7 @@ class ChunkRegistry:
         return len(self._texts)
 
     def texts(self) -> list[str]:
-        """Registered texts, in registration order."""
+        """Registered texts, least recently used first."""
         with self._lock:
             return list(self._texts.values())
 
@@ -150,6 +186,8 @@ class ChunkRegistry:
                     continue
                 spans.append(ChunkSpan(i, i + len(key), key, texts[key]))
                 i += len(key)
+            for span in spans:  # found chunks are the most recently used
+                texts[span.key] = texts.pop(span.key)
             return spans
 
     @staticmethod

@@ -29,17 +29,11 @@ import torch
 DEFAULT_QUESTION = "Where was the author of Hannibal and Scipio educated at?"
 
 
-def _chunks(n: int, min_tokens: int, tokenizer) -> list[str]:
-    """The first MuSiQue passages (beside the checkout), merged up to ``min_tokens`` each; else the
-    example documents repeated."""
-    data = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_dev.json"
+def _chunks(n: int, min_tokens: int, tokenizer, musique: Path) -> list[str]:
+    """The first passages of the MuSiQue file, merged up to ``min_tokens`` tokens each."""
     passages: list[str] = []
-    if data.is_file():
-        for item in json.loads(data.read_text()):
-            passages += [c["text"] for c in item["ctxs"]]
-    else:
-        ex = Path(__file__).resolve().parents[1] / "examples" / "data"
-        passages = [p.read_text() for p in sorted(ex.glob("*.txt"))] * 50
+    for item in json.loads(musique.read_text(encoding="utf-8")):
+        passages += [c["text"] for c in item["ctxs"]]
     out, cur = [], ""
     for p in passages:
         cur = f"{cur}\n{p}" if cur else p
@@ -69,13 +63,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from .controller import LoadingController
     from .engine import CacheBlendEngine
     from .kv_store import KVStore
+    from .paths import data_file
     from .profile import profile_engine
     from .tiers import MemoryTier, ThrottledStore, resolve_dtype
 
+    musique = data_file("musique", args.musique)  # before loading the model: a missing file fails fast
     torch.manual_seed(0)
     engine = CacheBlendEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
     stored = resolve_dtype(args.stored_dtype) or engine.dtype
-    chunks = _chunks(args.chunks, args.chunk_tokens, engine.tokenizer)
+    chunks = _chunks(args.chunks, args.chunk_tokens, engine.tokenizer, musique)
+    if len(chunks) < args.chunks:
+        raise SystemExit(
+            f"error: {musique} holds enough text for {len(chunks)} chunks of {args.chunk_tokens} tokens, "
+            f"not --chunks {args.chunks}: lower --chunks or --chunk-tokens"
+        )
     layout = engine.build_layout(args.question, chunks)
     n_ctx = layout.num_context_tokens
     keys = [engine.chunk_key(s) for s in layout.segments if s.reusable]
@@ -224,6 +225,7 @@ def register(subparsers) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--stored-dtype", default=None, help="dtype the tiers hold (fp32/fp16/bf16; default: the model's)")
+    p.add_argument("--musique", default=None, help="MuSiQue JSON whose passages make the chunks (default: $CACHEBLEND_RAG_MUSIQUE)")
     p.add_argument("--chunks", type=int, default=6)
     p.add_argument("--chunk-tokens", type=int, default=256, help="minimum tokens per chunk (passages are merged)")
     p.add_argument("--question", default=DEFAULT_QUESTION)

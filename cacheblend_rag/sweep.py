@@ -24,10 +24,11 @@ from .bench.methods import answer_with_logits, settle
 from .config import BlendConfig
 from .engine import CacheBlendEngine, GenerationResult
 from .metrics import next_token_kl, qa_f1
+from .paths import data_file
 
 @dataclass
 class SweepConfig:
-    musique: Path | None = None  # default: ../shared/data/musique_dev.json (see bench.datasets)
+    musique: Path | None = None  # None: $CACHEBLEND_RAG_MUSIQUE (see paths.data_file)
     questions: int = 20
     num_chunks: int = 6  # top-k retrieved chunks per question (paper: 6)
     chunk_tokens: int = 512  # paper: 512-token chunks
@@ -74,7 +75,7 @@ def _run_one(engine, question: str, chunks: list[str], mode: str, bc: BlendConfi
 
 def run_sweep(engine, cfg: SweepConfig, progress: bool = True) -> list[dict]:
     retriever = Retriever()
-    examples = load_musique(cfg.musique, cfg.questions)
+    examples = load_musique(data_file("musique", cfg.musique), cfg.questions)
     methods = [("full_recompute", "full_recompute", None), *_methods(cfg)]
     rows: list[dict] = []
     out = open(cfg.out, "w") if cfg.out else None
@@ -178,9 +179,10 @@ def _floats(s: str) -> list[float]:
 
 
 def _cmd(args: argparse.Namespace) -> int:
+    musique = data_file("musique", args.musique)  # before loading the model: a missing file fails fast
     engine = CacheBlendEngine.from_pretrained(args.model, dtype=args.dtype)
     cfg = SweepConfig(
-        musique=Path(args.musique) if args.musique else None,
+        musique=musique,
         questions=args.questions,
         num_chunks=args.chunks,
         chunk_tokens=args.chunk_tokens,
@@ -205,7 +207,7 @@ def register(sub) -> None:
     p = sub.add_parser("sweep", help="all prefill modes side by side on MuSiQue; ratio and criterion sweep")
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--musique", default=None, help="MuSiQue JSON (default: ../shared/data/musique_dev.json)")
+    p.add_argument("--musique", default=None, help="MuSiQue JSON (default: $CACHEBLEND_RAG_MUSIQUE)")
     p.add_argument("--questions", type=int, default=20)
     p.add_argument("--chunks", type=int, default=6)
     p.add_argument("--chunk-tokens", type=int, default=512)

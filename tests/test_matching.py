@@ -126,3 +126,24 @@ def test_property_random_chunks_joined_by_random_separators_are_recovered(chunks
     spans = ChunkRegistry(chunks, prefix_chars=prefix_chars).find(prompt)
     assert [s.text for s in spans] == chunks
     assert all(prompt[s.start : s.end] == s.key for s in spans)
+
+
+def test_registry_is_bounded_and_evicts_the_least_recently_used():
+    short = "Oslo."  # shorter than prefix_chars: indexed by length
+    reg = ChunkRegistry([PARIS, CURIE, short], max_chunks=3)
+    assert reg.find(f"{PARIS} and {short}")  # PARIS and the short one are now the most recent
+    assert reg.add([THAMES]) == 1  # over the bound: CURIE, least recently used, goes
+    assert len(reg) == 3 and reg.evicted == 1
+    assert CURIE not in reg and reg.find(CURIE) == []
+    assert reg.texts() == [PARIS, short, THAMES]
+    assert reg.add([PARIS]) == 0  # known: not new, but refreshed
+    reg.add([CURIE, "The Nile is long."])  # evicts the short one, then THAMES
+    assert reg.texts() == [PARIS, CURIE, "The Nile is long."] and reg.evicted == 3
+    assert reg.find(f"{short} {THAMES}") == []  # evicted entries leave no index behind
+    assert [s.text for s in reg.find(f"{PARIS} {CURIE}")] == [PARIS, CURIE]
+
+
+def test_registry_bound_must_be_positive():
+    with pytest.raises(ValueError, match="max_chunks=0 must be an int >= 1, or None"):
+        ChunkRegistry(max_chunks=0)
+    assert len(ChunkRegistry([PARIS, CURIE, THAMES], max_chunks=None)) == 3

@@ -21,4 +21,4 @@ __all__ = [
     "precompute_vectorstore",
     "rag_message",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import threading
-from typing import Any, AsyncIterator, Callable, Iterator, Literal, Sequence
+import warnings
+from typing import Any, Literal, Sequence
 
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
@@ -18,6 +18,15 @@ NO_CHUNKS = (
     "no chunks found in the prompt: wrap your retriever with CacheBlendRetriever (or precompute "
     "the documents with precompute_vectorstore) so the model knows the chunk texts, or pass the "
     "documents explicitly ({'question': ..., 'context': [Document, ...]})"
+)
+NO_MATCH = (
+    "the prompt contains none of the {n} registered chunk texts, so it is answered with a full "
+    "prefill and no KV reuse. Chunks are found verbatim (after strip): a format_docs that adds "
+    "titles or numbering inside a document, truncates or rewrites it hides the chunks. Join the "
+    "unchanged page_content (e.g. '\\n\\n'.join(d.page_content for d in docs)), or pass the "
+    "documents explicitly (create_cacheblend_rag_chain, rag_message, or {{'question': ..., "
+    "'context': [Document, ...]}}). This warning is shown once per model; every answer's "
+    "metadata reports chunks_matched."
 )
 # Generation settings a call may override with invoke(..., **kwargs) or .bind(...).
 CALL_PARAMS = ("mode", "recompute_ratio", "max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed")
@@ -53,10 +62,17 @@ class CacheBlendParams(BaseModel):
     """Stop strings, added to any passed per call."""
     require_chunks: bool = False
     """Raise when a prompt holds no known chunk instead of answering it as a plain chat."""
+    match_chunks: bool = True
+    """Find registered chunk texts inside plain prompts (the implicit path). The engine then builds
+    its own prompt: its instruction, the found chunks as "Documents:", and the prompt's remaining
+    text (your template's instructions and the question) as the question turn. False: prompts
+    without explicit chunks are answered exactly as written (your template, chat roles kept) with
+    a full prefill and no reuse."""
     streaming: bool = False
     """Chat model: route ``invoke`` through streaming (LangChain's standard flag)."""
 
     _loaded: CacheBlendEngine | None = PrivateAttr(default=None)
+    _warned_no_match: bool = PrivateAttr(default=False)
 
     # ------------------------------------------------------------------ engine + registry
     def get_engine(self) -> CacheBlendEngine:
@@ -138,15 +154,19 @@ class CacheBlendParams(BaseModel):
         order>)``: the template's surrounding text (instructions, labels, the user's question)
         becomes the engine's question turn, the chunks its "Documents:" list.
         """
-        match = self.chunk_registry.match(prompt)
-        if not match.spans:
+        if not self.match_chunks:
             return self._no_chunks([{"role": "user", "content": prompt}], prompt)
-        return self._chunk_request(match.remainder(), match.chunks)
+        registry = self.chunk_registry
+        match = registry.match(prompt)
+        if not match.spans:
+            self._warn_no_match(registry)
+            return self._no_chunks([{"role": "user", "content": prompt}], prompt)
+        return self._chunk_request(match.remainder(), match.chunks, "matched", len(match.spans))
 
     def _request_from_messages(self, messages: Sequence[BaseMessage]) -> Request:
         """Chunks from flagged content blocks if any message has them, else found in the text."""
         explicit = any(isinstance(m.content, list) and any(map(_is_chunk, m.content)) for m in messages)
-        registry = None if explicit else self.chunk_registry
+        registry = None if explicit or not self.match_chunks else self.chunk_registry
         chunks: list[str] = []
         rest: list[str] = []
         plain: list[dict[str, str]] = []
@@ -168,16 +188,27 @@ class CacheBlendParams(BaseModel):
             if text:
                 rest.append(f"Assistant: {text}" if role == "assistant" else text)
         if not chunks:
+            if registry is not None:
+                self._warn_no_match(registry)
             return self._no_chunks(plain, "\n\n".join(rest))
-        return self._chunk_request("\n\n".join(rest), chunks)
+        if explicit:
+            return self._chunk_request("\n\n".join(rest), chunks, "explicit", 0)
+        return self._chunk_request("\n\n".join(rest), chunks, "matched", len(chunks))
 
-    def _chunk_request(self, question: str, chunks: list[str]) -> Request:
+    def _chunk_request(self, question: str, chunks: list[str], source: str, matched: int) -> Request:
         if not question.strip():
             raise ValueError(
                 "the prompt holds only chunks and no question text: put the question after the "
                 "documents (e.g. 'Context: {context}\\n\\nQuestion: {question}')"
             )
-        return Request(question, tuple(chunks))
+        return Request(question, tuple(chunks), chunk_source=source, chunks_matched=matched)
+
+    def _warn_no_match(self, registry: ChunkRegistry) -> None:
+        """Once per model: chunks are registered, yet this prompt contains none of them verbatim."""
+        if self._warned_no_match or len(registry) == 0:
+            return
+        self._warned_no_match = True
+        warnings.warn(NO_MATCH.format(n=len(registry)), UserWarning, stacklevel=2)
 
     def _no_chunks(self, messages: list[dict[str, str]], text: str) -> Request:
         if self.require_chunks:
@@ -196,50 +227,10 @@ class CacheBlendParams(BaseModel):
             "model_name": self._model_label,
             "finish_reason": run.result.finish_reason,
             "question": run.request.question,
+            "chunk_source": run.request.chunk_source,
+            "chunks_matched": run.request.chunks_matched,
             **run.result.stats,
         }
-
-
-def stream_in_thread(make_iter: Callable[[], Iterator[Any]]) -> AsyncIterator[Any]:
-    """Run a blocking iterator in a worker thread and yield its items on the event loop."""
-
-    async def agen() -> AsyncIterator[Any]:
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        done = object()
-        stop = threading.Event()
-
-        def worker() -> None:
-            try:
-                it = make_iter()
-                try:
-                    for item in it:
-                        loop.call_soon_threadsafe(queue.put_nowait, (item, None))
-                        if stop.is_set():
-                            break
-                finally:
-                    close = getattr(it, "close", None)
-                    if close is not None:
-                        close()
-            except BaseException as err:  # re-raised in the consumer
-                loop.call_soon_threadsafe(queue.put_nowait, (done, err))
-                return
-            loop.call_soon_threadsafe(queue.put_nowait, (done, None))
-
-        task = loop.run_in_executor(None, worker)
-        try:
-            while True:
-                item, err = await queue.get()
-                if err is not None:
-                    raise err
-                if item is done:
-                    break
-                yield item
-        finally:
-            stop.set()  # the consumer left early: let the worker end and release the engine
-            await task
-
-    return agen()
 
 
 def _is_chunk(block: object) -> bool:

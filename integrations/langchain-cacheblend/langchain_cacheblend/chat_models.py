@@ -7,11 +7,13 @@ from typing import Any, AsyncIterator, Iterator, Mapping
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
-from langchain_core.messages.ai import UsageMetadata
+from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.prompt_values import PromptValue
 
-from ._base import CacheBlendParams, stream_in_thread
+from cacheblend_rag.aio import iterate_in_thread
+
+from ._base import CacheBlendParams
 from ._run import Run
 from .inputs import RAGPromptValue
 
@@ -95,7 +97,7 @@ class ChatCacheBlend(CacheBlendParams, BaseChatModel):
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
         run = self._start(self._request_from_messages(messages), stop, kwargs)
-        async for delta in stream_in_thread(lambda: iter(run)):
+        async for delta in iterate_in_thread(iter(run)):
             yield ChatGenerationChunk(message=AIMessageChunk(content=delta))
         yield self._last_chunk(run)
 
@@ -107,5 +109,12 @@ class ChatCacheBlend(CacheBlendParams, BaseChatModel):
 
 
 def _usage(meta: dict[str, Any]) -> UsageMetadata:
+    """Token counts; ``input_token_details["cache_read"]`` is the chunk tokens whose KV was read
+    from the chunk cache instead of prefilled (the reused part of ``input_tokens``)."""
     n_in, n_out = int(meta.get("prompt_tokens", 0)), int(meta.get("generated_tokens", 0))
-    return UsageMetadata(input_tokens=n_in, output_tokens=n_out, total_tokens=n_in + n_out)
+    return UsageMetadata(
+        input_tokens=n_in,
+        output_tokens=n_out,
+        total_tokens=n_in + n_out,
+        input_token_details=InputTokenDetails(cache_read=int(meta.get("cache_read_tokens", 0))),
+    )

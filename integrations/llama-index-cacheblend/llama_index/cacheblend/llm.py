@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-import time
+import dataclasses
+import warnings
 from typing import Any, Iterator, Optional, Sequence
 
-from cacheblend_rag import MODES, CacheBlendEngine, GenerationResult, PromptLayout, SamplingParams, Segment
+from cacheblend_rag import MODES, CacheBlendEngine, GenerationResult, SamplingParams
+from cacheblend_rag.aio import iterate_in_thread
 from cacheblend_rag.config import check_mode
 from cacheblend_rag.engine import GenerationStream
 from cacheblend_rag.matching import ChunkRegistry
+from cacheblend_rag.plain import chat_text, plain_stream
 from llama_index.core.base.llms.generic_utils import (
     completion_response_to_chat_response,
     stream_completion_response_to_chat_response,
@@ -30,8 +33,15 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.llm import default_completion_to_prompt
 
-from ._aio import iterate_in_thread
 
+NO_MATCH = (
+    "the prompt contains none of the {n} chunk texts registered with this engine, so it is answered "
+    "with a full prefill and no KV reuse. Chunks are found verbatim: query through "
+    "CacheBlendSynthesizer (CacheBlendQueryEngine, or index.as_query_engine(llm=llm, "
+    "response_synthesizer=CacheBlendSynthesizer(llm=llm))), and precompute with the metadata_mode "
+    "the query uses. This warning is shown once per LLM; every answer's "
+    "additional_kwargs['cacheblend'] reports chunks_matched."
+)
 # Per-call keyword arguments of complete()/stream_complete() that override the fields.
 GENERATION_KEYS = ("mode", "recompute_ratio", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 
@@ -73,6 +83,7 @@ class CacheBlendLLM(CustomLLM):
     )
 
     _engine: CacheBlendEngine = PrivateAttr()
+    _warned_no_match: bool = PrivateAttr(default=False)
 
     def __init__(self, engine: CacheBlendEngine | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -145,11 +156,22 @@ class CacheBlendLLM(CustomLLM):
         """An answer over the known chunks found in ``text``, or None when there are none."""
         if not self.match_chunks:
             return None
-        match = self.chunk_registry.match(text)
+        registry = self.chunk_registry
+        match = registry.match(text)
         question = match.remainder()
-        if not match.spans or not question.strip():
-            return None  # no chunks, or nothing but chunks: answer the prompt as it is
-        return self.stream_chunks(question, match.chunks, **overrides)
+        if not match.spans:
+            self._warn_no_match(len(registry))
+            return None
+        if not question.strip():
+            return None  # nothing but chunks: answer the prompt as it is
+        return _reported(self.stream_chunks(question, match.chunks, **overrides), "matched", len(match.spans))
+
+    def _warn_no_match(self, registered: int) -> None:
+        """Once per LLM: chunks are registered, yet this prompt contains none of them verbatim."""
+        if self._warned_no_match or registered == 0:
+            return
+        self._warned_no_match = True
+        warnings.warn(NO_MATCH.format(n=registered), UserWarning, stacklevel=2)
 
     def _format_completion(self, prompt: str, formatted: bool) -> str:
         if self.completion_to_prompt is not default_completion_to_prompt:
@@ -168,13 +190,17 @@ class CacheBlendLLM(CustomLLM):
         )
 
     def _apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        tok = self._engine.tokenizer
-        if getattr(tok, "chat_template", None):
-            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return "\n\n".join(m["content"] for m in messages) + "\n"
+        return chat_text(self._engine.tokenizer, messages)
 
-    def stream_prompt(self, prompt: str, formatted: bool = False, **overrides: Any) -> GenerationStream:
-        """Answer a plain prompt: over its known chunks if it has any, else by full prefill.
+    def stream_prompt(
+        self, prompt: str, formatted: bool = False, chunks: Optional[Sequence[str]] = None, **overrides: Any
+    ) -> GenerationStream:
+        """Answer a prompt: over ``chunks`` if given, else over its known chunks if it has any,
+        else by full prefill.
+
+        ``chunks`` (what :class:`CacheBlendSynthesizer` passes): texts that occur, in this order and
+        unchanged, in ``prompt`` (a QA template formatted with them as ``context_str``). They are
+        the engine's documents; the prompt's text around them becomes the question turn.
 
         The full-prefill answer wraps the prompt as a user turn of the model's chat template,
         unless a ``completion_to_prompt`` was given: then that formats it (``formatted=True``:
@@ -184,26 +210,17 @@ class CacheBlendLLM(CustomLLM):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
         if not prompt.strip():
             raise ValueError("prompt is empty: pass a non-empty prompt string")
+        if chunks is not None:
+            return _reported(self.stream_chunks(question_around(prompt, chunks), chunks, **overrides), "explicit", 0)
         matched = self._match(prompt, overrides)
-        return matched or self._stream_text(self._format_completion(prompt, formatted), overrides)
+        return matched or _reported(self._stream_text(self._format_completion(prompt, formatted), overrides), "none", 0)
 
     def _stream_text(self, text: str, overrides: dict[str, Any]) -> GenerationStream:
-        t0 = time.perf_counter()
-        eng = self._engine
-        ids = tuple(eng.tokenizer(text, add_special_tokens=False)["input_ids"])
         kw = self.generation_kwargs(**overrides)
         params = SamplingParams(
             kw["max_new_tokens"], kw["temperature"], kw["top_p"], kw["top_k"], tuple(kw.get("stop") or ()), kw["seed"]
         )
-        if len(ids) + params.max_new_tokens > eng.context_window:
-            raise ValueError(
-                f"the prompt is {len(ids)} tokens plus {params.max_new_tokens} to generate, more than "
-                f"the model's context window of {eng.context_window} tokens: shorten the prompt or "
-                "lower max_new_tokens"
-            )
-        # One non-reusable segment: the engine's full_recompute prefill, decode and stats as usual.
-        layout = PromptLayout((Segment(text, ids, reusable=False),))
-        return GenerationStream(eng, layout, "full_recompute", eng.config, params, t0)
+        return plain_stream(self._engine, text, params)
 
     def stream_messages(self, messages: Sequence[ChatMessage], **overrides: Any) -> GenerationStream:
         """Answer chat messages: over the known chunks in their text if any, else by full prefill
@@ -211,7 +228,8 @@ class CacheBlendLLM(CustomLLM):
         if not messages:
             raise ValueError("no messages: pass at least one ChatMessage")
         joined = "\n\n".join(m.content or "" for m in messages if m.role != MessageRole.ASSISTANT)
-        return self._match(joined, overrides) or self._stream_text(self._format_messages(messages), overrides)
+        matched = self._match(joined, overrides)
+        return matched or _reported(self._stream_text(self._format_messages(messages), overrides), "none", 0)
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
@@ -254,39 +272,97 @@ class CacheBlendLLM(CustomLLM):
         return gen()
 
 
-def _completion(result: Optional[GenerationResult]) -> CompletionResponse:
+def question_around(prompt: str, chunks: Sequence[str]) -> str:
+    """``prompt`` without ``chunks`` (found in order, unchanged): the non-blank pieces around
+    them, stripped and joined by blank lines."""
+    pieces: list[str] = []
+    pos = 0
+    for i, chunk in enumerate(chunks):
+        at = prompt.find(chunk, pos) if chunk else -1
+        if at < 0:
+            raise ValueError(
+                f"chunk {i} ({chunk[:40]!r}...) does not occur in the prompt after the chunks before "
+                "it: the prompt template must hold {context_str}, the chunks joined unchanged in order"
+            )
+        pieces.append(prompt[pos:at])
+        pos = at + len(chunk)
+    pieces.append(prompt[pos:])
+    question = "\n\n".join(p.strip() for p in pieces if p.strip())
+    if not question:
+        raise ValueError("the prompt holds only the chunks and no question: the template needs {query_str}")
+    return question
+
+
+def raw_response(result: GenerationResult) -> dict[str, Any]:
+    """A completion's ``raw``: a plain dict (LlamaIndex's ``TokenCountingHandler`` reads
+    ``raw["usage"]``), with the engine's text, token ids, timings and stats."""
+    prompt_tokens = int(result.stats.get("prompt_tokens", 0))
+    completion_tokens = len(result.token_ids)
+    return {
+        "text": result.text,
+        "token_ids": list(result.token_ids),
+        "finish_reason": result.finish_reason,
+        "ttft_s": result.ttft_s,
+        "total_s": result.total_s,
+        "stats": result.stats,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+
+
+def _reported(stream: GenerationStream, source: str, matched: int) -> GenerationStream:
+    """Note on the stream where its chunks came from, for the answer's stats."""
+    stream.chunk_report = {"chunk_source": source, "chunks_matched": matched}  # type: ignore[attr-defined]
+    return stream
+
+
+def _completion(stream: GenerationStream, text: Optional[str] = None, delta: Optional[str] = None) -> CompletionResponse:
+    result = stream.result
     assert result is not None
+    stats = dict(result.stats, **getattr(stream, "chunk_report", {}))
+    result = dataclasses.replace(result, stats=stats)
     return CompletionResponse(
-        text=result.text,
-        additional_kwargs={"cacheblend": result.stats, "finish_reason": result.finish_reason},
-        raw=result,
+        text=result.text if text is None else text,
+        delta=delta,
+        additional_kwargs={"cacheblend": stats, "finish_reason": result.finish_reason},
+        raw=raw_response(result),
     )
 
 
 def _complete(engine: CacheBlendEngine, stream: GenerationStream) -> CompletionResponse:
     for _ in drain_and_flush(engine, stream):
         pass
-    return _completion(stream.result)
+    return _completion(stream)
 
 
 async def _acomplete(engine: CacheBlendEngine, stream: GenerationStream) -> CompletionResponse:
     async for _ in iterate_in_thread(drain_and_flush(engine, stream)):
         pass
-    return _completion(stream.result)
+    return _completion(stream)
 
 
 def _responses(engine: CacheBlendEngine, stream: GenerationStream) -> CompletionResponseGen:
-    text = ""
+    # One delta behind, so the last response carries the stats and the dict ``raw``.
+    text, pending = "", None
     for delta in drain_and_flush(engine, stream):
+        if pending is not None:
+            yield CompletionResponse(text=text, delta=pending)
         text += delta
-        yield CompletionResponse(text=text, delta=delta)
+        pending = delta
+    yield _completion(stream, text, pending or "")
 
 
 async def _aresponses(engine: CacheBlendEngine, stream: GenerationStream) -> CompletionResponseAsyncGen:
-    text = ""
+    text, pending = "", None
     async for delta in iterate_in_thread(drain_and_flush(engine, stream)):
+        if pending is not None:
+            yield CompletionResponse(text=text, delta=pending)
         text += delta
-        yield CompletionResponse(text=text, delta=delta)
+        pending = delta
+    yield _completion(stream, text, pending or "")
 
 
 def drain_and_flush(engine: CacheBlendEngine, stream: GenerationStream) -> Iterator[str]:

@@ -12,7 +12,7 @@ from llama_index.core.callbacks.base import CallbackManager
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import MetadataMode, QueryBundle
-from llama_index.core.settings import Settings
+from llama_index.core.prompts import BasePromptTemplate
 
 from .llm import CacheBlendLLM
 from .nodes import DEFAULT_METADATA_MODE
@@ -20,13 +20,15 @@ from .precompute import precompute_index
 from .synthesizer import CacheBlendSynthesizer
 
 
-def default_engine() -> CacheBlendEngine:
-    """The engine of ``Settings.llm`` when that is a CacheBlendLLM, else the bundled model."""
-    # Settings._llm, not Settings.llm: the property would resolve (and try OpenAI) when unset.
-    llm = getattr(Settings, "_llm", None)
-    if isinstance(llm, CacheBlendLLM):
-        return llm.engine
-    return CacheBlendEngine.from_pretrained()
+def _resolve_llm(llm: Optional[CacheBlendLLM], engine: Optional[CacheBlendEngine], gen: dict[str, Any]) -> CacheBlendLLM:
+    """``llm`` as given, else a CacheBlendLLM over ``engine`` (default: the bundled model)."""
+    if llm is not None:
+        if not isinstance(llm, CacheBlendLLM):
+            raise TypeError(f"llm must be a CacheBlendLLM, got {type(llm).__name__}: wrap your engine as CacheBlendLLM(engine=...)")
+        if engine is not None or gen:
+            raise TypeError("pass either llm= or engine=/generation settings, not both")
+        return llm
+    return CacheBlendLLM(engine=engine if engine is not None else CacheBlendEngine.from_pretrained(), **gen)
 
 
 class CacheBlendQueryEngine(RetrieverQueryEngine):
@@ -61,11 +63,15 @@ class CacheBlendQueryEngine(RetrieverQueryEngine):
         metadata_mode: MetadataMode = DEFAULT_METADATA_MODE,
         node_postprocessors: Optional[List[BaseNodePostprocessor]] = None,
         show_progress: bool = True,
+        llm: Optional[CacheBlendLLM] = None,
+        text_qa_template: Optional[BasePromptTemplate] = None,
         **gen: Any,
     ) -> "CacheBlendQueryEngine":
         """Query ``index`` with CacheBlend in one line.
 
-        engine: default ``Settings.llm``'s engine when that is a CacheBlendLLM, else the bundled model.
+        llm: the CacheBlendLLM to answer with (e.g. the one in ``Settings.llm``); else one is
+            built over ``engine`` (default: the bundled model) with the ``**gen`` settings.
+        text_qa_template: the prompt around the chunks (see :class:`CacheBlendSynthesizer`).
         similarity_top_k: nodes retrieved per query, each one a cached chunk.
         precompute: store the KV of every node in the index now (``precompute_index``), so even
             the first query reuses caches. Without it a chunk is computed (and stored) the first
@@ -73,12 +79,13 @@ class CacheBlendQueryEngine(RetrieverQueryEngine):
         **gen: CacheBlendLLM fields: mode ("cacheblend"), recompute_ratio (engine default 0.15),
             max_new_tokens (128), temperature (0.0), top_p, top_k, seed.
         """
-        llm = CacheBlendLLM(engine=engine if engine is not None else default_engine(), **gen)
+        llm = _resolve_llm(llm, engine, gen)
         if precompute:
             precompute_index(index, llm.engine, progress=show_progress, metadata_mode=metadata_mode)
+        synth = CacheBlendSynthesizer(llm=llm, streaming=streaming, metadata_mode=metadata_mode, text_qa_template=text_qa_template)
         return cls(
             retriever=index.as_retriever(similarity_top_k=similarity_top_k),
-            response_synthesizer=CacheBlendSynthesizer(llm=llm, streaming=streaming, metadata_mode=metadata_mode),
+            response_synthesizer=synth,
             node_postprocessors=node_postprocessors,
         )
 
@@ -91,13 +98,14 @@ class CacheBlendQueryEngine(RetrieverQueryEngine):
         callback_manager: Optional[CallbackManager] = None,
         streaming: bool = False,
         metadata_mode: MetadataMode = DEFAULT_METADATA_MODE,
+        text_qa_template: Optional[BasePromptTemplate] = None,
+        engine: Optional[CacheBlendEngine] = None,
         **gen: Any,
     ) -> "CacheBlendQueryEngine":
-        """Like ``RetrieverQueryEngine.from_args`` but always with a CacheBlendSynthesizer."""
-        if llm is None:
-            llm = CacheBlendLLM(engine=default_engine(), **gen)
-            gen = {}
-        synth = CacheBlendSynthesizer(llm=llm, streaming=streaming, metadata_mode=metadata_mode, **gen)
+        """Like ``RetrieverQueryEngine.from_args`` but always with a CacheBlendSynthesizer
+        (``llm``, else one over ``engine``, default the bundled model)."""
+        llm = _resolve_llm(llm, engine, gen)
+        synth = CacheBlendSynthesizer(llm=llm, streaming=streaming, metadata_mode=metadata_mode, text_qa_template=text_qa_template)
         return cls(retriever, synth, node_postprocessors, callback_manager)
 
     @property

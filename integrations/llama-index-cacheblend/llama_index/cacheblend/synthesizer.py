@@ -2,7 +2,9 @@
 
 LlamaIndex's default ``compact`` mode repacks node texts into as few prompts as fit, which moves
 chunk boundaries and makes every cached chunk KV useless. Here each node stays its own chunk,
-in retrieved order, with the question as the suffix.
+in retrieved order. The answer goes through the LLM's ``complete``/``stream_complete`` (so LLM
+callbacks, instrumentation events and ``TokenCountingHandler`` see it) with the QA template
+formatted over the chunks, and the chunks passed alongside so none of them is repacked.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ from llama_index.core.base.response.schema import RESPONSE_TYPE, Response, Strea
 from llama_index.core.callbacks.base import CallbackManager
 from llama_index.core.callbacks.schema import CBEventType, EventPayload
 from llama_index.core.instrumentation.events.synthesis import SynthesizeEndEvent, SynthesizeStartEvent
+from llama_index.core.base.llms.types import CompletionResponseAsyncGen, CompletionResponseGen
+from llama_index.core.prompts import BasePromptTemplate, PromptTemplate
 from llama_index.core.prompts.mixin import PromptDictType
+from llama_index.core.prompts.prompt_type import PromptType
 from llama_index.core.response_synthesizers.base import BaseSynthesizer, QueryTextType
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
-from ._aio import iterate_in_thread
-from .llm import CacheBlendLLM, drain_and_flush
+from .llm import CacheBlendLLM
 from .nodes import DEFAULT_METADATA_MODE, node_chunks
 
 try:  # llama-index-core >= 0.12.x ships an async streaming response
@@ -33,6 +37,23 @@ dispatcher = instrument.get_dispatcher(__name__)
 #: ``Response.metadata`` key holding the engine's stats (chunk_hits, chunk_misses, ttft_s, ...).
 STATS_KEY = "cacheblend"
 
+#: The default QA template: the chunks, then the question. The engine's prompt adds its own
+#: instruction, so the question turn is just the query.
+DEFAULT_CACHEBLEND_QA_PROMPT = PromptTemplate("{context_str}\n\n{query_str}", prompt_type=PromptType.QUESTION_ANSWER)
+CONTEXT_JOINER = "\n\n"
+
+
+def check_qa_template(template: BasePromptTemplate) -> BasePromptTemplate:
+    if not isinstance(template, BasePromptTemplate):
+        raise TypeError(f"text_qa_template must be a LlamaIndex prompt template, got {type(template).__name__}")
+    missing = {"context_str", "query_str"} - set(template.template_vars)
+    if missing:
+        raise ValueError(
+            f"text_qa_template lacks {', '.join('{' + m + '}' for m in sorted(missing))}: it must hold "
+            "{context_str} (where the chunks go) and {query_str} (the question)"
+        )
+    return template
+
 
 class CacheBlendSynthesizer(BaseSynthesizer):
     """Answer over retrieved nodes with CacheBlend.
@@ -44,6 +65,11 @@ class CacheBlendSynthesizer(BaseSynthesizer):
         streaming: return a ``StreamingResponse`` whose ``response_gen`` yields text deltas.
         metadata_mode: how a node becomes chunk text (default ``MetadataMode.LLM``); precompute
             with the same mode or the caches will not be found.
+        text_qa_template: the prompt around the chunks, with ``{context_str}`` (the chunks, joined
+            by blank lines, unchanged) and ``{query_str}``; default ``"{context_str}\\n\\n{query_str}"``.
+            The chunks become the engine's documents and the template's other text the question
+            turn (after the engine's own instruction). Also settable with
+            ``update_prompts({"text_qa_template": ...})``.
 
     The response's ``metadata`` maps node ids to node metadata as usual, plus ``"cacheblend"``:
     the engine's stats (for a streaming response, filled in once the stream is exhausted).
@@ -58,6 +84,7 @@ class CacheBlendSynthesizer(BaseSynthesizer):
         streaming: bool = False,
         metadata_mode: MetadataMode = DEFAULT_METADATA_MODE,
         callback_manager: Optional[CallbackManager] = None,
+        text_qa_template: Optional[BasePromptTemplate] = None,
         **gen: Any,
     ) -> None:
         if llm is None:
@@ -71,6 +98,7 @@ class CacheBlendSynthesizer(BaseSynthesizer):
             raise TypeError("pass either llm or engine/generation settings, not both")
         super().__init__(llm=llm, callback_manager=callback_manager, streaming=streaming)
         self._metadata_mode = metadata_mode
+        self._text_qa_template = check_qa_template(text_qa_template or DEFAULT_CACHEBLEND_QA_PROMPT)
 
     @property
     def llm(self) -> CacheBlendLLM:
@@ -81,26 +109,34 @@ class CacheBlendSynthesizer(BaseSynthesizer):
         return self._metadata_mode
 
     def _get_prompts(self) -> PromptDictType:
-        # The prompt is the engine's chat template around the chunks; no LlamaIndex templates.
-        return {}
+        return {"text_qa_template": self._text_qa_template}
 
     def _update_prompts(self, prompts: PromptDictType) -> None:
-        if prompts:
-            raise ValueError("CacheBlendSynthesizer has no prompt templates to update")
+        unknown = set(prompts) - {"text_qa_template"}
+        if unknown:
+            raise ValueError(f"unknown prompts {sorted(unknown)}: CacheBlendSynthesizer has only 'text_qa_template'")
+        if "text_qa_template" in prompts:
+            self._text_qa_template = check_qa_template(prompts["text_qa_template"])
+
+    def format_prompt(self, query_str: str, chunks: Sequence[str]) -> str:
+        """The QA template over ``chunks`` and ``query_str`` (what the LLM events show)."""
+        return self._text_qa_template.format(context_str=CONTEXT_JOINER.join(chunks), query_str=query_str)
 
     # ------------------------------------------------------------------ text-level API
     def get_response(self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any):
         """Answer over already-extracted chunk texts (each one a separate cached chunk)."""
-        stream = self.llm.stream_chunks(query_str, text_chunks, **response_kwargs)
-        gen = drain_and_flush(self.llm.engine, stream)
-        return gen if self._streaming else "".join(gen)
+        chunks = list(text_chunks)
+        prompt = self.format_prompt(query_str, chunks)
+        if self._streaming:
+            return _deltas(self.llm.stream_complete(prompt, formatted=True, chunks=chunks, **response_kwargs), {})
+        return self.llm.complete(prompt, formatted=True, chunks=chunks, **response_kwargs).text
 
     async def aget_response(self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any):
-        stream = self.llm.stream_chunks(query_str, text_chunks, **response_kwargs)
-        agen = iterate_in_thread(drain_and_flush(self.llm.engine, stream))
+        chunks = list(text_chunks)
+        prompt = self.format_prompt(query_str, chunks)
         if self._streaming:
-            return agen
-        return "".join([d async for d in agen])
+            return _adeltas(await self.llm.astream_complete(prompt, formatted=True, chunks=chunks, **response_kwargs), {})
+        return (await self.llm.acomplete(prompt, formatted=True, chunks=chunks, **response_kwargs)).text
 
     # ------------------------------------------------------------------ node-level API
     def _prepare(
@@ -128,17 +164,15 @@ class CacheBlendSynthesizer(BaseSynthesizer):
         dispatcher.event(SynthesizeStartEvent(query=query))
         query_str, chunks, source_nodes, metadata = self._prepare(query, nodes, additional_source_nodes)
         with self._callback_manager.event(CBEventType.SYNTHESIZE, payload={EventPayload.QUERY_STR: query_str}) as event:
-            stream = self.llm.stream_chunks(query_str, chunks, **response_kwargs)
-            deltas = drain_and_flush(self.llm.engine, stream)
+            prompt = self.format_prompt(query_str, chunks)
             response: RESPONSE_TYPE
             if self._streaming:
-                response = StreamingResponse(
-                    _with_stats(deltas, stream, metadata), source_nodes=source_nodes, metadata=metadata
-                )
+                responses = self.llm.stream_complete(prompt, formatted=True, chunks=chunks, **response_kwargs)
+                response = StreamingResponse(_deltas(responses, metadata), source_nodes=source_nodes, metadata=metadata)
             else:
-                text = "".join(deltas)
-                metadata[STATS_KEY] = stream.result.stats  # type: ignore[union-attr]
-                response = Response(text, source_nodes=source_nodes, metadata=metadata)
+                completion = self.llm.complete(prompt, formatted=True, chunks=chunks, **response_kwargs)
+                metadata[STATS_KEY] = completion.additional_kwargs["cacheblend"]
+                response = Response(completion.text, source_nodes=source_nodes, metadata=metadata)
             event.on_end(payload={EventPayload.RESPONSE: response})
         dispatcher.event(SynthesizeEndEvent(query=query, response=response))
         return response
@@ -154,34 +188,35 @@ class CacheBlendSynthesizer(BaseSynthesizer):
         dispatcher.event(SynthesizeStartEvent(query=query))
         query_str, chunks, source_nodes, metadata = self._prepare(query, nodes, additional_source_nodes)
         with self._callback_manager.event(CBEventType.SYNTHESIZE, payload={EventPayload.QUERY_STR: query_str}) as event:
-            stream = self.llm.stream_chunks(query_str, chunks, **response_kwargs)
-            deltas = iterate_in_thread(drain_and_flush(self.llm.engine, stream))
+            prompt = self.format_prompt(query_str, chunks)
             response: RESPONSE_TYPE
             if self._streaming and AsyncStreamingResponse is not None:
-                response = AsyncStreamingResponse(
-                    _awith_stats(deltas, stream, metadata), source_nodes=source_nodes, metadata=metadata
-                )
+                aresponses = await self.llm.astream_complete(prompt, formatted=True, chunks=chunks, **response_kwargs)
+                response = AsyncStreamingResponse(_adeltas(aresponses, metadata), source_nodes=source_nodes, metadata=metadata)
             elif self._streaming:  # pragma: no cover - older cores: a sync stream
-                response = StreamingResponse(
-                    _with_stats(drain_and_flush(self.llm.engine, stream), stream, metadata),
-                    source_nodes=source_nodes,
-                    metadata=metadata,
-                )
+                responses = self.llm.stream_complete(prompt, formatted=True, chunks=chunks, **response_kwargs)
+                response = StreamingResponse(_deltas(responses, metadata), source_nodes=source_nodes, metadata=metadata)
             else:
-                text = "".join([d async for d in deltas])
-                metadata[STATS_KEY] = stream.result.stats  # type: ignore[union-attr]
-                response = Response(text, source_nodes=source_nodes, metadata=metadata)
+                completion = await self.llm.acomplete(prompt, formatted=True, chunks=chunks, **response_kwargs)
+                metadata[STATS_KEY] = completion.additional_kwargs["cacheblend"]
+                response = Response(completion.text, source_nodes=source_nodes, metadata=metadata)
             event.on_end(payload={EventPayload.RESPONSE: response})
         dispatcher.event(SynthesizeEndEvent(query=query, response=response))
         return response
 
 
-def _with_stats(deltas, stream, metadata: Dict[str, Any]) -> Generator[str, None, None]:
-    yield from deltas
-    metadata[STATS_KEY] = stream.result.stats
+def _deltas(responses: CompletionResponseGen, metadata: Dict[str, Any]) -> Generator[str, None, None]:
+    """The text deltas of a completion stream; its last response's stats go into ``metadata``."""
+    for r in responses:
+        if "cacheblend" in r.additional_kwargs:
+            metadata[STATS_KEY] = r.additional_kwargs["cacheblend"]
+        if r.delta:
+            yield r.delta
 
 
-async def _awith_stats(deltas, stream, metadata: Dict[str, Any]) -> AsyncGenerator[str, None]:
-    async for d in deltas:
-        yield d
-    metadata[STATS_KEY] = stream.result.stats
+async def _adeltas(responses: CompletionResponseAsyncGen, metadata: Dict[str, Any]) -> AsyncGenerator[str, None]:
+    async for r in responses:
+        if "cacheblend" in r.additional_kwargs:
+            metadata[STATS_KEY] = r.additional_kwargs["cacheblend"]
+        if r.delta:
+            yield r.delta

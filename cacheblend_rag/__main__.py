@@ -1,0 +1,8 @@
+"""``python -m cacheblend_rag``: the same command line as ``cacheblend-rag``."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

