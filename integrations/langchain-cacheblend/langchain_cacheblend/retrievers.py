@@ -46,6 +46,10 @@ class CacheBlendRetriever(BaseRetriever):
     * ``"background"``: compute it in a worker thread; useful when retrieval happens well before
       generation. ``wait()`` blocks until it is done.
 
+    ``neighbours`` > 0 (with ``precompute``) also caches each retrieved chunk prefilled behind
+    its ``neighbours`` most similar chunks of the same retrieval (``CacheBlendEngine.precompute``):
+    closer to a full prefill's answers, for about ``neighbours + 1`` times the precompute.
+
     Give ``llm`` (a CacheBlendLLM/ChatCacheBlend) or ``engine``; ``registry`` overrides theirs.
     """
 
@@ -56,6 +60,7 @@ class CacheBlendRetriever(BaseRetriever):
     engine: CacheBlendEngine | None = None
     registry: ChunkRegistry | None = None
     precompute: Literal["sync", "background", False] = False
+    neighbours: int = 0
 
     _pool: ThreadPoolExecutor | None = PrivateAttr(default=None)
     _pending: list[Future] = PrivateAttr(default_factory=list)
@@ -101,12 +106,12 @@ class CacheBlendRetriever(BaseRetriever):
             return
         assert engine is not None
         if self.precompute == "sync":
-            _precompute(engine, texts)
+            _precompute(engine, texts, self.neighbours)
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="cacheblend-precompute")
         self._pending = [f for f in self._pending if not f.done()]
-        self._pending.append(self._pool.submit(_precompute_logged, engine, texts))
+        self._pending.append(self._pool.submit(_precompute_logged, engine, texts, self.neighbours))
 
     def wait(self) -> None:
         """Block until background precomputation has finished (re-raises its first error)."""
@@ -115,14 +120,14 @@ class CacheBlendRetriever(BaseRetriever):
             fut.result()
 
 
-def _precompute(engine: CacheBlendEngine, texts: list[str]) -> int:
+def _precompute(engine: CacheBlendEngine, texts: list[str], neighbours: int = 0) -> int:
     with engine_lock(engine):
-        return engine.precompute(texts, progress=False)
+        return engine.precompute(texts, neighbours=neighbours, progress=False)
 
 
-def _precompute_logged(engine: CacheBlendEngine, texts: list[str]) -> int:
+def _precompute_logged(engine: CacheBlendEngine, texts: list[str], neighbours: int = 0) -> int:
     try:
-        return _precompute(engine, texts)
+        return _precompute(engine, texts, neighbours)
     except Exception:
         log.exception("background KV precompute failed")
         raise
@@ -156,17 +161,28 @@ def precompute_vectorstore(
     *,
     batch_size: int = 32,
     progress: bool = True,
+    neighbours: int = 0,
 ) -> int:
     """Compute and store the KV of every document, and register their texts with the model.
 
     ``vectorstore_or_documents``: an ``InMemoryVectorStore`` (its stored documents are read) or
     any iterable of Documents or strings. ``llm_or_engine``: a CacheBlendLLM, ChatCacheBlend or
     CacheBlendEngine. Already cached chunks are skipped. Returns how many chunks were computed.
+    ``neighbours`` > 0 also caches each document prefilled behind its ``neighbours`` most similar
+    documents of the whole collection (``CacheBlendEngine.precompute``); precompute again after
+    the collection changes.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} must be >= 1")
     engine, registry = _resolve(llm_or_engine)
     texts, total = _texts_of(vectorstore_or_documents)
+    if neighbours:
+        # Neighbours are chosen across the whole collection, not within a batch.
+        everything = [t for t in texts if t.strip()]
+        registry.add(everything)
+        computed = _precompute(engine, everything, neighbours) if everything else 0
+        engine.flush()
+        return computed
     computed = 0
     batch: list[str] = []
     with tqdm(total=total, desc="precompute KV", unit="chunk", disable=not progress) as bar:

@@ -78,3 +78,15 @@ def test_create_cacheblend_rag_chain(tiny_engine, vectorstore):
     assert templated.invoke(QUESTION) == ref.text
     with pytest.raises(ValueError, match="drop \\{context\\}"):
         create_cacheblend_rag_chain(inner, chat, prompt="{context} {question}")
+
+
+def test_neighbour_aware_precompute_from_the_vectorstore_and_the_retriever(tiny_engine, vectorstore, documents):
+    texts = [d.page_content for d in documents]
+    # Plain caches plus one cache per document prefilled behind its most similar document.
+    assert precompute_vectorstore(documents, tiny_engine, neighbours=1, progress=False) == 2 * len(texts)
+    stats = tiny_engine.prefill(tiny_engine.build_layout(QUESTION, texts[:3]), "full_reuse").stats
+    assert stats["neighbour_hits"] == 2  # every chunk but the first, which keeps its exact cache
+    inner = vectorstore.as_retriever(search_kwargs={"k": 2})
+    docs = CacheBlendRetriever(retriever=inner, engine=tiny_engine, precompute="sync", neighbours=1).invoke("Thames")
+    got = tiny_engine.prefill(tiny_engine.build_layout("Thames?", [d.page_content for d in docs]), "full_reuse").stats
+    assert got["neighbour_hits"] == 1

@@ -159,6 +159,13 @@ def test_precompute_index_makes_first_query_hit(engine, index):
     assert (stats["chunk_hits"], stats["chunk_misses"]) == (TOP_K, 0)
 
 
+def test_precompute_index_with_neighbours_serves_neighbour_aware_caches(engine, index):
+    assert precompute_index(index, engine, progress=False, neighbours=1) == 2 * len(PASSAGES)
+    qe = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, precompute=False, **GEN)
+    stats = qe.query(QUESTION).metadata["cacheblend"]
+    assert (stats["chunk_hits"], stats["neighbour_hits"]) == (TOP_K, TOP_K - 1)
+
+
 def test_from_index_precomputes_by_default(engine, index):
     qe = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, show_progress=False, **GEN)
     stats = qe.query("Who won two Nobel prizes?").metadata["cacheblend"]

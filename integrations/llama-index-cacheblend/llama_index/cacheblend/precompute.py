@@ -42,8 +42,13 @@ def precompute_index(
     progress: bool = True,
     *,
     metadata_mode: MetadataMode = DEFAULT_METADATA_MODE,
+    neighbours: int = 0,
 ) -> int:
     """Store the chunk KV of every node of ``index`` (a tqdm bar when ``progress``).
+
+    ``neighbours`` > 0 also caches each node prefilled behind its ``neighbours`` most similar
+    nodes of the index (``CacheBlendEngine.precompute``): answers closer to a full prefill, for
+    about ``neighbours + 1`` times the precompute; run it again after the index changes.
 
     Idempotent: nodes already cached are skipped. Returns how many chunks were computed. Nodes
     without text are skipped; an index with no text at all, or a node longer than the model's
@@ -58,7 +63,7 @@ def precompute_index(
             "that keeps the text itself, call engine.precompute([node_text(n) for n in nodes]))"
         )
     chunks = node_chunks(eng, nodes, metadata_mode, what="nodes in the index")
-    return eng.precompute(chunks, progress=progress)
+    return eng.precompute(chunks, neighbours=neighbours, progress=progress)
 
 
 class CacheBlendPrecompute(BaseNodePostprocessor):
