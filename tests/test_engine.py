@@ -22,7 +22,7 @@ def _kv(cache, layer):
 def test_ratio_one_equals_full_prefill(engine):
     layout = engine.build_layout(Q, CHUNKS)
     full = engine.prefill(layout, "full_recompute")
-    blend = engine.prefill(layout, "cacheblend", BlendConfig(recompute_ratio=1.0))
+    blend = engine.prefill(layout, "cacheblend", BlendConfig(recompute_ratio=1.0, strategy="hkvd"))
     torch.testing.assert_close(blend.logits, full.logits, rtol=1e-4, atol=1e-5)
     for i in range(engine.num_layers):
         for a, b in zip(_kv(blend.cache, i), _kv(full.cache, i)):
@@ -75,7 +75,7 @@ def test_rope_shift_moves_a_key_to_its_new_position(engine):
 
 def test_selected_sets_shrink_layer_by_layer(engine):
     layout = engine.build_layout(Q, CHUNKS)
-    cfg = BlendConfig(recompute_ratio=0.2, filter_layers=2)  # checks on layers 1 and 2 of 0..3
+    cfg = BlendConfig(recompute_ratio=0.2, filter_layers=2, strategy="hkvd")  # checks on layers 1 and 2 of 0..3
     res = engine.prefill(layout, "cacheblend", cfg)
     sizes = [int(s.numel()) for s in res.selected]
     assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1]
@@ -96,7 +96,7 @@ def test_check_layer_refreshes_every_token_but_computes_only_the_kept(engine):
     # dropped tokens skip layer 1's attention and MLP: computed < refreshed there.
     layout = engine.build_layout(Q, CHUNKS)
     full = engine.prefill(layout, "full_recompute")
-    res = engine.prefill(layout, "cacheblend", BlendConfig(recompute_ratio=0.2, filter_layers=1))
+    res = engine.prefill(layout, "cacheblend", BlendConfig(recompute_ratio=0.2, filter_layers=1, strategy="hkvd"))
     for i in (0, 1):
         for a, b in zip(_kv(res.cache, i), _kv(full.cache, i)):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
@@ -120,7 +120,7 @@ def test_last_layer_runs_attention_and_mlp_for_the_last_position_only(engine):
         for name, mod in (("k_proj", last.self_attn.k_proj), ("mlp", last.mlp))
     ]
     try:
-        res = engine.prefill(layout, "cacheblend", BlendConfig(recompute_ratio=0.2))
+        res = engine.prefill(layout, "cacheblend", BlendConfig(recompute_ratio=0.2, strategy="hkvd"))
     finally:
         for h in hooks:
             h.remove()
@@ -163,7 +163,7 @@ def test_row_groups_cover_rows_and_read_keys_up_to_their_last_position():
 
 def test_explicit_schedule_and_boundary_tokens(engine):
     layout = engine.build_layout(Q, CHUNKS)
-    cfg = BlendConfig(schedule=((0, 0.5), (2, 0.1)), boundary_tokens=2)
+    cfg = BlendConfig(schedule=((0, 0.5), (2, 0.1)), boundary_tokens=2, strategy="hkvd")
     res = engine.prefill(layout, "cacheblend", cfg)
     sizes = [int(s.numel()) for s in res.selected]
     assert sizes[1] == sizes[2] and sizes[2] > sizes[3]
@@ -187,7 +187,7 @@ def test_selected_tokens_never_see_later_tokens(engine, monkeypatch):
     # Two prompts that differ only in the question: every K/V before the question must match
     # (up to float rounding from the different batch shapes). A question-independent criterion,
     # so that both prompts recompute the same tokens.
-    cfg = BlendConfig(recompute_ratio=0.3, criterion="value")
+    cfg = BlendConfig(recompute_ratio=0.3, criterion="value", strategy="hkvd")
     assert _prefix_kv_gap(engine, None, cfg) < 1e-5
     # Control: a mask that lets selected tokens see later ones makes the question leak in.
     import cacheblend_rag.fusor as fusor
@@ -210,7 +210,7 @@ def test_every_criterion_runs_and_moves_toward_full_prefill(engine, criterion):
     full = engine.prefill(layout, "full_recompute").logits
     dist = {}
     for r in (0.0, 1.0):
-        res = engine.prefill(layout, "cacheblend", BlendConfig(recompute_ratio=r, criterion=criterion))
+        res = engine.prefill(layout, "cacheblend", BlendConfig(recompute_ratio=r, criterion=criterion, strategy="hkvd"))
         dist[r] = float((res.logits - full).abs().max())
     assert dist[1.0] < 1e-4 < dist[0.0]
 

@@ -173,6 +173,8 @@ def test_bad_strategy_options_are_refused_with_the_choices():
         BlendConfig(strategy="nope")
     with pytest.raises(ValueError, match="question_layers='first'"):
         BlendConfig(question_layers="first")
+    with pytest.raises(ValueError, match="schedule= is HKVD's gradual filtering and strategy='question' would ignore it"):
+        BlendConfig(schedule=((1, 0.5),), strategy="question")
     with pytest.raises(ValueError, match="selection_window=-1"):
         BlendConfig(selection_window=-1)
 

@@ -27,6 +27,7 @@ import math
 import sys
 import time
 from dataclasses import asdict, dataclass
+from itertools import zip_longest
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -46,14 +47,15 @@ DEFAULT_FIDELITY_METHODS = (
 @dataclass
 class FidelityConfig:
     """What to run. model: as for ``bench`` (smollm2, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b, tiny,
-    or a path). offset: first question of each dataset (keep tuning and reporting sets apart).
+    or a path). offset: first question of each dataset (keep tuning and reporting sets apart); an
+    int for every dataset or a {dataset: first question} mapping (missing datasets start at 0).
     neighbours: precompute neighbour-aware caches behind this many neighbours (0: none; methods
     with "/nb" need it), chosen among the question's retrieved chunks."""
 
     model: str = "qwen2.5-coder-0.5b"
     datasets: tuple[str, ...] = ("hotpotqa", "musique")
     n: int = 200
-    offset: int = 0
+    offset: int | dict[str, int] = 0
     methods: tuple[str, ...] = DEFAULT_FIDELITY_METHODS
     top_k: int = 6
     chunk_tokens: int = 512
@@ -126,10 +128,13 @@ def run_fidelity(cfg: FidelityConfig, *, engine=None) -> list[dict]:
     full = parse_methods(["full_recompute"])[0]
     rows = read_results(results_path)
     done = {(r["model"], r["dataset"], r["qid"], r["method"]) for r in rows}
-    examples = [
-        ex for name in cfg.datasets
-        for ex in ds.load_dataset(name, cfg.n, musique=cfg.musique, hotpotqa=cfg.hotpotqa, chunk_tokens=cfg.chunk_tokens, offset=cfg.offset)
+    per_dataset = [
+        ds.load_dataset(name, cfg.n, musique=cfg.musique, hotpotqa=cfg.hotpotqa, chunk_tokens=cfg.chunk_tokens,
+                        offset=cfg.offset.get(name, 0) if isinstance(cfg.offset, dict) else cfg.offset)
+        for name in cfg.datasets
     ]
+    # Round-robin over datasets, so a run stopped early has covered each about equally.
+    examples = [ex for group in zip_longest(*per_dataset) for ex in group if ex is not None]
     todo = [ex for ex in examples if any((cfg.model, ex.dataset, ex.qid, m.name) not in done for m in methods)]
     if todo:
         own = engine is None
@@ -323,6 +328,13 @@ def _csv(text: str) -> tuple[str, ...]:
     return tuple(t.strip() for t in text.split(",") if t.strip())
 
 
+def _offsets(text: str) -> int | dict[str, int]:
+    if "=" not in text:
+        return int(text)
+    pairs = [part.split("=", 1) for part in _csv(text)]
+    return {name.strip(): int(value) for name, value in pairs}
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "fidelity",
@@ -333,7 +345,8 @@ def register(subparsers) -> None:
     p.add_argument("--model", default="qwen2.5-coder-0.5b", help="qwen2.5-coder-0.5b (default), qwen2.5-coder-1.5b, smollm2, tiny, or a path")
     p.add_argument("--datasets", type=_csv, default=("hotpotqa", "musique"), help="comma list of hotpotqa, musique (default both)")
     p.add_argument("--n", type=int, default=200, help="questions per dataset (default 200; MuSiQue has 50)")
-    p.add_argument("--offset", type=int, default=0, help="first question of each dataset (default 0)")
+    p.add_argument("--offset", type=_offsets, default=0,
+                   help="first question of each dataset: N, or per dataset as hotpotqa=N,musique=M (default 0)")
     p.add_argument("--methods", type=_csv, default=DEFAULT_FIDELITY_METHODS, help="comma list of method specs (see `bench --help`)")
     p.add_argument("--top-k", type=int, default=6)
     p.add_argument("--chunk-tokens", type=int, default=512)
