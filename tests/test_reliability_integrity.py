@@ -109,7 +109,7 @@ def _other_chunk_record(e, key: str, blob: bytes) -> bytes:
 
 def _float16_record(e, key: str, blob: bytes) -> bytes:
     k, v = e.store.get_layer(key, MID)
-    return encode_layer(k.half(), v.half(), e.store.fingerprint)
+    return encode_layer(k.half(), v.half(), e.store.fingerprint, chunk=key, layer=MID)
 
 
 LAYER_DAMAGE = {

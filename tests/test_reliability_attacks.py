@@ -1,0 +1,213 @@
+"""Attacks on the store directory: records moved to the wrong place, database rows that name
+files outside the store, FIFOs and huge sparse files. Each is detected, counted as corruption and
+recomputed: the answer (token ids and logits) equals the clean-cache answer, and nothing outside
+the store is opened, deleted or waited on.
+
+Damage is planted from outside, as a hostile process sharing the directory would: through a raw
+``diskcache.Cache`` (records) or plain ``sqlite3`` (the ``filename`` column of a row).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import sys
+import threading
+import tracemalloc
+from pathlib import Path
+
+import diskcache
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent / "reliability_helpers"))
+from rel_common import CHUNKS, answer, engine, fully_decodable, keys_of  # noqa: E402
+
+from cacheblend_rag.kv_record import CorruptRecordError, decode_layer, encode_layer  # noqa: E402
+
+LAYERS = 8
+LONG = " ".join(["The river Thames flows through London and Oxford."] * 14)  # >32 KiB/layer: file-backed
+FILE_CHUNKS = [LONG, *CHUNKS[:2]]
+# Same words, other order: the same number of tokens, so only the record's identity tells them apart.
+TWINS = ["The river Thames flows through London and Oxford.", "The river Thames flows through Oxford and London."]
+
+
+@pytest.fixture(scope="module")
+def clean():
+    eng = engine(None, layers=LAYERS)
+    out = {}
+    for name, chunks in {"short": CHUNKS, "files": FILE_CHUNKS, "twins": [*TWINS, CHUNKS[0]]}.items():
+        eng.precompute(chunks, progress=False)
+        out[name] = answer(eng, chunks)
+    eng.close()
+    return out
+
+
+@pytest.fixture
+def eng(tmp_path):
+    e = engine(tmp_path / "kv", layers=LAYERS)
+    yield e
+    e.close()
+
+
+def _same(got, want) -> None:
+    assert got[0] == want[0], "token ids differ from the clean-cache answer"
+    assert torch.equal(got[1], want[1]), "logits differ from the clean-cache answer"
+
+
+def _answer_within(eng, chunks, seconds: float = 120.0):
+    """answer() in a thread, so a hang fails the test instead of blocking the suite."""
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = answer(eng, chunks)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below on the test's thread
+            box["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"generate still blocked after {seconds}s"
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["result"]
+
+
+# ------------------------------------------------------------------ records in the wrong place
+
+
+def test_record_names_its_chunk_and_layer() -> None:
+    k = torch.randn(2, 3, 4)
+    blob = encode_layer(k, k, "fp", chunk="chunk-a", layer=7)
+    decode_layer(blob, "fp", chunk="chunk-a", layer=7)
+    with pytest.raises(CorruptRecordError, match="layer mismatch: record holds layer 7, read as layer 20"):
+        decode_layer(blob, "fp", chunk="chunk-a", layer=20)
+    with pytest.raises(CorruptRecordError, match="chunk mismatch"):
+        decode_layer(blob, "fp", chunk="chunk-b", layer=7)
+
+
+def test_swapped_layers_of_one_chunk_are_detected(eng, clean, caplog) -> None:
+    eng.precompute(CHUNKS, progress=False)
+    key = keys_of(eng, CHUNKS)[2]
+    with diskcache.Cache(str(eng.store.directory)) as raw:
+        a, b = raw.get(f"{key}/2"), raw.get(f"{key}/5")
+        assert a != b
+        raw.set(f"{key}/2", b, tag=key)
+        raw.set(f"{key}/5", a, tag=key)
+    with caplog.at_level(logging.WARNING):
+        _same(answer(eng, CHUNKS), clean["short"])
+    assert eng.store.stats.corrupt == 1
+    assert "layer mismatch" in caplog.text
+    eng.flush()
+    assert all(fully_decodable(eng, k) for k in keys_of(eng, CHUNKS))
+
+
+def test_records_swapped_between_chunks_of_the_same_length_are_detected(eng, clean, caplog) -> None:
+    chunks = [*TWINS, CHUNKS[0]]
+    a_seg, b_seg = (eng.prompts.chunk_segment(t) for t in TWINS)
+    assert len(a_seg) == len(b_seg) and a_seg.token_ids != b_seg.token_ids  # the premise
+    eng.precompute(chunks, progress=False)
+    ka, kb = keys_of(eng, TWINS)
+    with diskcache.Cache(str(eng.store.directory)) as raw:
+        for i in range(LAYERS):  # every layer swapped, meta records left: they are identical
+            ra, rb = raw.get(f"{ka}/{i}"), raw.get(f"{kb}/{i}")
+            raw.set(f"{ka}/{i}", rb, tag=ka)
+            raw.set(f"{kb}/{i}", ra, tag=kb)
+    with caplog.at_level(logging.WARNING):
+        _same(answer(eng, chunks), clean["twins"])
+    assert eng.store.stats.corrupt == 2
+    assert "chunk mismatch" in caplog.text
+
+
+# ------------------------------------------------------------------ rows naming other files
+
+
+def _file_of(directory: Path, name: str) -> str:
+    with sqlite3.connect(directory / "cache.db") as con:
+        (filename,) = con.execute("SELECT filename FROM Cache WHERE key = ?", (name,)).fetchone()
+    assert filename, f"{name} is not file-backed"
+    return filename
+
+
+def _point_row_at(directory: Path, name: str, filename: str) -> None:
+    with sqlite3.connect(directory / "cache.db") as con:
+        assert con.execute("UPDATE Cache SET filename = ? WHERE key = ?", (filename, name)).rowcount == 1
+
+
+def _victim(tmp_path: Path) -> Path:
+    victim = tmp_path / "outside" / "deep" / "folder" / "precious.txt"
+    victim.parent.mkdir(parents=True)
+    victim.write_bytes(b"not a KV record " * 4096)
+    return victim
+
+
+@pytest.mark.parametrize("how", ["relative", "absolute"])
+def test_row_pointing_outside_the_store_is_never_read_or_deleted(eng, clean, tmp_path, caplog, how) -> None:
+    victim = _victim(tmp_path)
+    eng.precompute(FILE_CHUNKS, progress=False)
+    key = keys_of(eng, FILE_CHUNKS)[0]
+    store = eng.store.directory
+    target = os.path.relpath(victim, store) if how == "relative" else str(victim)
+    assert (store / target).resolve() == victim.resolve()
+    _point_row_at(store, f"{key}/3", target)
+    with caplog.at_level(logging.WARNING):
+        _same(answer(eng, FILE_CHUNKS), clean["files"])
+    assert victim.exists(), "a file outside the store was deleted"
+    assert victim.read_bytes() == b"not a KV record " * 4096
+    assert eng.store.stats.corrupt == 1
+    assert "not one this store writes" in caplog.text
+    # Routine eviction deletes rows (and their files) by the same path column: plant again, churn.
+    eng.flush()
+    _point_row_at(store, f"{keys_of(eng, FILE_CHUNKS)[1]}/0", target)
+    eng.store.size_limit = eng.store.volume() // 3
+    eng.precompute([f"{c} ({i})" for i in range(3) for c in FILE_CHUNKS], progress=False)
+    with diskcache.Cache(str(store)) as raw:
+        assert f"{keys_of(eng, FILE_CHUNKS)[1]}/0" not in raw  # the planted row was evicted
+    assert victim.read_bytes() == b"not a KV record " * 4096
+    assert victim.parent.is_dir()  # nor its (non-empty, then empty) parent folders
+
+
+def _planted_name(directory: Path) -> tuple[str, Path]:
+    name = os.path.join("ab", "cd", "0123456789abcdef0123456789ab.val")
+    path = directory / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return name, path
+
+
+@pytest.mark.parametrize("where", ["inside", "outside"])
+def test_row_pointing_at_a_fifo_never_blocks(eng, clean, tmp_path, where) -> None:
+    eng.precompute(FILE_CHUNKS, progress=False)
+    key = keys_of(eng, FILE_CHUNKS)[0]
+    if where == "inside":
+        name, fifo = _planted_name(eng.store.directory)
+    else:
+        fifo = tmp_path / "fifo"
+        name = str(fifo)
+    os.mkfifo(fifo)
+    _point_row_at(eng.store.directory, f"{key}/4", name)
+    _same(_answer_within(eng, FILE_CHUNKS), clean["files"])
+    assert eng.store.stats.corrupt == 1
+
+
+@pytest.mark.parametrize("size", [2**40, 64 * 2**20], ids=["1TiB", "64MiB"])
+def test_huge_sparse_file_is_refused_without_reading_it(eng, clean, size, caplog) -> None:
+    eng.precompute(FILE_CHUNKS, progress=False)
+    key = keys_of(eng, FILE_CHUNKS)[0]
+    eng.store.size_limit = 2**30  # the 1 TiB file is above it, the 64 MiB one below
+    name, path = _planted_name(eng.store.directory)
+    with open(path, "wb") as fh:
+        fh.truncate(size)  # sparse: no disk space used
+    _point_row_at(eng.store.directory, f"{key}/4", name)
+    tracemalloc.start()
+    try:
+        with caplog.at_level(logging.WARNING):
+            got = answer(eng, FILE_CHUNKS)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    _same(got, clean["files"])
+    assert eng.store.stats.corrupt == 1
+    assert peak < 16 * 2**20, f"{peak} bytes allocated: the file was read"
+    assert ("more than the store's limit" if size > 2**30 else "bad magic") in caplog.text
