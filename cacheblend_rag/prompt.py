@@ -3,6 +3,12 @@
 Every mode tokenizes the same segments the same way, so full prefill, prefix caching, full reuse and
 CacheBlend are compared on identical token ids. A chunk's tokens never depend on its neighbours,
 which is what lets its KV be cached once and reused anywhere.
+
+Chunks and the question are untrusted text (a retrieved web page can contain anything), so they are
+tokenized with ``split_special_tokens=True``: a literal ``<|im_end|>`` or ``<|im_start|>system`` in a
+document becomes the ordinary tokens of those characters and can never close the user turn or open
+a forged system turn. Only the chat template and the engine's instruction (trusted, set by the
+application) are tokenized with their special tokens.
 """
 
 from __future__ import annotations
@@ -120,10 +126,15 @@ class PromptBuilder:
         return self.instruction + "\n\n", "\nAnswer:"
 
     def encode(self, text: str) -> tuple[int, ...]:
+        """Token ids of trusted prompt text (template, instruction): special tokens allowed."""
         return tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def encode_text(self, text: str) -> tuple[int, ...]:
+        """Token ids of untrusted text (chunks, question): special-token strings stay text."""
+        return tuple(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
     def _encode_chunk(self, text: str) -> tuple[int, ...]:
-        return self.encode(text + self.separator)
+        return self.encode_text(text + self.separator)
 
     def chunk_segment(self, text: str) -> Segment:
         return Segment(text, self._chunk_ids(text), reusable=True)
@@ -131,12 +142,16 @@ class PromptBuilder:
     def question_text(self, question: str) -> str:
         return f"Question: {question.strip()}" + self.tail_text
 
+    def question_segment(self, question: str) -> Segment:
+        # The user's words as text, the template tail (which closes the turn) with its specials.
+        body = f"Question: {question.strip()}"
+        return Segment(body + self.tail_text, self.encode_text(body) + self.encode(self.tail_text), reusable=False)
+
     def build(self, question: str, chunks: Sequence[str]) -> PromptLayout:
         question = validate_question(question)
         chunks = normalize_chunks(chunks)
-        q = self.question_text(question)
         return PromptLayout(
             (Segment(self.prefix_text, self.prefix_ids, reusable=False),)
             + tuple(self.chunk_segment(c) for c in chunks)
-            + (Segment(q, self.encode(q), reusable=False),)
+            + (self.question_segment(question),)
         )
