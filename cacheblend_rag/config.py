@@ -46,6 +46,12 @@ class BlendConfig:
     attention_groups: int = 2
 
     def __post_init__(self) -> None:
+        # bool is an int (True would silently mean 1.0) and "0.5" would fail deep in a comparison.
+        if isinstance(self.recompute_ratio, bool) or not isinstance(self.recompute_ratio, (int, float)):
+            raise TypeError(
+                f"recompute_ratio must be a number in [0, 1], got {type(self.recompute_ratio).__name__} "
+                f"{self.recompute_ratio!r}: pass e.g. 0.15"
+            )
         if not 0.0 <= self.recompute_ratio <= 1.0:
             raise ValueError(
                 f"recompute_ratio={self.recompute_ratio} is outside [0, 1]: it is the fraction of "
@@ -106,6 +112,9 @@ class SamplingParams:
                 raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__} {self.seed!r}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            # torch.Generator.manual_seed takes a 64-bit value and fails with a bare "Overflow".
+            raise ValueError(f"seed={self.seed} does not fit in 64 bits: pass a seed in [-2**63, 2**64)")
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables top-k sampling)")
         for name in ("temperature", "top_p"):
@@ -120,8 +129,9 @@ class SamplingParams:
             raise TypeError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            # NaN compares false everywhere (it decoded greedily); inf gave uniform random text.
+            raise ValueError(f"temperature={self.temperature} must be a finite number >= 0 (0 means greedy)")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
 
