@@ -239,3 +239,19 @@ def test_special_tokens_inside_chunks_and_question_stay_text(eng) -> None:
     cold = answer(eng, [CHUNKS[0] + " " + FORGED], question="Where? " + FORGED)
     eng.flush()
     _same(answer(eng, [CHUNKS[0] + " " + FORGED], question="Where? " + FORGED), cold)
+
+
+# ------------------------------------------------------------------ model identity
+
+
+def test_models_differing_only_outside_any_weight_sample_get_different_fingerprints() -> None:
+    from cacheblend_rag.models import model_fingerprint
+    from cacheblend_rag.testing import make_model, make_tokenizer
+
+    tok = make_tokenizer()
+    a, b = make_model("llama", seed=0), make_model("llama", seed=0)
+    assert model_fingerprint(a, tok) == model_fingerprint(b, tok)  # same weights: same caches
+    with torch.no_grad():
+        w = b.model.layers[1].mlp.up_proj.weight  # 8192 values: any sparse sample skips most
+        w.view(-1)[1::2] += 0.5  # every odd position changes; a strided sample of even ones would not
+    assert model_fingerprint(a, tok) != model_fingerprint(b, tok)
