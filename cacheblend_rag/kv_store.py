@@ -465,7 +465,8 @@ class KVStore:
         self._warned: set[str] = set()
         self._closed = False
         self._size_limit = size_limit
-        self._next_reopen = 0.0
+        self._last_open_try = 0.0
+        self._reader: _ReadOnlyCache | None = None  # reads on a disk that refuses writes
         try:
             self._cache: diskcache.Cache | _ReadOnlyCache = _open_cache(str(self.directory), size_limit)
             self.read_only = False
@@ -490,7 +491,7 @@ class KVStore:
             "are not stored until it is writable again (free space or remount it read-write)",
             self.directory, exc,
         )
-        self._next_reopen = time.monotonic() + _REOPEN_S
+        self._last_open_try = time.monotonic()
         return cache
 
     def _try_writable(self) -> bool:
@@ -498,9 +499,9 @@ class KVStore:
         if not self.read_only:
             return True
         with self._lock:
-            if not self.read_only or time.monotonic() < self._next_reopen:
+            if not self.read_only or time.monotonic() - self._last_open_try < _REOPEN_S:
                 return not self.read_only
-            self._next_reopen = time.monotonic() + _REOPEN_S
+            self._last_open_try = time.monotonic()
             try:
                 cache = _open_cache(str(self.directory), self._size_limit)
             except (*_STORAGE_ERRORS, ValueError):
@@ -573,10 +574,38 @@ class KVStore:
             self._warned.add(key)
         logger.warning(msg, *args)
 
+    def _get(self, name: str) -> Any:
+        """``Cache.get``; on a disk that refuses writes, the same read without touching the database.
+
+        Under the LRU policy every read also writes (the access time). On a full or read-only disk
+        that write fails although the record is intact: serve it read-only rather than recompute.
+        """
+        try:
+            return self._cache.get(name)
+        except sqlite3.OperationalError as exc:
+            reader = None if self.read_only else self._read_only_reader(exc)
+            if reader is None:
+                raise
+        return reader.get(name)
+
+    def _read_only_reader(self, exc: sqlite3.OperationalError) -> _ReadOnlyCache | None:
+        msg = str(exc).lower()
+        if "full" not in msg and "readonly" not in msg and "read-only" not in msg:
+            return None
+        with self._lock:
+            if self._reader is None:
+                try:
+                    self._reader = _ReadOnlyCache(str(self.directory))
+                except (KVStoreOpenError, OSError, sqlite3.Error):
+                    return None
+                self._reader.disk.max_record_bytes = self._size_limit
+                logger.warning("KV store %s refuses writes (%s): reading it read-only", self.directory, exc)
+            return self._reader
+
     def _load_meta(self, key: str) -> tuple[ChunkMeta | None, bool]:
         """(meta, was_corrupt). Corrupt meta is logged, counted and the chunk dropped."""
         try:
-            blob = self._cache.get(f"{key}/meta")
+            blob = self._get(f"{key}/meta")
             if blob is None:
                 return None, False
             return _decode_meta(blob), False
@@ -709,7 +738,7 @@ class KVStore:
             raise IndexError(f"layer {layer} out of range for chunk with {meta.num_layers} layers")
         record = f"{key}/{layer}"
         try:
-            blob = self._cache.get(record)  # also bumps access_time (LRU)
+            blob = self._get(record)  # also bumps access_time (LRU)
         except diskcache.Timeout:
             logger.warning("KV store busy reading %s; treating as a miss", record)
             self._count(misses=1)
@@ -753,6 +782,8 @@ class KVStore:
             return
         self._closed = True
         self._cache.close()
+        if self._reader is not None:
+            self._reader.close()
         if self._owns_directory:
             shutil.rmtree(self.directory, ignore_errors=True)
 
