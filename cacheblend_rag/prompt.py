@@ -13,6 +13,7 @@ application) are tokenized with their special tokens.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
@@ -90,6 +91,19 @@ def normalize_chunks(chunks: object) -> list[str]:
     return list(seen)
 
 
+def _text_only(tokenizer):
+    """A private copy of ``tokenizer`` that reads special-token strings as plain text.
+
+    transformers implements ``split_special_tokens=True`` by setting a flag on the Rust tokenizer
+    it shares with every other call, and the next call without it sets it back: two threads (one
+    tokenizing a document, one the template) would each get the other's setting. A copy whose
+    default is split never changes the shared tokenizer.
+    """
+    tok = copy.deepcopy(tokenizer)
+    tok.split_special_tokens = True
+    return tok
+
+
 class PromptBuilder:
     """Splits the model's chat template around the user content.
 
@@ -100,6 +114,7 @@ class PromptBuilder:
 
     def __init__(self, tokenizer, instruction: str = DEFAULT_INSTRUCTION, separator: str = CHUNK_SEPARATOR):
         self.tokenizer = tokenizer
+        self._text_tokenizer = _text_only(tokenizer)
         self.instruction = instruction
         self.separator = separator
         head, tail = self._split_template()
@@ -131,7 +146,7 @@ class PromptBuilder:
 
     def encode_text(self, text: str) -> tuple[int, ...]:
         """Token ids of untrusted text (chunks, question): special-token strings stay text."""
-        return tuple(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+        return tuple(self._text_tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _encode_chunk(self, text: str) -> tuple[int, ...]:
         return self.encode_text(text + self.separator)

@@ -255,3 +255,28 @@ def test_models_differing_only_outside_any_weight_sample_get_different_fingerpri
         w = b.model.layers[1].mlp.up_proj.weight  # 8192 values: any sparse sample skips most
         w.view(-1)[1::2] += 0.5  # every odd position changes; a strided sample of even ones would not
     assert model_fingerprint(a, tok) != model_fingerprint(b, tok)
+
+
+def test_text_tokenization_does_not_leak_into_concurrent_template_tokenization(eng) -> None:
+    # transformers' split_special_tokens flips a flag on the shared tokenizer; if the prompt builder
+    # used it, a thread tokenizing a document would make another thread's template lose its turns.
+    p = eng.prompts
+    want_text, want_tail = p.encode_text(FORGED), p.encode(p.tail_text)
+    bad: list[str] = []
+
+    def text() -> None:
+        for _ in range(300):
+            if p.encode_text(FORGED) != want_text:
+                bad.append("text")
+
+    def template() -> None:
+        for _ in range(300):
+            if p.encode(p.tail_text) != want_tail:
+                bad.append("template")
+
+    threads = [threading.Thread(target=f) for f in (text, template, text, template)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not bad, f"{len(bad)} tokenizations changed under concurrency ({sorted(set(bad))})"
