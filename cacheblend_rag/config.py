@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence, Union
 
@@ -47,7 +48,7 @@ class BlendConfig:
 
     def __post_init__(self) -> None:
         # bool is an int (True would silently mean 1.0) and "0.5" would fail deep in a comparison.
-        if isinstance(self.recompute_ratio, bool) or not isinstance(self.recompute_ratio, (int, float)):
+        if isinstance(self.recompute_ratio, bool) or not isinstance(self.recompute_ratio, numbers.Real):
             raise TypeError(
                 f"recompute_ratio must be a number in [0, 1], got {type(self.recompute_ratio).__name__} "
                 f"{self.recompute_ratio!r}: pass e.g. 0.15"

@@ -334,6 +334,12 @@ _WAL_PAGES = 64
 _WAL_BOUND = _WAL_BYTES + _WAL_PAGES * 4096
 
 
+def _check_size_limit(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value < float("inf"):
+        raise ValueError(f"size_limit={value!r} must be a positive number of bytes, e.g. 8 * 2**30")
+    return int(value)
+
+
 def _allocated(entry: os.DirEntry) -> int:
     """Bytes a folder occupies (4 KiB on ext4, next to nothing on tmpfs)."""
     try:
@@ -453,8 +459,7 @@ class KVStore:
         ``directory=None`` uses a fresh temporary directory that ``close`` deletes.
         Raises :class:`KVStoreOpenError` if the directory cannot be used.
         """
-        if isinstance(size_limit, bool) or not isinstance(size_limit, int) or size_limit <= 0:
-            raise ValueError(f"size_limit={size_limit!r} must be a positive number of bytes")
+        size_limit = _check_size_limit(size_limit)
         self._owns_directory = directory is None
         if directory is None:
             directory = tempfile.mkdtemp(prefix="cacheblend-kv-")
@@ -520,8 +525,7 @@ class KVStore:
 
     @size_limit.setter
     def size_limit(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"size_limit={value!r} must be a positive number of bytes")
+        value = _check_size_limit(value)
         self._size_limit = value
         self._cache.disk.max_record_bytes = value
         if not self.read_only:
