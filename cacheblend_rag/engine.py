@@ -117,9 +117,11 @@ class CacheBlendEngine:
         """Load ``model`` (default: the bundled SmolLM2-135M-Instruct) and open its KV store.
 
         The store lives in ``store_dir`` (default ``<cache home>/kv``) so chunk caches outlive
-        the process; entries are keyed by the model fingerprint, so models never mix. If that
-        directory cannot be opened (read-only, not a directory, broken database) a warning is
-        logged and a temporary store, deleted on ``close()``, is used instead.
+        the process; entries are keyed by the model fingerprint, so models never mix. A directory
+        that holds a store but cannot be written (read-only mount, full disk) is served read-only
+        until it can be written again. If it cannot be opened at all (not a directory, broken
+        database, read-only and empty) a warning is logged and a temporary store, deleted on
+        ``close()``, is used instead.
 
         ``memory_bytes`` (default 2 GiB; 0 turns it off) keeps recently used chunk caches in RAM
         in front of the disk store (``tiers.TieredStore``): the chunks RAG retrieves come back

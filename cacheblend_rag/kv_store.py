@@ -18,10 +18,22 @@ culled (up to 10 records at a time) on every write. Reads go through
 eviction works per record, a chunk can lose some layers while its meta survives;
 ``get_layer`` then reports a miss and discards the rest so the caller rewrites it.
 
+``size_limit`` counts every byte of the store (records, database, its
+write-ahead log, value folders), not only what diskcache counts: diskcache gets
+the limit minus the rest. A chunk larger than the limit is not written.
+
+The directory is untrusted: every record names its model, chunk and layer and is
+checked on read (:mod:`cacheblend_rag.kv_record`), and :class:`SafeDisk` opens or
+deletes only regular value files inside the directory.
+
 Failure policy: a corrupt or unreadable record is a miss (logged, counted,
 chunk discarded); a failed write returns ``False`` (logged, counted). Neither
 raises, because the cache is an optimisation and the engine can always
-recompute. Opening a directory that cannot be used *does* raise
+recompute. A disk too full for a chunk is not written to at all (a full disk
+also starves clean-up and other writers); a write that fails anyway unlinks its
+value files, which needs no free space. A directory that cannot be written but
+holds a store is served read-only and reopened for writing once it can be.
+Opening a directory that cannot be used at all *does* raise
 :class:`KVStoreOpenError` so the engine can decide (e.g. run without a store).
 """
 
