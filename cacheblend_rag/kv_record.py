@@ -52,6 +52,7 @@ __all__ = [
     "dtype_name",
     "encode_layer",
     "fingerprint_digest",
+    "identity_digest",
     "record_size",
     "validate_layer",
 ]
@@ -91,6 +92,11 @@ def _chunk_digest(chunk: str) -> bytes:
     if not isinstance(chunk, str):
         raise TypeError(f"chunk key must be str, got {type(chunk).__name__}")
     return hashlib.blake2b(chunk.encode("utf-8"), digest_size=32, person=b"cbrag-record").digest()
+
+
+def identity_digest(fingerprint: str, chunk: str) -> bytes:
+    """32-byte digest of (model fingerprint, chunk key): what a chunk's small records are bound to."""
+    return hashlib.blake2b(fingerprint_digest(fingerprint) + _chunk_digest(chunk), digest_size=32).digest()
 
 
 def record_size(header: bytes | bytearray | memoryview) -> int:

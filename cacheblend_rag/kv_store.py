@@ -66,6 +66,7 @@ from .kv_record import (
     decode_layer,
     dtype_name,
     encode_layer,
+    identity_digest,
     record_size,
     validate_layer,
 )
@@ -140,28 +141,34 @@ class ChunkMeta:
     dtype: str  # e.g. "bfloat16"
 
 
-# Meta record: magic, version, dtype code, pad, num_tokens, num_layers, crc32 of the rest.
-_META = struct.Struct("<4sHBxII")
+# Meta record: magic, version, dtype code, pad, num_tokens, num_layers, digest of (fingerprint,
+# chunk key), crc32 of the rest. The digest binds the meta to its chunk and model like the layer
+# records' headers do, so a meta moved to another key is refused at lookup, before any layer loads.
+_META = struct.Struct("<4sHBxII32s")
 _META_MAGIC = b"CBKM"
-_META_VERSION = 1
+_META_VERSION = 2
 _CODE_TO_DTYPE = {code: dt for dt, code in DTYPE_CODES.items()}
 
 
-def _encode_meta(meta: ChunkMeta) -> bytes:
+def _encode_meta(meta: ChunkMeta, fingerprint: str = "", key: str = "") -> bytes:
     code = next(c for dt, c in DTYPE_CODES.items() if dtype_name(dt) == meta.dtype)
-    body = _META.pack(_META_MAGIC, _META_VERSION, code, meta.num_tokens, meta.num_layers)
+    body = _META.pack(
+        _META_MAGIC, _META_VERSION, code, meta.num_tokens, meta.num_layers, identity_digest(fingerprint, key)
+    )
     return body + struct.pack("<I", zlib.crc32(body))
 
 
-def _decode_meta(blob: Any) -> ChunkMeta:
+def _decode_meta(blob: Any, fingerprint: str = "", key: str = "") -> ChunkMeta:
     if not isinstance(blob, bytes) or len(blob) != _META.size + 4:
         raise CorruptRecordError(f"meta record has wrong type/size ({type(blob).__name__})")
     body, (crc,) = blob[:-4], struct.unpack("<I", blob[-4:])
     if zlib.crc32(body) != crc:
         raise CorruptRecordError("meta record checksum mismatch")
-    magic, version, code, num_tokens, num_layers = _META.unpack(body)
+    magic, version, code, num_tokens, num_layers, identity = _META.unpack(body)
     if magic != _META_MAGIC or version != _META_VERSION:
         raise CorruptRecordError(f"meta record has bad magic/version {magic!r}/{version}")
+    if identity != identity_digest(fingerprint, key):
+        raise CorruptRecordError("meta record belongs to another chunk or model (moved or swapped)")
     dtype = _CODE_TO_DTYPE.get(code)
     if dtype is None or num_layers == 0:
         raise CorruptRecordError(f"meta record has bad dtype code {code} or zero layers")
@@ -624,7 +631,7 @@ class KVStore:
             blob = self._get(f"{key}/meta")
             if blob is None:
                 return None, False
-            return _decode_meta(blob), False
+            return _decode_meta(blob, self.fingerprint, key), False
         except diskcache.Timeout:
             logger.warning("KV store busy reading meta of chunk %s; treating as a miss", key)
             return None, False
@@ -690,7 +697,7 @@ class KVStore:
                     blob = encode_layer(k, v, self.fingerprint, chunk=key, layer=i)
                     self._cache.set(f"{key}/{i}", blob, tag=key)
                     written += len(blob)
-                blob = _encode_meta(meta)
+                blob = _encode_meta(meta, self.fingerprint, key)
                 self._cache.set(f"{key}/meta", blob, tag=key)  # last: publishes the chunk
                 written += len(blob)
             except _STORAGE_ERRORS as exc:

@@ -121,6 +121,21 @@ def test_records_swapped_between_chunks_of_the_same_length_are_detected(eng, cle
     assert "chunk mismatch" in caplog.text
 
 
+def test_meta_record_moved_to_another_chunk_is_refused_at_lookup(eng, clean, caplog) -> None:
+    eng.precompute(CHUNKS, progress=False)
+    keys = keys_of(eng, CHUNKS)
+    with diskcache.Cache(str(eng.store.directory)) as raw:
+        raw.set(f"{keys[1]}/meta", raw.get(f"{keys[3]}/meta"), tag=keys[1])
+    loads: list[str] = []
+    real = eng.store.get_layer
+    eng.store.get_layer = lambda k, i, **kw: loads.append(k) or real(k, i, **kw)
+    with caplog.at_level(logging.WARNING):
+        _same(answer(eng, CHUNKS), clean["short"])
+    assert keys[1] not in loads, "a chunk with a foreign meta record was loaded"
+    assert eng.store.stats.corrupt == 1
+    assert "meta record belongs to another chunk or model" in caplog.text
+
+
 # ------------------------------------------------------------------ rows naming other files
 
 
