@@ -217,6 +217,9 @@ class SafeDisk(diskcache.Disk):
         super().__init__(directory, **kwargs)
         self._root = os.path.realpath(directory)
         self._written = threading.local()  # value files written by this thread's current put
+        self._lock = threading.Lock()
+        # Value folders this process made minus those it removed (the store's size accounting).
+        self.folders_created = 0
 
     # ---------------------------------------------------------------- paths
     def _inside(self, path: str) -> bool:
@@ -306,13 +309,19 @@ class SafeDisk(diskcache.Disk):
             os.remove(full)
         sub = os.path.dirname(full)
         for _ in range(2):  # the two hex levels of diskcache's layout, never the store itself
-            with contextlib.suppress(OSError):
+            try:
                 os.rmdir(sub)
+            except OSError:  # not empty (or already gone): so is its parent
+                break
+            with self._lock:
+                self.folders_created -= 1
             sub = os.path.dirname(sub)
 
     def _write(self, full_path: str, iterator: Any, mode: str, encoding: str | None = None) -> int:
         # On disk-full diskcache would leave a half-written value file with no row
         # pointing at it (leaked space); remove it before re-raising.
+        sub = os.path.dirname(full_path)
+        new_folders = (not os.path.isdir(os.path.dirname(sub))) + (not os.path.isdir(sub))
         try:
             size = super()._write(full_path, iterator, mode, encoding)
         except BaseException:
@@ -321,6 +330,9 @@ class SafeDisk(diskcache.Disk):
             except OSError:
                 pass
             raise
+        if new_folders:
+            with self._lock:
+                self.folders_created += new_folders
         files = getattr(self._written, "files", None)
         if files is not None:
             files.append(full_path)
@@ -351,21 +363,13 @@ _WAL_PAGES = 64
 # What the log may reach between checkpoints. Counted as a constant, not its current size, so the
 # space left for records does not swing with every write (it culled extra chunks when it did).
 _WAL_BOUND = _WAL_BYTES + _WAL_PAGES * 4096
+_FOLDER_RECOUNT_S = 2.0
 
 
 def _check_size_limit(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value < float("inf"):
         raise ValueError(f"size_limit={value!r} must be a positive number of bytes, e.g. 8 * 2**30")
     return int(value)
-
-
-def _allocated(entry: os.DirEntry) -> int:
-    """Bytes a folder occupies (4 KiB on ext4, next to nothing on tmpfs)."""
-    try:
-        st = entry.stat(follow_symlinks=False)
-    except OSError:
-        return 0
-    return st.st_blocks * 512 if hasattr(st, "st_blocks") else st.st_size
 
 
 def _open_cache(directory: str, size_limit: int) -> diskcache.Cache:
@@ -491,6 +495,8 @@ class KVStore:
         self._size_limit = size_limit
         self._last_open_try = 0.0
         self._reader: _ReadOnlyCache | None = None  # reads on a disk that refuses writes
+        # See _folder_bytes: bytes at the last count, when it ran, folders made by then, folder size.
+        self._folders, self._folders_counted_at, self._folders_created, self._per_folder = 0, -_FOLDER_RECOUNT_S, 0, 4096
         try:
             self._cache: diskcache.Cache | _ReadOnlyCache = _open_cache(str(self.directory), size_limit)
             self.read_only = False
@@ -532,6 +538,7 @@ class KVStore:
                 return False
             cache.disk.max_record_bytes = self._size_limit
             old, self._cache, self.read_only = self._cache, cache, False
+            self._folders_counted_at = -_FOLDER_RECOUNT_S  # a new Disk counts its folders from 0
         old.close()
         logger.warning("KV store %s is writable again: caching resumes", self.directory)
         return True
@@ -558,14 +565,35 @@ class KVStore:
                 sizes[suffix] = os.stat(self.directory / (diskcache.core.DBNAME + suffix)).st_size
             except OSError:
                 sizes[suffix] = 0
-        total = max(sizes["-wal"], _WAL_BOUND) + sizes["-shm"]
+        return max(sizes["-wal"], _WAL_BOUND) + sizes["-shm"] + self._folder_bytes()
+
+    def _folder_bytes(self) -> int:
+        """Bytes of diskcache's value folders, recounted at most every ``_FOLDER_RECOUNT_S``.
+
+        Counting lists up to 257 folders (no stat per folder: each costs what the store directory
+        itself does on this file system), a few ms; it runs after puts, not on the read path.
+        """
+        now = time.monotonic()
+        created = self._cache.disk.folders_created
+        if now - self._folders_counted_at < _FOLDER_RECOUNT_S:
+            # Between counts, add the folders this process made since (other processes' folders
+            # wait for the next count).
+            return max(0, self._folders + (created - self._folders_created) * self._per_folder)
+        try:
+            st = os.stat(self.directory)
+            self._per_folder = st.st_blocks * 512 if hasattr(st, "st_blocks") else 4096
+        except OSError:
+            return self._folders
+        count = 0
         with contextlib.suppress(OSError), os.scandir(self.directory) as top:
             for entry in top:
                 if entry.is_dir(follow_symlinks=False):
-                    total += _allocated(entry)
+                    count += 1
                     with contextlib.suppress(OSError), os.scandir(entry.path) as sub:
-                        total += sum(_allocated(e) for e in sub if e.is_dir(follow_symlinks=False))
-        return total
+                        count += sum(e.is_dir(follow_symlinks=False) for e in sub)
+        self._folders, self._folders_counted_at = count * self._per_folder, now
+        self._folders_created = created
+        return self._folders
 
     def _fit_limit(self) -> None:
         """Give diskcache a limit that leaves room for what it does not count, and cull to it."""
