@@ -215,22 +215,23 @@ class SafeDisk(diskcache.Disk):
 
     def __init__(self, directory: str, **kwargs: Any) -> None:
         super().__init__(directory, **kwargs)
-        self._root = os.path.realpath(directory)
         self._written = threading.local()  # value files written by this thread's current put
         self._lock = threading.Lock()
         # Value folders this process made minus those it removed (the store's size accounting).
         self.folders_created = 0
 
     # ---------------------------------------------------------------- paths
-    def _inside(self, path: str) -> bool:
-        return os.path.commonpath([self._root, os.path.realpath(path)]) == self._root
-
     def _checked_path(self, filename: Any) -> str:
         if not isinstance(filename, str) or not _VALUE_NAME.fullmatch(filename):
             raise UnsafePathError(f"record file name {filename!r} is not one this store writes; refusing to open it")
         full = os.path.join(self._directory, filename)
-        if not self._inside(full):
-            raise UnsafePathError(f"record file {filename!r} resolves outside the store; refusing to open it")
+        # The name has no "..": it can leave the store only through a folder that is a symlink.
+        # Two lstat calls check that (realpath would cost a call per path component, per read).
+        sub = os.path.dirname(full)
+        for folder in (os.path.dirname(sub), sub):
+            mode = os.lstat(folder).st_mode  # FileNotFoundError: the value is gone, a miss
+            if not stat.S_ISDIR(mode):
+                raise UnsafePathError(f"record folder of {filename!r} is a link or not a folder; refusing to open it")
         return full
 
     def _open_regular(self, filename: Any) -> tuple[int, int]:
@@ -304,6 +305,8 @@ class SafeDisk(diskcache.Disk):
             full = self._checked_path(file_path)
         except UnsafePathError as exc:
             logger.warning("not deleting %s", exc)
+            return
+        except OSError:  # its folder is gone: nothing to delete
             return
         with contextlib.suppress(OSError):
             os.remove(full)

@@ -158,13 +158,28 @@ def _victim(tmp_path: Path) -> Path:
     return victim
 
 
-@pytest.mark.parametrize("how", ["relative", "absolute"])
+def _outside_target(store: Path, victim: Path, how: str) -> tuple[str, Path]:
+    """(what the row's filename column says, the outside file it reaches)."""
+    if how == "relative":
+        return os.path.relpath(victim, store), victim
+    if how == "absolute":
+        return str(victim), victim
+    # A well-formed value name whose first folder is a symlink to a folder outside the store.
+    outside = victim.parent / "linked"
+    planted = outside / "ff" / "0123456789abcdef0123456789ab.val"
+    planted.parent.mkdir(parents=True)
+    planted.write_bytes(victim.read_bytes())
+    (store / "ee").symlink_to(outside, target_is_directory=True)
+    return os.path.join("ee", "ff", planted.name), planted
+
+
+@pytest.mark.parametrize("how", ["relative", "absolute", "symlinked-folder"])
 def test_row_pointing_outside_the_store_is_never_read_or_deleted(eng, clean, tmp_path, caplog, how) -> None:
     victim = _victim(tmp_path)
     eng.precompute(FILE_CHUNKS, progress=False)
     key = keys_of(eng, FILE_CHUNKS)[0]
     store = eng.store.directory
-    target = os.path.relpath(victim, store) if how == "relative" else str(victim)
+    target, victim = _outside_target(store, victim, how)
     assert (store / target).resolve() == victim.resolve()
     _point_row_at(store, f"{key}/3", target)
     with caplog.at_level(logging.WARNING):
@@ -172,7 +187,7 @@ def test_row_pointing_outside_the_store_is_never_read_or_deleted(eng, clean, tmp
     assert victim.exists(), "a file outside the store was deleted"
     assert victim.read_bytes() == b"not a KV record " * 4096
     assert eng.store.stats.corrupt == 1
-    assert "not one this store writes" in caplog.text
+    assert ("is a link or not a folder" if how == "symlinked-folder" else "not one this store writes") in caplog.text
     # Routine eviction deletes rows (and their files) by the same path column: plant again, churn.
     eng.flush()
     _point_row_at(store, f"{keys_of(eng, FILE_CHUNKS)[1]}/0", target)
