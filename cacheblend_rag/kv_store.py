@@ -202,8 +202,8 @@ class SafeDisk(diskcache.Disk):
 
     The database's ``filename`` column is untrusted too: diskcache would open (and on delete or
     eviction remove, with its empty parent folders) whatever path a row names. Here a row's file
-    must have diskcache's own name pattern, resolve inside the directory and, to be read, be a
-    regular file (no FIFO that blocks ``open``, no device, no symlink) no larger than
+    must have diskcache's own name pattern (so no ``..``, no absolute path), sit in real folders
+    (not symlinks) and, to be read, be a regular file (no FIFO that blocks ``open``, no device, no symlink) no larger than
     ``max_record_bytes`` whose size matches its record header. Anything else raises
     :class:`UnsafePathError`, which the store counts as corruption; removal only ever unlinks
     inside the directory.
