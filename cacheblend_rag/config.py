@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence, Union
 
@@ -84,6 +85,12 @@ class BlendConfig:
     context_scale: float = 1.0
 
     def __post_init__(self) -> None:
+        # bool is an int (True would silently mean 1.0) and "0.5" would fail deep in a comparison.
+        if isinstance(self.recompute_ratio, bool) or not isinstance(self.recompute_ratio, numbers.Real):
+            raise TypeError(
+                f"recompute_ratio must be a number in [0, 1], got {type(self.recompute_ratio).__name__} "
+                f"{self.recompute_ratio!r}: pass e.g. 0.15"
+            )
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy={self.strategy!r}: choose one of {', '.join(STRATEGIES)}")
         if self.schedule is not None and self.strategy != "hkvd":
@@ -97,7 +104,7 @@ class BlendConfig:
             raise ValueError(f"question_heads={self.question_heads!r}: choose 'mean' or 'max'")
         for name in ("context_temperature", "context_scale"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < float("inf"):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 < value < float("inf"):
                 raise ValueError(f"{name}={value!r} must be a positive finite number (1.0: attention unchanged)")
         if not isinstance(self.selection_window, int) or self.selection_window < 0:
             raise ValueError(f"selection_window={self.selection_window!r} must be an int >= 0")
@@ -165,6 +172,9 @@ class SamplingParams:
                 raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__} {self.seed!r}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            # torch.Generator.manual_seed takes a 64-bit value and fails with a bare "Overflow".
+            raise ValueError(f"seed={self.seed} does not fit in 64 bits: pass a seed in [-2**63, 2**64)")
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables top-k sampling)")
         for name in ("temperature", "top_p"):
@@ -179,8 +189,9 @@ class SamplingParams:
             raise TypeError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            # NaN compares false everywhere (it decoded greedily); inf gave uniform random text.
+            raise ValueError(f"temperature={self.temperature} must be a finite number >= 0 (0 means greedy)")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
 

@@ -80,7 +80,7 @@ class CacheBlendEngine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.model_id = model_id
-        self.config = config or BlendConfig()
+        self.config = _check_config(config) or BlendConfig()
         # Read layer i+1.. from the store while layer i computes (paper section 5). None: decide per
         # request from how layer 0's read went (loader.LayerAssembler._worth_overlap).
         self.pipelined = pipelined
@@ -125,9 +125,11 @@ class CacheBlendEngine:
         """Load ``model`` (default: the bundled SmolLM2-135M-Instruct) and open its KV store.
 
         The store lives in ``store_dir`` (default ``<cache home>/kv``) so chunk caches outlive
-        the process; entries are keyed by the model fingerprint, so models never mix. If that
-        directory cannot be opened (read-only, not a directory, broken database) a warning is
-        logged and a temporary store, deleted on ``close()``, is used instead.
+        the process; entries are keyed by the model fingerprint, so models never mix. A directory
+        that holds a store but cannot be written (read-only mount, full disk) is served read-only
+        until it can be written again. If it cannot be opened at all (not a directory, broken
+        database, read-only and empty) a warning is logged and a temporary store, deleted on
+        ``close()``, is used instead.
 
         Without a ``config``, a quality profile saved by ``cacheblend-rag calibrate`` for this
         model sets the strategy and recompute ratio; otherwise ``BlendConfig()``'s defaults hold.
@@ -540,7 +542,7 @@ class CacheBlendEngine:
         self, question: str, chunks: Sequence[str], mode: str = "cacheblend", *, recompute_ratio: float | None = None, config: BlendConfig | None = None
     ) -> torch.Tensor:
         layout = self.build_layout(question, chunks)
-        return self.prefill(layout, mode, (config or self.config).with_ratio(recompute_ratio)).logits
+        return self.prefill(layout, mode, (_check_config(config) or self.config).with_ratio(recompute_ratio)).logits
 
     def stream(
         self,
@@ -563,7 +565,7 @@ class CacheBlendEngine:
         params = SamplingParams(max_new_tokens, temperature, top_p, top_k, stop or (), seed)
         layout = self.build_layout(question, chunks)
         self._check_fits(len(layout), "the prompt (instruction + chunks + question)", reserve=max_new_tokens)
-        config = (config or self.config).with_ratio(recompute_ratio)
+        config = (_check_config(config) or self.config).with_ratio(recompute_ratio)
         decision = None
         if recompute_ratio is None and mode == "cacheblend" and self.controller is not None and config.schedule is None:
             decision = self.controller.decide_for(self, layout)
@@ -662,6 +664,15 @@ def _cache_from(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], *, adopt: bool 
         cache.update(k[..., :0, :], v[..., :0, :], i)  # creates and initialises layer i, empty
         cache.layers[i].keys, cache.layers[i].values = k, v
     return cache
+
+
+def _check_config(config: object) -> BlendConfig | None:
+    if config is not None and not isinstance(config, BlendConfig):
+        raise TypeError(
+            f"config must be a BlendConfig, got {type(config).__name__}: "
+            "build one with cacheblend_rag.BlendConfig(**options)"
+        )
+    return config
 
 
 def _check_texts(texts: Iterable[str]) -> list[str]:

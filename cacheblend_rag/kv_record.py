@@ -6,23 +6,31 @@ by a fixed ``struct`` header, never a pickle, and decoding only ever copies byte
 into a tensor. Every inconsistency raises :class:`CorruptRecordError`, which the
 store turns into "recompute this chunk".
 
-Layout (little-endian, 64-byte header, then the payload)::
+Layout (little-endian, 100-byte header, then the payload)::
 
     offset size field
     0      4    magic b"CBKV"
-    4      2    format version (1)
+    4      2    format version (2)
     6      1    dtype code (see DTYPE_CODES)
     7      1    reserved, must be 0
     8      12   shape: num_kv_heads, num_tokens, head_dim (uint32 each)
     20     32   blake2b-256 digest of the model fingerprint string
-    52     8    payload length in bytes (uint64)
-    60     4    CRC-32 of header bytes 0..59 followed by the payload
-    64     ...  K bytes, then V bytes (row-major, native element encoding)
+    52     32   blake2b-256 digest of the chunk key the record belongs to
+    84     4    layer index (uint32)
+    88     8    payload length in bytes (uint64)
+    96     4    CRC-32 of header bytes 0..95 followed by the payload
+    100    ...  K bytes, then V bytes (row-major, native element encoding)
 
 The CRC covers the header too: a flipped dtype code (float16 <-> bfloat16 have
 the same size) would otherwise decode to a silently wrong tensor. CRC-32 detects
 every burst error of up to 32 bits, so any single corrupted byte is caught, and it
 is cheap enough (GB/s) for the hot path.
+
+A record names what it is (model, chunk, layer, shape, dtype) inside the checksummed
+header, and :func:`decode_layer` checks each against what the reader asked for. An
+intact record moved to another place (layer 7 stored as layer 20, or one chunk's
+record under another chunk of the same length) decodes to well-formed tensors that
+are silently wrong; the identity check turns it into a :class:`CorruptRecordError`.
 """
 
 from __future__ import annotations
@@ -44,11 +52,13 @@ __all__ = [
     "dtype_name",
     "encode_layer",
     "fingerprint_digest",
+    "identity_digest",
+    "record_size",
     "validate_layer",
 ]
 
 MAGIC = b"CBKV"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: chunk key digest and layer index in the header
 
 # Codes are part of the on-disk format: never renumber, only append.
 DTYPE_CODES: dict[torch.dtype, int] = {
@@ -59,9 +69,10 @@ DTYPE_CODES: dict[torch.dtype, int] = {
 }
 _CODE_TO_DTYPE: dict[int, torch.dtype] = {code: dt for dt, code in DTYPE_CODES.items()}
 
-# magic, version, dtype code, reserved, 3 shape dims, fingerprint digest, payload len, crc
-_HEADER = struct.Struct("<4sHBB3I32sQI")
-HEADER_SIZE = _HEADER.size  # 64
+# magic, version, dtype code, reserved, 3 shape dims, fingerprint digest, chunk digest, layer,
+# payload len, crc
+_HEADER = struct.Struct("<4sHBB3I32s32sIQI")
+HEADER_SIZE = _HEADER.size  # 100
 _CRC_OFFSET = HEADER_SIZE - 4  # the CRC field is last, so the prefix before it is hashed
 _MAX_DIM = 2**32 - 1
 
@@ -75,6 +86,32 @@ def fingerprint_digest(fingerprint: str) -> bytes:
     if not isinstance(fingerprint, str):
         raise TypeError(f"fingerprint must be str, got {type(fingerprint).__name__}")
     return hashlib.blake2b(fingerprint.encode("utf-8"), digest_size=32).digest()
+
+
+def _chunk_digest(chunk: str) -> bytes:
+    if not isinstance(chunk, str):
+        raise TypeError(f"chunk key must be str, got {type(chunk).__name__}")
+    return hashlib.blake2b(chunk.encode("utf-8"), digest_size=32, person=b"cbrag-record").digest()
+
+
+def identity_digest(fingerprint: str, chunk: str) -> bytes:
+    """32-byte digest of (model fingerprint, chunk key): what a chunk's small records are bound to."""
+    return hashlib.blake2b(fingerprint_digest(fingerprint) + _chunk_digest(chunk), digest_size=32).digest()
+
+
+def record_size(header: bytes | bytearray | memoryview) -> int:
+    """Total size in bytes of the record whose first :data:`HEADER_SIZE` bytes are ``header``.
+
+    Lets the store check a file's size before reading it: a record file must be exactly this
+    long. Raises CorruptRecordError for a header that is not one of ours.
+    """
+    mv = memoryview(header).cast("B")
+    if mv.nbytes < HEADER_SIZE:
+        raise CorruptRecordError(f"truncated record: {mv.nbytes} bytes, header alone needs {HEADER_SIZE}")
+    magic, version, *_rest, payload_len, _crc = _HEADER.unpack_from(mv)
+    if magic != MAGIC or version != FORMAT_VERSION:
+        raise CorruptRecordError(f"bad magic/version {magic!r}/{version}, expected {MAGIC!r}/{FORMAT_VERSION}")
+    return HEADER_SIZE + payload_len
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -115,14 +152,19 @@ def _raw_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy())
 
 
-def encode_layer(k: torch.Tensor, v: torch.Tensor, fingerprint: str) -> bytes:
-    """Serialize one layer's K and V (same shape/dtype, [heads, tokens, head_dim])."""
+def encode_layer(k: torch.Tensor, v: torch.Tensor, fingerprint: str, *, chunk: str = "", layer: int = 0) -> bytes:
+    """Serialize one layer's K and V (same shape/dtype, [heads, tokens, head_dim]).
+
+    ``chunk`` and ``layer`` name the record's place; :func:`decode_layer` must be given the same.
+    """
     dtype, shape = validate_layer(k, v)
+    if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer <= _MAX_DIM:
+        raise ValueError(f"layer index {layer!r} must be an int in [0, {_MAX_DIM}]")
     kb, vb = _raw_bytes(k), _raw_bytes(v)
     payload_len = kb.nbytes + vb.nbytes
     prefix = _HEADER.pack(
         MAGIC, FORMAT_VERSION, DTYPE_CODES[dtype], 0, *shape,
-        fingerprint_digest(fingerprint), payload_len, 0,
+        fingerprint_digest(fingerprint), _chunk_digest(chunk), layer, payload_len, 0,
     )[:_CRC_OFFSET]
     crc = zlib.crc32(vb, zlib.crc32(kb, zlib.crc32(prefix)))
     return b"".join((prefix, struct.pack("<I", crc), kb, vb))
@@ -139,7 +181,12 @@ def _tensor_from(buf: memoryview, dtype: torch.dtype, shape: tuple[int, int, int
 
 
 def decode_layer(
-    blob: bytes, fingerprint: str, device: torch.device | str | None = None
+    blob: bytes,
+    fingerprint: str,
+    device: torch.device | str | None = None,
+    *,
+    chunk: str = "",
+    layer: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Parse a record made by :func:`encode_layer`; raise CorruptRecordError on any mismatch.
 
@@ -151,7 +198,8 @@ def decode_layer(
     mv = memoryview(blob).cast("B")
     if mv.nbytes < HEADER_SIZE:
         raise CorruptRecordError(f"truncated record: {mv.nbytes} bytes, header alone needs {HEADER_SIZE}")
-    magic, version, code, reserved, heads, tokens, head_dim, digest, payload_len, crc = _HEADER.unpack_from(mv)
+    (magic, version, code, reserved, heads, tokens, head_dim, digest, chunk_digest, rec_layer,
+     payload_len, crc) = _HEADER.unpack_from(mv)
     if magic != MAGIC:
         raise CorruptRecordError(f"bad magic {magic!r}, expected {MAGIC!r}")
     if version != FORMAT_VERSION:
@@ -167,6 +215,10 @@ def decode_layer(
     # Checked after the CRC: an intact record from another model is a mismatch, not damage.
     if digest != fingerprint_digest(fingerprint):
         raise CorruptRecordError("fingerprint mismatch: record was written for a different model")
+    if chunk_digest != _chunk_digest(chunk):
+        raise CorruptRecordError("chunk mismatch: record belongs to another chunk (moved or swapped)")
+    if rec_layer != layer:
+        raise CorruptRecordError(f"layer mismatch: record holds layer {rec_layer}, read as layer {layer}")
     dtype = _CODE_TO_DTYPE.get(code)
     if dtype is None or reserved != 0:
         raise CorruptRecordError(f"dtype mismatch: unknown dtype code {code} / reserved byte {reserved}")

@@ -3,10 +3,17 @@
 Every mode tokenizes the same segments the same way, so full prefill, prefix caching, full reuse and
 CacheBlend are compared on identical token ids. A chunk's tokens never depend on its neighbours,
 which is what lets its KV be cached once and reused anywhere.
+
+Chunks and the question are untrusted text (a retrieved web page can contain anything), so they are
+tokenized with ``split_special_tokens=True``: a literal ``<|im_end|>`` or ``<|im_start|>system`` in a
+document becomes the ordinary tokens of those characters and can never close the user turn or open
+a forged system turn. Only the chat template and the engine's instruction (trusted, set by the
+application) are tokenized with their special tokens.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
@@ -84,6 +91,19 @@ def normalize_chunks(chunks: object) -> list[str]:
     return list(seen)
 
 
+def _text_only(tokenizer):
+    """A private copy of ``tokenizer`` that reads special-token strings as plain text.
+
+    transformers implements ``split_special_tokens=True`` by setting a flag on the Rust tokenizer
+    it shares with every other call, and the next call without it sets it back: two threads (one
+    tokenizing a document, one the template) would each get the other's setting. A copy whose
+    default is split never changes the shared tokenizer.
+    """
+    tok = copy.deepcopy(tokenizer)
+    tok.split_special_tokens = True
+    return tok
+
+
 class PromptBuilder:
     """Splits the model's chat template around the user content.
 
@@ -94,6 +114,7 @@ class PromptBuilder:
 
     def __init__(self, tokenizer, instruction: str = DEFAULT_INSTRUCTION, separator: str = CHUNK_SEPARATOR):
         self.tokenizer = tokenizer
+        self._text_tokenizer = _text_only(tokenizer)
         self.instruction = instruction
         self.separator = separator
         head, tail = self._split_template()
@@ -120,10 +141,15 @@ class PromptBuilder:
         return self.instruction + "\n\n", "\nAnswer:"
 
     def encode(self, text: str) -> tuple[int, ...]:
+        """Token ids of trusted prompt text (template, instruction): special tokens allowed."""
         return tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def encode_text(self, text: str) -> tuple[int, ...]:
+        """Token ids of untrusted text (chunks, question): special-token strings stay text."""
+        return tuple(self._text_tokenizer(text, add_special_tokens=False)["input_ids"])
+
     def _encode_chunk(self, text: str) -> tuple[int, ...]:
-        return self.encode(text + self.separator)
+        return self.encode_text(text + self.separator)
 
     def chunk_segment(self, text: str) -> Segment:
         return Segment(text, self._chunk_ids(text), reusable=True)
@@ -131,12 +157,16 @@ class PromptBuilder:
     def question_text(self, question: str) -> str:
         return f"Question: {question.strip()}" + self.tail_text
 
+    def question_segment(self, question: str) -> Segment:
+        # The user's words as text, the template tail (which closes the turn) with its specials.
+        body = f"Question: {question.strip()}"
+        return Segment(body + self.tail_text, self.encode_text(body) + self.encode(self.tail_text), reusable=False)
+
     def build(self, question: str, chunks: Sequence[str]) -> PromptLayout:
         question = validate_question(question)
         chunks = normalize_chunks(chunks)
-        q = self.question_text(question)
         return PromptLayout(
             (Segment(self.prefix_text, self.prefix_ids, reusable=False),)
             + tuple(self.chunk_segment(c) for c in chunks)
-            + (Segment(q, self.encode(q), reusable=False),)
+            + (self.question_segment(question),)
         )

@@ -67,6 +67,12 @@ GENERATE_CASES = {
     "unknown-mode": (QUESTION, CHUNKS, {"mode": "turbo"}, ValueError, ["unknown mode 'turbo'", "cacheblend"]),
     "ratio-nan": (QUESTION, CHUNKS, {"recompute_ratio": float("nan")}, ValueError, ["recompute_ratio=nan", "[0, 1]"]),
     "negative-temperature": (QUESTION, CHUNKS, {"temperature": -1.0}, ValueError, ["temperature=-1", ">= 0"]),
+    "nan-temperature": (QUESTION, CHUNKS, {"temperature": float("nan")}, ValueError, ["temperature=nan", "finite number >= 0"]),
+    "inf-temperature": (QUESTION, CHUNKS, {"temperature": float("inf")}, ValueError, ["temperature=inf", "finite number >= 0"]),
+    "bool-ratio": (QUESTION, CHUNKS, {"recompute_ratio": True}, TypeError, ["recompute_ratio must be a number", "bool True", "0.15"]),
+    "str-ratio": (QUESTION, CHUNKS, {"recompute_ratio": "0.5"}, TypeError, ["recompute_ratio must be a number", "str '0.5'"]),
+    "dict-config": (QUESTION, CHUNKS, {"config": {"recompute_ratio": 0.2}}, TypeError, ["config must be a BlendConfig, got dict", "BlendConfig(**options)"]),
+    "huge-seed": (QUESTION, CHUNKS, {"seed": 2**70, "temperature": 1.0}, ValueError, [f"seed={2**70}", "64 bits", "[-2**63, 2**64)"]),
 }
 
 

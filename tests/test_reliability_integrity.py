@@ -109,7 +109,7 @@ def _other_chunk_record(e, key: str, blob: bytes) -> bytes:
 
 def _float16_record(e, key: str, blob: bytes) -> bytes:
     k, v = e.store.get_layer(key, MID)
-    return encode_layer(k.half(), v.half(), e.store.fingerprint)
+    return encode_layer(k.half(), v.half(), e.store.fingerprint, chunk=key, layer=MID)
 
 
 LAYER_DAMAGE = {
@@ -173,12 +173,12 @@ def test_record_of_another_model_under_the_same_key_is_rejected(eng, clean, capl
     assert impostor.put(key, donor.compute_chunk(donor.prompts.chunk_segment(CHUNKS[0])))
     impostor.close()
     donor.close()
-    assert eng.store.contains(key)  # the meta record alone cannot tell
     with caplog.at_level(logging.WARNING):
         got = answer(eng, CHUNKS)
     _assert_equal_answer(got, clean["short"])
     assert eng.store.stats.corrupt == 1
-    assert "fingerprint mismatch" in " ".join(_warnings_about(caplog, key))
+    # The meta record names its model too, so the chunk is refused at lookup, before any layer.
+    assert "belongs to another chunk or model" in " ".join(_warnings_about(caplog, key))
     _assert_healed(eng, CHUNKS)
 
 

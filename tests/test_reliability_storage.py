@@ -64,7 +64,7 @@ def test_size_limit_and_lru_hold_under_churn(tmp_path, repeat) -> None:
         per_chunk = e.store.volume() - before
         record = per_chunk // e.num_layers + 1
         limit = e.store.volume() + 4 * per_chunk  # room for ~5 more chunks
-        e.store._cache.reset("size_limit", limit)
+        e.store.size_limit = limit
         for t in texts[2:]:
             e.generate("Where?", [hot, t], max_new_tokens=1)  # every request uses the hot chunk
             e.flush()
@@ -178,12 +178,13 @@ def _blocked_dir(tmp_path: Path, how: str, monkeypatch) -> Path:
     target = tmp_path / "ro-kv"
     real = diskcache.Cache
 
-    def cache(directory=None, *args, **kwargs):  # as root chmod does not block: simulate EROFS
-        if directory is not None and Path(directory) == target:
-            raise OSError(errno.EROFS, "Read-only file system", str(target))
-        return real(directory, *args, **kwargs)
+    class Cache(real):  # as root chmod does not block: simulate EROFS
+        def __init__(self, directory=None, *args, **kwargs):
+            if directory is not None and Path(directory) == target:
+                raise OSError(errno.EROFS, "Read-only file system", str(target))
+            super().__init__(directory, *args, **kwargs)
 
-    monkeypatch.setattr(diskcache, "Cache", cache)
+    monkeypatch.setattr(diskcache, "Cache", Cache)
     return target
 
 
