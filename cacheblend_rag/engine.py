@@ -14,11 +14,11 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from . import attention
 from .attention import APE_KWARG, ContextAttention
 from .config import BlendConfig, SamplingParams, check_mode
+from .backbone import Backbone
 from .fusor import FusionPlan, fuse, question_pass
-from .generation import DecodeState, decode, model_cache_kwarg
+from .generation import DecodeState, decode
 from .kv_store import KVStore, KVStoreOpenError, chunk_key
 from .loader import ChunkLost, LayerAssembler, LoadSpec
 from .prompt import DEFAULT_INSTRUCTION, PromptBuilder, PromptLayout, Segment
@@ -74,10 +74,12 @@ class CacheBlendEngine:
         pipelined: bool | None = None,
         controller=None,
     ):
-        from .models import check_rope_support, model_fingerprint
+        from .models import model_fingerprint
 
-        check_rope_support(model)
-        self.model = model.eval()
+        # Refused here, before anything is cached, if the fused path cannot be exact for it.
+        self.backbone = Backbone.adapt(model.eval())
+        self.backbone.self_test()
+        self.model = model
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.config = _check_config(config) or BlendConfig()
@@ -87,7 +89,6 @@ class CacheBlendEngine:
         # Optional cacheblend_rag.controller.LoadingController: picks the recompute ratio of a
         # request that does not name one (stream/generate with recompute_ratio=None).
         self.controller = controller
-        attention.install(self.model)
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self.fingerprint = fingerprint or model_fingerprint(model, tokenizer, self.dtype)
@@ -100,6 +101,10 @@ class CacheBlendEngine:
             getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
         )
         self.context_window = int(getattr(cfg, "max_position_embeddings", 0) or 0) or 2048
+        if self.backbone.window is not None:
+            # The fused mask is full causal: exact only while the whole prompt and answer fit in
+            # the sliding window (the model's cache keeps window - 1 past tokens).
+            self.context_window = min(self.context_window, self.backbone.window - 1)
         self._prefix_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         # Plain chunk key -> key of the chunk's cross-chunk-aware cache (precompute(neighbours=n)).
         # Kept per engine: precompute recomputes the neighbour sets (embeddings only) and finds
@@ -200,9 +205,9 @@ class CacheBlendEngine:
                 position_ids=torch.arange(plen, plen + len(ids), device=self.device)[None],
                 use_cache=True,
                 logits_to_keep=1,
-                **{model_cache_kwarg(self.model): cache},
+                **{self.backbone.model_cache_kwarg: cache},
             )
-        rotary = self.model.model.rotary_emb
+        rotary = self.backbone.rotary_emb
         return [
             # Loaders shift keys from the position right after the prefix: un-rotate them there.
             (shift_keys(rotary, k[0, :, start:], plen - start).contiguous(), v[0, :, start:].contiguous())
@@ -280,9 +285,11 @@ class CacheBlendEngine:
 
     def _check_fits(self, n: int, what: str, reserve: int = 0) -> None:
         if n + reserve > self.context_window:
+            window = "" if self.backbone.window is None else (
+                f" (its sliding attention window of {self.backbone.window} less one: inside it the fused prefill is exact)")
             raise ValueError(
                 f"{what} is {n} tokens{f' plus {reserve} to generate' if reserve else ''}, more than "
-                f"the model's context window of {self.context_window} tokens: retrieve fewer or "
+                f"the model's context window of {self.context_window} tokens{window}: retrieve fewer or "
                 "shorter chunks (split long documents) or lower max_new_tokens"
             )
 
@@ -349,7 +356,7 @@ class CacheBlendEngine:
         if specs:
             loader = LayerAssembler(
                 self.store, specs, exact_end, self.kv_shape, self.dtype, self.device,
-                self.model.model.rotary_emb, self.num_layers,
+                self.backbone.rotary_emb, self.num_layers,
             )
             cache = _cache_from([loader(i) for i in range(self.num_layers)])
         load_s = time.perf_counter() - t_load
@@ -359,7 +366,7 @@ class CacheBlendEngine:
                 position_ids=torch.arange(exact_end, length, device=self.device)[None],
                 use_cache=True,
                 logits_to_keep=1,
-                **{model_cache_kwarg(self.model): cache},
+                **{self.backbone.model_cache_kwarg: cache},
             )
         cache = _output_cache(out)
         for key, off, n in writebacks:
@@ -447,7 +454,7 @@ class CacheBlendEngine:
             self.kv_shape,
             self.dtype,
             self.device,
-            self.model.model.rotary_emb,
+            self.backbone.rotary_emb,
             self.num_layers,
             pipelined=self.pipelined if pipelined is None else pipelined,
         )
@@ -457,7 +464,7 @@ class CacheBlendEngine:
                 plan, load, scoring_s = self._guided_plan(plan, layout, config, loader)
             else:
                 load = loader
-            out = fuse(self.model, plan, load, resolve_criterion(config.criterion))
+            out = fuse(self.backbone, plan, load, resolve_criterion(config.criterion))
         finally:
             loader.close()
         cache = _cache_from(list(zip(out.keys, out.values)), adopt=True)
@@ -497,7 +504,7 @@ class CacheBlendEngine:
         Returns the recompute plan, a loader over the K/V the scoring pass already read, and the
         scoring pass's compute time.
         """
-        qp = question_pass(self.model, plan, loader, layers=config.question_layers, heads=config.question_heads)
+        qp = question_pass(self.backbone, plan, loader, layers=config.question_layers, heads=config.question_heads)
         n_forced = int(plan.forced.sum())
         budget = max(0, math.ceil(config.recompute_ratio * layout.num_context_tokens) - n_forced)
         selectable = plan.candidate & ~plan.forced

@@ -18,15 +18,17 @@ chosen tokens on every layer (``FusionPlan.forced``, no checks).
 
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from .attention import APE_KWARG, GROUPS_KWARG, PROBE_KWARG, AttentionProbe, ContextAttention, StopAfterProjection, row_groups
 from .selector import Criterion, Deviation, top_k
+
+if TYPE_CHECKING:
+    from .backbone import Backbone
 
 LayerLoader = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 
@@ -108,12 +110,6 @@ class ScatterKV:
         return self.keys, self.values
 
 
-def _cache_kwarg(layer: torch.nn.Module) -> str:
-    # transformers 5.24 renamed the decoder layer's `past_key_values` keyword to `cache`.
-    params = inspect.signature(layer.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 def causal_mask(positions: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
     """Additive [1, 1, len(positions), length] mask: row i sees keys 0..positions[i] only."""
     keys = torch.arange(length, device=positions.device)
@@ -161,7 +157,7 @@ class QuestionPass:
 
 
 @torch.inference_mode()
-def question_pass(model, plan: FusionPlan, load: LayerLoader, *, layers: str = "all", heads: str = "mean") -> QuestionPass:
+def question_pass(backbone: "Backbone", plan: FusionPlan, load: LayerLoader, *, layers: str = "all", heads: str = "mean") -> QuestionPass:
     """Run ``plan.always`` (the question and the text between chunks) over the reused K/V of every
     layer and score each position by the attention of the last ``plan.num_query`` rows.
 
@@ -170,13 +166,12 @@ def question_pass(model, plan: FusionPlan, load: LayerLoader, *, layers: str = "
     The loaded K/V are returned so the recompute pass need not read the store again; only the
     question's own rows were written, and the recompute pass recomputes them anyway.
     """
-    backbone = model.model
     length = plan.input_ids.numel()
-    cache_kw = _cache_kwarg(backbone.layers[0])
+    cache_kw = backbone.layer_cache_kwarg
     sel = plan.always.nonzero().flatten()
     if plan.num_query <= 0 or sel.numel() == 0 or int(sel[-1]) != length - 1:
         raise ValueError("question_pass needs the question (the prompt's last positions) in plan.always")
-    hidden = backbone.embed_tokens(plan.input_ids[sel])[None]
+    hidden = backbone.embed(plan.input_ids[sel])[None]
     mask = causal_mask(sel, length, hidden.dtype)
     rope = backbone.rotary_emb(hidden, sel[None])
     keys, values, per_layer = [], [], []
@@ -203,12 +198,11 @@ def question_pass(model, plan: FusionPlan, load: LayerLoader, *, layers: str = "
 
 
 @torch.inference_mode()
-def fuse(model, plan: FusionPlan, load: LayerLoader, criterion: Criterion) -> FusionOutput:
-    backbone = model.model
+def fuse(backbone: "Backbone", plan: FusionPlan, load: LayerLoader, criterion: Criterion) -> FusionOutput:
     layers = backbone.layers
     length = plan.input_ids.numel()
     device = plan.input_ids.device
-    cache_kw = _cache_kwarg(layers[0])
+    cache_kw = backbone.layer_cache_kwarg
     stats = FusionStats()
     keys_out: list[torch.Tensor] = []
     values_out: list[torch.Tensor] = []
@@ -217,7 +211,7 @@ def fuse(model, plan: FusionPlan, load: LayerLoader, criterion: Criterion) -> Fu
 
     last_layer = len(layers) - 1
     sel = plan.initial_selection()
-    hidden = backbone.embed_tokens(plan.input_ids[sel])[None]
+    hidden = backbone.embed(plan.input_ids[sel])[None]
     dtype = hidden.dtype
 
     def selection_inputs(hidden: torch.Tensor, sel: torch.Tensor):
@@ -278,6 +272,5 @@ def fuse(model, plan: FusionPlan, load: LayerLoader, criterion: Criterion) -> Fu
 
     if sel.numel() == 0 or int(sel[-1]) != length - 1:
         raise RuntimeError("internal error: the last prompt position must be recomputed on every layer")
-    last = backbone.norm(hidden[:, -1:])
-    logits = model.lm_head(last)[0, -1].float()
+    logits = backbone.logits(hidden[:, -1:])[-1]
     return FusionOutput(keys_out, values_out, logits, selected_log, stats)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from .backbone import cache_kwarg
 from .config import SamplingParams
 
 
@@ -41,11 +41,6 @@ def _warpers(params: SamplingParams) -> LogitsProcessorList:
     return procs
 
 
-def model_cache_kwarg(model) -> str:
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 def _held_back(text: str, stops: tuple[str, ...]) -> int:
     """Characters at the end of ``text`` that could still grow into a stop string."""
     hold = 1 if text.endswith("\ufffd") else 0  # an incomplete UTF-8 sequence
@@ -76,7 +71,7 @@ def decode(
     if params.temperature > 0:
         gen = torch.Generator(device=device)
         gen.manual_seed(params.seed if params.seed is not None else torch.seed())
-    cache_kw = model_cache_kwarg(model)
+    cache_kw = cache_kwarg(model)
     ids: list[int] = []
     emitted = 0
     logits = first_logits.float()[None]

@@ -12,8 +12,8 @@ We therefore convert each GGUF file once into a plain safetensors directory unde
 load that afterwards (a few seconds).
 
 CacheBlend re-rotates cached keys with the model's own rotary embedding and drives decoder layers
-one by one, so :func:`check_rope_support` refuses models whose structure or RoPE variant would make
-that silently wrong.
+one by one, so :func:`check_rope_support` (``backbone.check_support``) refuses models whose
+structure, RoPE variant or model-specific scales would make that silently wrong.
 """
 
 from __future__ import annotations
@@ -67,15 +67,6 @@ _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
-
-# RoPE variants whose rotation angle is NOT `position * inv_freq` for one fixed inv_freq: "dynamic"
-# (NTK) recomputes inv_freq from the current sequence length and "longrope" switches between two
-# inv_freq sets at a length threshold. A key cached at one length and re-rotated for another would
-# then use the wrong frequencies, so composition of rotations (what CacheBlend relies on) breaks.
-_UNSUPPORTED_ROPE_TYPES = ("dynamic", "longrope")
-_SUPPORTED_ROPE_HINT = (
-    'supported types are "default", "linear", "llama3", "yarn" and others with a fixed inv_freq'
-)
 
 # `org/name` (a single slash, no leading "." or "/", hub-safe characters).
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -429,85 +420,12 @@ def _deduplicated_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------------------------
 
 
-def _architecture_name(model: Any) -> str:
-    config = getattr(model, "config", None)
-    archs = getattr(config, "architectures", None)
-    if archs:
-        return str(archs[0])
-    return type(model).__name__
-
-
-def _rope_types(model: Any) -> set[str]:
-    """Every rope_type the model declares (rotary module and config; per-layer-type dicts too)."""
-    found: set[str] = set()
-
-    def add(value: Any) -> None:
-        if isinstance(value, str):
-            found.add(value)
-        elif isinstance(value, dict):
-            if "rope_type" in value or "type" in value:
-                add(value.get("rope_type", value.get("type")))
-            else:  # {layer_type: {...}} for models with several attention kinds
-                for sub in value.values():
-                    add(sub)
-
-    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
-    add(getattr(rotary, "rope_type", None))
-    config = getattr(model, "config", None)
-    add(getattr(config, "rope_parameters", None))
-    add(getattr(config, "rope_scaling", None))  # legacy spelling, if present
-    return found
-
-
 def check_rope_support(model: Any) -> None:
-    """Raise UnsupportedModelError unless CacheBlend can drive ``model``.
+    """Raise :class:`UnsupportedModelError` unless CacheBlend can drive ``model`` exactly
+    (:func:`cacheblend_rag.backbone.check_support`, where the rules live)."""
+    from .backbone import check_support
 
-    The engine runs ``model.model.embed_tokens``, each of ``model.model.layers``, ``model.model.norm``
-    and ``model.lm_head`` itself, and moves cached keys to new positions by applying the model's own
-    ``model.model.rotary_emb`` rotation for the position delta. That needs rotary embeddings whose
-    angle is ``position * inv_freq`` with a fixed ``inv_freq``.
-    """
-    arch = _architecture_name(model)
-    inner = getattr(model, "model", None)
-    rotary = getattr(inner, "rotary_emb", None)
-    if rotary is None:
-        raise UnsupportedModelError(
-            f"{arch} has no rotary position embeddings (RoPE); CacheBlend re-rotates cached keys "
-            "to their new positions, which needs a RoPE model (learned absolute positions or "
-            "ALiBi, as in GPT-2, OPT or BLOOM, cannot be moved). Use a RoPE decoder such as "
-            "Llama, Mistral, Qwen2 or Qwen3."
-        )
-
-    required = {
-        "model.model.layers": getattr(inner, "layers", None),
-        "model.model.embed_tokens": getattr(inner, "embed_tokens", None),
-        "model.model.norm": getattr(inner, "norm", None),
-        "model.lm_head": getattr(model, "lm_head", None),
-    }
-    missing = [name for name, value in required.items() if value is None]
-    if missing:
-        raise UnsupportedModelError(
-            f"{arch} lacks {', '.join(missing)}; CacheBlend drives the decoder layers one by one "
-            "and needs the Llama-style layout (model.model.layers, embed_tokens, norm, rotary_emb "
-            "and model.lm_head). Use a decoder such as Llama, Mistral, Qwen2 or Qwen3."
-        )
-
-    bad = sorted(
-        t for t in _rope_types(model)
-        if any(u in t for u in _UNSUPPORTED_ROPE_TYPES)  # also catches e.g. "dynamic_yarn"
-    )
-    if bad:
-        raise UnsupportedModelError(
-            f"{arch} uses rope_type {', '.join(repr(t) for t in bad)}, whose rotation frequencies "
-            "change with the sequence length, so cached keys cannot be re-rotated by composing "
-            f"rotations; {_SUPPORTED_ROPE_HINT}."
-        )
-
-    if not any(name.endswith("inv_freq") for name, _ in rotary.named_buffers()):
-        raise UnsupportedModelError(
-            f"{arch}'s rotary embedding ({type(rotary).__name__}) exposes no inv_freq buffer, so "
-            f"CacheBlend cannot re-rotate cached keys with it; {_SUPPORTED_ROPE_HINT}."
-        )
+    check_support(model)
 
 
 # --------------------------------------------------------------------------------------------

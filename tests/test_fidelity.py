@@ -80,6 +80,8 @@ def test_fidelity_run_scores_an_exact_method_as_agreeing(tmp_path):
     assert summary["question@1"]["kl_worse_than_reuse"] == 0.0
     saved = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert {e["method"] for e in saved["summary"]} == set(by)
+    assert {(c["a"], c["b"]) for c in saved["comparisons"]} == {("full_reuse", "question@1"), ("full_reuse", "question@0.2/nb"),
+                                                                ("question@1", "question@0.2/nb")}
     # Resumable: a second run finds every question finished and loads no model.
     assert len(run_fidelity(cfg, engine=None)) == len(rows)
 
@@ -119,3 +121,26 @@ def test_calibrate_saves_the_cheapest_ratio_that_agrees_and_from_pretrained_uses
     bad.write_text(json.dumps([{"question": "q"}]))
     with pytest.raises(ValueError, match="expected a JSON list of"):
         read_sample(str(bad))
+
+
+def test_sign_test_and_paired_comparison_against_brute_force():
+    from itertools import product
+
+    from cacheblend_rag.bench.fidelity import compare, pairwise, sign_test
+
+    # Brute force: every +/- pattern of 9 untied questions, counting those at least as uneven as 7:2.
+    extreme = sum(1 for signs in product((0, 1), repeat=9) if min(sum(signs), 9 - sum(signs)) <= 2)
+    assert sign_test(7, 2) == pytest.approx(extreme / 2**9)
+    assert sign_test(5, 5) == 1.0 and sign_test(0, 0) == 1.0
+
+    def row(q, method, agree_f1, kl):
+        return {"model": "m", "dataset": "d", "qid": q, "method": method, "agree_f1": agree_f1, "kl": kl, "tf_loglik": -kl}
+
+    rows = [row(q, "a", 1.0, 0.1) for q in range(8)] + [row(q, "b", 0.5 if q < 6 else 1.0, 0.3) for q in range(8)]
+    rows.append(row(99, "a", 0.0, 9.0))  # answered by one method only: not paired
+    c = compare(rows, "a", "b")
+    assert (c["n"], c["wins"], c["losses"], c["ties"]) == (8, 6, 0, 2)
+    assert c["diff"] == pytest.approx(6 * 0.5 / 8) and c["sign_p"] == pytest.approx(2 / 2**6)
+    k = compare(rows, "a", "b", "kl")  # lower KL is better: a wins every question
+    assert (k["wins"], k["losses"], k["diff"]) == (8, 0, pytest.approx(-0.2))
+    assert {(p["a"], p["b"], p["metric"]) for p in pairwise(rows)} == {("a", "b", m) for m in ("agree_f1", "kl", "tf_loglik")}

@@ -87,14 +87,12 @@ def teacher_forced_loglik(engine, cache, first_logits: torch.Tensor, start: int,
         cache.crop(-extra)
     logp = [float(torch.log_softmax(first_logits.float(), -1)[target[0]])]
     if len(target) > 1:
-        from ..generation import model_cache_kwarg
-
         with torch.inference_mode():
             out = engine.model(
                 input_ids=torch.tensor([list(target[:-1])], device=engine.device),
                 position_ids=torch.arange(start, start + len(target) - 1, device=engine.device)[None],
                 use_cache=True,
-                **{model_cache_kwarg(engine.model): cache},
+                **{engine.backbone.model_cache_kwarg: cache},
                 **(model_kwargs or {}),
             )
         lp = torch.log_softmax(out.logits[0].float(), -1)  # [len(target) - 1, vocab]
@@ -148,7 +146,7 @@ def run_fidelity(cfg: FidelityConfig, *, engine=None) -> list[dict]:
     names = {m.name for m in methods}
     rows = [r for r in rows if r["model"] == cfg.model and r["method"] in names]
     summary = summarize(rows)
-    write_summary(summary, out, cfg)
+    write_summary(summary, out, cfg, pairwise(rows))
     if cfg.plots and summary:
         plot(summary, out / "plots")
     return rows
@@ -246,7 +244,9 @@ def summarize(rows: list[dict]) -> list[dict]:
                 entry = {
                     "model": model, "dataset": dataset, "method": method, "n": len(rs),
                     "agree": _mean([float(r["agree"]) for r in rs]),
+                    "agree_ci": bootstrap_mean_ci([float(r["agree"]) for r in rs]),
                     "agree_f1": _mean([r["agree_f1"] for r in rs]),
+                    "agree_f1_ci": bootstrap_mean_ci([r["agree_f1"] for r in rs]),
                     "f1": _mean([r["f1"] for r in rs]), "f1_full": _mean([r["f1_full"] for r in rs]),
                     "f1_diff": _mean(diffs), "f1_diff_ci": bootstrap_mean_ci(diffs),
                     "kl": _mean([r["kl"] for r in rs]),
@@ -259,12 +259,41 @@ def summarize(rows: list[dict]) -> list[dict]:
                 if all(x is not None for x in reuse):
                     kl_reuse = _mean([x["kl"] for x in reuse])
                     entry["kl_vs_reuse"] = entry["kl"] / kl_reuse if kl_reuse else float("nan")
+                    entry["kl_vs_reuse_ci"] = _ratio_ci([r["kl"] for r in rs], [x["kl"] for x in reuse])
                     entry["kl_worse_than_reuse"] = _mean([float(r["kl"] > x["kl"] + 1e-9) for r, x in zip(rs, reuse)])
                 out.append(entry)
     return out
 
 
-COLUMNS = ("dataset", "method", "n", "agree", "agree_f1", "f1", "f1_diff", "f1_diff_ci", "kl", "kl_vs_reuse",
+LOWER_IS_BETTER = frozenset({"kl"})
+
+
+def sign_test(wins: int, losses: int) -> float:
+    """Two-sided exact sign test (ties dropped): the chance of a split at least this uneven
+    between two methods that are in truth equally good."""
+    n, k = wins + losses, min(wins, losses)
+    if n == 0:
+        return 1.0
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n)
+
+
+def compare(rows: list[dict], a: str, b: str, metric: str = "agree_f1", dataset: str = "all") -> dict[str, Any]:
+    """Paired comparison of methods ``a`` and ``b`` on the questions both answered: mean of
+    ``metric(a) - metric(b)`` with a bootstrap 95% interval; ``wins``/``losses``/``ties`` count the
+    questions where ``a`` is better/worse (lower is better for ``kl``), with the sign test."""
+    by_q: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        if r["method"] in (a, b) and dataset in ("all", r["dataset"]):
+            by_q.setdefault((r["model"], r["dataset"], r["qid"]), {})[r["method"]] = r
+    diffs = [float(ms[a][metric]) - float(ms[b][metric]) for ms in by_q.values() if a in ms and b in ms]
+    sign = -1.0 if metric in LOWER_IS_BETTER else 1.0
+    wins, losses = sum(sign * d > 1e-12 for d in diffs), sum(sign * d < -1e-12 for d in diffs)
+    return {"a": a, "b": b, "metric": metric, "dataset": dataset, "n": len(diffs), "diff": _mean(diffs),
+            "diff_ci": bootstrap_mean_ci(diffs), "wins": wins, "losses": losses, "ties": len(diffs) - wins - losses,
+            "sign_p": sign_test(wins, losses)}
+
+
+COLUMNS = ("dataset", "method", "n", "agree", "agree_ci", "agree_f1", "agree_f1_ci", "f1", "f1_diff", "f1_diff_ci", "kl", "kl_vs_reuse",
            "kl_worse_than_reuse", "tf_loglik", "tf_loglik_full", "ttft_speedup", "ttft_speedup_ci", "recompute_fraction")
 
 
@@ -284,8 +313,26 @@ def markdown_table(summary: list[dict], model: str) -> str:
     return "\n".join(lines)
 
 
-def write_summary(summary: list[dict], out: Path, cfg: FidelityConfig) -> None:
-    (out / "summary.json").write_text(json.dumps({"config": asdict(cfg), "summary": summary}, indent=2))
+PAIRED_METRICS = ("agree_f1", "kl", "tf_loglik")
+
+
+def pairwise(rows: list[dict]) -> list[dict]:
+    """``compare`` for every pair of methods (in first-seen order) on each of ``PAIRED_METRICS``."""
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    return [compare(rows, a, b, metric) for i, a in enumerate(methods) for b in methods[i + 1 :] for metric in PAIRED_METRICS]
+
+
+def comparison_table(comparisons: list[dict], metric: str = "agree_f1") -> str:
+    lines = ["| a | b | n | mean a - b | 95% interval | a better / worse / tie | sign test p |", "|---|---|---|---|---|---|---|"]
+    for c in comparisons:
+        if c["metric"] == metric:
+            lines.append(f"| {c['a']} | {c['b']} | {c['n']} | {_fmt(c['diff'])} | {_fmt(c['diff_ci'])} | "
+                         f"{c['wins']} / {c['losses']} / {c['ties']} | {c['sign_p']:.3g} |")
+    return "\n".join(lines)
+
+
+def write_summary(summary: list[dict], out: Path, cfg: FidelityConfig, comparisons: list[dict] | None = None) -> None:
+    (out / "summary.json").write_text(json.dumps({"config": asdict(cfg), "summary": summary, "comparisons": comparisons or []}, indent=2))
     with (out / "summary.csv").open("w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
         w.writerow(["model", *COLUMNS])
@@ -375,5 +422,7 @@ def _main(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(markdown_table(summarize(rows), cfg.model))
+    print("\nPaired, answer agreement with full prefill (token F1):")
+    print(comparison_table(pairwise(rows)))
     print(f"\nresults: {args.out}/results.jsonl, summary.json, summary.csv, plots/")
     return 0

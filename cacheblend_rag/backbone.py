@@ -1,0 +1,272 @@
+"""The model adapter: the one place that touches a transformers causal LM's insides.
+
+The fusor runs a model's decoder layers one by one on a subset of positions, and the loader moves
+cached keys to new positions with the model's own rotary embedding. Both are exact only for models
+whose forward is "embed, decoder layers, norm, lm_head" with standard RoPE; every model-specific
+step outside the decoder layers (an embedding multiplier, a logit scale) must be applied here too.
+
+:func:`check_support` decides at load, from the model type and config, whether that holds, and
+refuses with a message naming the feature and what to use instead. :meth:`Backbone.self_test` then
+checks it numerically on a few tokens (the fused path against the model's own forward, a shifted
+key against one computed at the new position), so a model this module does not know is refused
+rather than answered wrongly.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .models import UnsupportedModelError
+
+__all__ = ["Backbone", "UnsupportedModelError", "cache_kwarg", "check_support", "sliding_window"]
+
+
+# RoPE variants whose angle is not `position * inv_freq` for one fixed inv_freq: "dynamic" (NTK)
+# recomputes inv_freq from the current length and "longrope" switches inv_freq sets at a length
+# threshold, so a key cached at one length and re-rotated for another gets the wrong frequencies.
+_UNSUPPORTED_ROPE_TYPES = ("dynamic", "longrope")
+_SUPPORTED_ROPE_HINT = (
+    'supported types are "default", "linear", "llama3", "yarn" and others with a fixed inv_freq: use a '
+    "model or config without length-dependent RoPE scaling"
+)
+_USE_INSTEAD = "Use a Llama, Mistral, Qwen2, Qwen3, Gemma, Phi3 or Granite model"
+# Rotary layouts that pair channel i with i+1 instead of i with i + d/2, which the key shift
+# (rope.apply_rotation, transformers' rotate_half) does not handle.
+_INTERLEAVED_ROPE_MODELS = frozenset({"cohere", "cohere2"})
+
+
+def cache_kwarg(module: torch.nn.Module) -> str:
+    """The cache keyword of a model's or decoder layer's forward: transformers 5.24 renamed
+    ``past_key_values`` to ``cache``."""
+    params = inspect.signature(module.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _architecture_name(model: Any) -> str:
+    archs = getattr(getattr(model, "config", None), "architectures", None)
+    return str(archs[0]) if archs else type(model).__name__
+
+
+def _rope_types(model: Any) -> set[str]:
+    """Every rope_type the model declares (rotary module and config; per-layer-type dicts too)."""
+    found: set[str] = set()
+
+    def add(value: Any) -> None:
+        if isinstance(value, str):
+            found.add(value)
+        elif isinstance(value, dict):
+            if "rope_type" in value or "type" in value:
+                add(value.get("rope_type", value.get("type")))
+            else:  # {layer_type: {...}} for models with several attention kinds
+                for sub in value.values():
+                    add(sub)
+
+    add(getattr(getattr(getattr(model, "model", None), "rotary_emb", None), "rope_type", None))
+    config = getattr(model, "config", None)
+    add(getattr(config, "rope_parameters", None))
+    add(getattr(config, "rope_scaling", None))  # legacy spelling, if present
+    return found
+
+
+def sliding_window(config: Any) -> int | None:
+    """The attention window of the model's sliding-window layers, or None when every layer
+    attends to the whole prefix. (Qwen2/Qwen3 keep ``sliding_window`` set while
+    ``use_sliding_window=False``; their ``layer_types`` say which layers use it.)"""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
+def _head_dim(config: Any) -> int:
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+
+def check_support(model: Any) -> None:
+    """Raise :class:`UnsupportedModelError` unless CacheBlend can drive ``model`` exactly.
+
+    The fusor runs ``model.model.embed_tokens``, each of ``model.model.layers``, ``model.model.norm``
+    and ``model.lm_head`` itself (with the scales :class:`Backbone` knows), and the loader moves
+    cached keys by the model's own ``model.model.rotary_emb`` rotation for the position delta. That
+    needs rotary embeddings whose angle is ``position * inv_freq`` with a fixed ``inv_freq`` over
+    the whole head, in the half-split layout, and plain softmax attention.
+    """
+    arch = _architecture_name(model)
+    inner = getattr(model, "model", None)
+    config = getattr(model, "config", None)
+    rotary = getattr(inner, "rotary_emb", None)
+    if rotary is None:
+        raise UnsupportedModelError(
+            f"{arch} has no rotary position embeddings (RoPE); CacheBlend re-rotates cached keys "
+            "to their new positions, which needs a RoPE model (learned absolute positions or "
+            "ALiBi, as in GPT-2, OPT or BLOOM, cannot be moved). Use a RoPE decoder such as "
+            "Llama, Mistral, Qwen2 or Qwen3."
+        )
+    required = {
+        "model.model.layers": getattr(inner, "layers", None),
+        "model.model.embed_tokens": getattr(inner, "embed_tokens", None),
+        "model.model.norm": getattr(inner, "norm", None),
+        "model.lm_head": getattr(model, "lm_head", None),
+    }
+    missing = [name for name, value in required.items() if value is None]
+    if missing:
+        raise UnsupportedModelError(
+            f"{arch} lacks {', '.join(missing)}; CacheBlend drives the decoder layers one by one "
+            "and needs the Llama-style layout (model.model.layers, embed_tokens, norm, rotary_emb "
+            "and model.lm_head). Use a decoder such as Llama, Mistral, Qwen2 or Qwen3."
+        )
+    bad = sorted(t for t in _rope_types(model) if any(u in t for u in _UNSUPPORTED_ROPE_TYPES))
+    if bad:
+        raise UnsupportedModelError(
+            f"{arch} uses rope_type {', '.join(repr(t) for t in bad)}, whose rotation frequencies "
+            "change with the sequence length, so cached keys cannot be re-rotated by composing "
+            f"rotations; {_SUPPORTED_ROPE_HINT}."
+        )
+    inv_freq = next((b for name, b in rotary.named_buffers() if name.endswith("inv_freq")), None)
+    if inv_freq is None:
+        raise UnsupportedModelError(
+            f"{arch}'s rotary embedding ({type(rotary).__name__}) exposes no inv_freq buffer, so "
+            f"CacheBlend cannot re-rotate cached keys with it; {_SUPPORTED_ROPE_HINT}."
+        )
+    if "layer_type" in inspect.signature(rotary.forward).parameters:
+        raise UnsupportedModelError(
+            f"{arch} uses per-layer rotary embeddings (a different RoPE for local and global "
+            f"layers, as in Gemma3), which CacheBlend's key shift does not model. {_USE_INSTEAD}."
+        )
+    if config is None:
+        return
+    if 2 * inv_freq.numel() != _head_dim(config):
+        raise UnsupportedModelError(
+            f"{arch} rotates only {2 * inv_freq.numel()} of its {_head_dim(config)} head channels "
+            f"(partial rotary), which CacheBlend's key shift does not handle. {_USE_INSTEAD}."
+        )
+    if getattr(config, "model_type", "") in _INTERLEAVED_ROPE_MODELS:
+        raise UnsupportedModelError(
+            f"{arch} ({config.model_type}) uses interleaved rotary embeddings (channel pairs i, i+1), "
+            f"which CacheBlend's half-split key shift would rotate wrongly. {_USE_INSTEAD}."
+        )
+    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, field, None):
+            raise UnsupportedModelError(
+                f"{arch} sets {field}={getattr(config, field)} (logit softcapping, as in Gemma2), which the "
+                f"fused attention and logits do not apply. {_USE_INSTEAD}, or Gemma (v1)."
+            )
+
+
+@dataclass(frozen=True)
+class Backbone:
+    """What the fusor and the chunk precompute need of a model, model-specific scales included.
+
+    ``embed`` and ``logits`` apply what the model's own forward applies outside its decoder layers
+    (Granite's ``embedding_multiplier`` and ``logits_scaling``); ``window`` is the sliding-window
+    length, inside which a prompt must fit for the fused mask (full causal) to be exact.
+    """
+
+    model: Any
+    embedding_multiplier: float = 1.0
+    logits_divisor: float = 1.0
+    window: int | None = None
+
+    @classmethod
+    def adapt(cls, model: Any) -> "Backbone":
+        """Check ``model`` (:func:`check_support`) and route its attention through the fused
+        path's dispatch (``attention.install``, which the model's own forward also uses)."""
+        from . import attention
+
+        check_support(model)
+        attention.install(model)
+        config = model.config
+        return cls(
+            model,
+            embedding_multiplier=float(getattr(config, "embedding_multiplier", 1.0) or 1.0),
+            logits_divisor=float(getattr(config, "logits_scaling", 1.0) or 1.0),
+            window=sliding_window(config),
+        )
+
+    @property
+    def layers(self) -> torch.nn.ModuleList:
+        return self.model.model.layers
+
+    @property
+    def rotary_emb(self) -> torch.nn.Module:
+        return self.model.model.rotary_emb
+
+    @property
+    def layer_cache_kwarg(self) -> str:
+        return cache_kwarg(self.layers[0])
+
+    @property
+    def model_cache_kwarg(self) -> str:
+        return cache_kwarg(self.model)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """[tokens] -> [tokens, hidden]"""
+        hidden = self.model.model.embed_tokens(ids)
+        return hidden * self.embedding_multiplier if self.embedding_multiplier != 1.0 else hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Last layer's output [1, tokens, hidden] -> float32 logits [tokens, vocab]."""
+        logits = self.model.lm_head(self.model.model.norm(hidden))[0].float()
+        return logits / self.logits_divisor if self.logits_divisor != 1.0 else logits
+
+    @torch.inference_mode()
+    def self_test(self, tokens: int = 12, shift: int = 37) -> None:
+        """Refuse the model unless, on ``tokens`` token ids, (1) the layer-by-layer path
+        (``embed``, each layer with an exact causal mask over fresh K/V, ``logits``) gives the
+        model's own forward's logits and (2) a layer-0 key computed at position p and moved by
+        ``shift`` with the model's rotary embedding equals the key computed at p + shift.
+        Cheap (three forwards of a few tokens); catches model-specific steps and RoPE layouts
+        that :func:`check_support` does not name."""
+        from .fusor import FusionPlan, fuse
+        from .rope import shift_keys
+        from .selector import resolve_criterion
+
+        model, config = self.model, self.model.config
+        if self.window is not None:
+            tokens = min(tokens, self.window - 1)  # the model's own cache keeps window - 1 tokens
+        device = next(model.parameters()).device
+        ids = (torch.arange(tokens, device=device) * 7919 + 11) % int(config.vocab_size)
+        kw = self.model_cache_kwarg
+
+        def forward(start: int) -> tuple[torch.Tensor, Any]:
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=config)
+            out = model(input_ids=ids[None], position_ids=torch.arange(start, start + tokens, device=device)[None],
+                        use_cache=True, **{kw: cache})
+            return out.logits[0, -1].float(), cache
+
+        ref, cache = forward(0)
+        heads, dim = cache.layers[0].keys.shape[1], cache.layers[0].keys.shape[-1]
+        empty = torch.zeros(1, heads, tokens, dim, dtype=cache.layers[0].keys.dtype, device=device)
+        every = torch.ones(tokens, dtype=torch.bool, device=device)
+        plan = FusionPlan(input_ids=ids, always=every, candidate=~every, forced=~every, recompute_first_layer=False)
+        fused = fuse(self, plan, lambda i: (empty.clone(), empty.clone()), resolve_criterion("value")).logits
+        tol = 1e-3 if fused.dtype == torch.float32 and ref.dtype == torch.float32 and empty.dtype == torch.float32 else 5e-2
+        arch = _architecture_name(model)
+        err = float((fused - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
+        if not err <= tol:
+            raise UnsupportedModelError(
+                f"{arch}: the layer-by-layer prefill differs from the model's own forward (relative logit "
+                f"difference {err:.2g} on a {tokens}-token self-test), so this model computes something "
+                f"outside its decoder layers that CacheBlend does not know. {_USE_INSTEAD}."
+            )
+        _, moved = forward(shift)
+        k0, k1 = cache.layers[0].keys[0], moved.layers[0].keys[0]  # [kv_heads, tokens, head_dim]
+        shifted = shift_keys(self.rotary_emb, k0, shift)
+        err = float((shifted - k1).abs().max() / k1.abs().max().clamp_min(1e-6))
+        if not err <= tol:
+            raise UnsupportedModelError(
+                f"{arch}: a cached key moved by {shift} positions with the model's rotary embedding differs "
+                f"from the key computed there (relative difference {err:.2g}), so chunk caches could not be "
+                f"re-rotated exactly. {_USE_INSTEAD}."
+            )
