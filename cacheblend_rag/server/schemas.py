@@ -1,0 +1,257 @@
+"""Request and response bodies of the OpenAI-compatible API (the subset the engine can honour).
+
+Unknown fields are ignored, as OpenAI clients add new optional ones over time; fields whose
+non-default value would change the answer in a way the engine cannot do (``n`` > 1, tools,
+logprobs, penalties, ...) are refused with a 400 rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ..config import MODES
+
+DEFAULT_MAX_TOKENS = 128  # the engine's default; OpenAI's "until the context is full" is rarely wanted
+
+
+class CacheBlendOptions(BaseModel):
+    """The ``cacheblend`` extension field: how the engine prefills the documents."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal[MODES] = "cacheblend"  # type: ignore[valid-type]
+    """One of cacheblend, full_recompute (the exact full prefill), prefix_caching, full_reuse."""
+    recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
+    """Fraction of chunk tokens recomputed per layer (None: the engine's configured one)."""
+    top_k: int = Field(default=0, ge=0)
+    """Sample from the k most likely tokens only (0: off)."""
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    """Send a last chunk with ``usage`` (and empty ``choices``) before ``[DONE]``, as OpenAI does."""
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[Any]
+    """A string or a list of parts; a ``{"type": "text", "text": ..., "extras":
+    {"cacheblend_chunk": true}}`` part is one retrieved document (``cacheblend_rag.messages``)."""
+
+
+# Fields OpenAI defines that the engine has no equivalent for, with the value that means "off".
+_UNSUPPORTED: dict[str, Any] = {
+    "logprobs": None,
+    "top_logprobs": None,
+    "logit_bias": None,
+    "frequency_penalty": 0,
+    "presence_penalty": 0,
+    "tools": None,
+    "functions": None,
+    "response_format": None,
+    "best_of": None,
+    "echo": False,
+    "suffix": None,
+}
+
+
+class GenerationRequest(BaseModel):
+    """Fields both endpoints share."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    """Most tokens to generate (default 128)."""
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
+    """0 (the default here, unlike OpenAI's 1) decodes greedily."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    """Sampling seed (used when temperature > 0)."""
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = 1
+    user: str | None = None  # accepted and ignored, as a single-tenant server has no use for it
+    documents: list[str] | None = None
+    """The retrieved chunks, one string each (extension field; each one's KV is cached)."""
+    cacheblend: CacheBlendOptions = Field(default_factory=CacheBlendOptions)
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int | None) -> int | None:
+        if n not in (None, 1):
+            raise ValueError(f"n={n} is not supported: this server returns one choice per request (n=1)")
+        return n
+
+    @field_validator("documents")
+    @classmethod
+    def _nonblank_documents(cls, docs: list[str] | None) -> list[str] | None:
+        for i, doc in enumerate(docs or []):
+            if not doc.strip():
+                raise ValueError(f"document {i} is empty or whitespace: drop it")
+        return docs
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> "GenerationRequest":
+        extra = self.model_extra or {}
+        for name, off in _UNSUPPORTED.items():
+            if extra.get(name, off) not in (off, None):
+                raise ValueError(f"{name} is not supported by this server (CacheBlend engine): leave it unset")
+        return self
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def engine_kwargs(self, max_tokens: int | None) -> dict[str, Any]:
+        """Keyword arguments for ``cacheblend_rag.run.Run``."""
+        return {
+            "mode": self.cacheblend.mode,
+            "recompute_ratio": self.cacheblend.recompute_ratio,
+            "max_new_tokens": max_tokens or DEFAULT_MAX_TOKENS,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.cacheblend.top_k,
+            "stop": self.stops,
+            "seed": self.seed,
+        }
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    """OpenAI's newer name for ``max_tokens`` (what LangChain's ChatOpenAI sends); wins if both are set."""
+
+    @field_validator("messages")
+    @classmethod
+    def _some_messages(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        if not messages:
+            raise ValueError("messages is empty: pass at least one message")
+        return messages
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: str | list[str]
+    """The question (with ``documents``) or the whole prompt; a list must hold exactly one string."""
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt: str | list[str]) -> str | list[str]:
+        if isinstance(prompt, list) and len(prompt) != 1:
+            raise ValueError(f"prompt is a list of {len(prompt)} strings: this server answers one prompt per request")
+        return prompt
+
+    @property
+    def text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+# ---------------------------------------------------------------- responses
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+    """Chunk tokens whose KV was read from the cache instead of prefilled."""
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    cacheblend: dict[str, Any]
+    """The engine's stats (ttft_s, chunk_hits, recompute_fraction, ...) plus queue_s."""
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    cacheblend: dict[str, Any] | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    """A /v1/completions response, or one of its stream chunks (OpenAI uses the same object)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    cacheblend: dict[str, Any] | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "cacheblend-rag"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok", "shutting_down"]
+    model: str
+    running: int
+    waiting: int
+    max_queue: int
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
