@@ -3,6 +3,8 @@ LangChain's ChatOpenAI, answers token for token as the in-process engine does.""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,13 +16,14 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from cacheblend_rag import cli  # noqa: E402
+from cacheblend_rag.config import SamplingParams  # noqa: E402
 from cacheblend_rag.engine import CacheBlendEngine  # noqa: E402
 from cacheblend_rag.messages import chunk_part  # noqa: E402
-from cacheblend_rag.config import SamplingParams  # noqa: E402
 from cacheblend_rag.plain import chat_text, plain_stream  # noqa: E402
 from cacheblend_rag.run import engine_lock  # noqa: E402
 from cacheblend_rag.server import ServerConfig, create_app  # noqa: E402
 from cacheblend_rag.server.live import BackgroundServer  # noqa: E402
+from cacheblend_rag.server.worker import EngineWorker  # noqa: E402
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_engine  # noqa: E402
 
 N = 12  # tokens per answer: long enough to compare, short enough for a slow CPU
@@ -281,6 +284,30 @@ def test_abandoned_stream_frees_the_engine(live, client, expected):
     assert _chat(client, messages=_user(), extra_body={"documents": SAMPLE_CHUNKS}).choices[0].message.content == expected.text
 
 
+def test_worker_stops_producing_once_the_consumer_leaves():
+    produced: list[int] = []
+    closed = threading.Event()
+
+    def produce():  # ~10 s of items if nobody stopped it
+        try:
+            for i in range(2000):
+                produced.append(i)
+                yield i
+                time.sleep(0.005)
+        finally:
+            closed.set()
+
+    async def consume_one() -> int:
+        items = aiter(EngineWorker(max_queue=0).submit(produce))
+        first = await anext(items)
+        await items.aclose()
+        return first
+
+    assert asyncio.run(asyncio.wait_for(consume_one(), TIMEOUT)) == 0
+    assert closed.wait(5.0), "the job kept producing after its consumer left"
+    assert len(produced) < 100
+
+
 def test_graceful_shutdown_finishes_the_request_in_flight(engine, expected):
     server = LiveServer(create_app(engine, ServerConfig(model_name=MODEL))).start()
     client = server.client()
@@ -328,3 +355,20 @@ def test_serve_subcommand_builds_the_app_from_its_flags(monkeypatch, tmp_path):
     assert seen["run"]["host"] == "127.0.0.1" and seen["run"]["port"] == 9123
     assert seen["health"]["max_queue"] == 3 and seen["health"]["model"] == "rag"
     assert seen["closed"]  # the engine is closed when the server stops
+
+
+def test_engine_failure_is_a_500_in_openai_form():
+    from fastapi.testclient import TestClient
+
+    class Broken:
+        model_id = "broken"
+
+        def stream(self, *args, **kwargs):
+            raise RuntimeError("out of memory")
+
+    with TestClient(create_app(Broken()), raise_server_exceptions=False) as http:
+        body = {"model": "broken", "messages": _user(), "documents": ["a doc"]}
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 500 and "RuntimeError: out of memory" in r.json()["error"]["message"]
+        r = http.post("/v1/chat/completions", json=dict(body, stream=True))
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"

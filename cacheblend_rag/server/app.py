@@ -98,8 +98,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     @app.get("/health", response_model=Health)
     async def health() -> Health:
         running, waiting = worker.load()
-        return Health(status="shutting_down" if worker.closing else "ok", model=name, running=running,
-                      waiting=waiting, max_queue=worker.max_queue)
+        return Health(status="ok", model=name, running=running, waiting=waiting, max_queue=worker.max_queue)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
@@ -193,3 +192,8 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(_: HTTPRequest, exc: HTTPException) -> JSONResponse:
         return reply(exc.status_code, ErrorInfo(message=str(exc.detail), type="invalid_request_error"))
+
+    @app.exception_handler(Exception)
+    async def failed(_: HTTPRequest, exc: Exception) -> JSONResponse:
+        log.error("request failed", exc_info=exc)
+        return reply(500, ErrorInfo(message=f"the engine failed: {type(exc).__name__}: {exc}", type="server_error"))

@@ -167,22 +167,30 @@ class AssistantMessage(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
+class _Choice(BaseModel):
     index: int = 0
-    message: AssistantMessage
-    finish_reason: str
+    finish_reason: str | None = None
+    """"stop" (end of answer or a stop string) or "length" (max_tokens); None until the last chunk."""
     logprobs: None = None
 
 
-class ChatCompletion(BaseModel):
+class _Response(BaseModel):
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
+    usage: Usage | None = None
+    cacheblend: dict[str, Any] | None = None
+    """The engine's stats (ttft_s, chunk_hits, recompute_fraction, ...) plus queue_s; on a whole
+    response, and in a stream on the chunk with the finish reason."""
+
+
+class ChatChoice(_Choice):
+    message: AssistantMessage
+
+
+class ChatCompletion(_Response):
+    object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
-    usage: Usage
-    cacheblend: dict[str, Any]
-    """The engine's stats (ttft_s, chunk_hits, recompute_fraction, ...) plus queue_s."""
 
 
 class Delta(BaseModel):
@@ -190,40 +198,24 @@ class Delta(BaseModel):
     content: str | None = None
 
 
-class ChatChunkChoice(BaseModel):
-    index: int = 0
+class ChatChunkChoice(_Choice):
     delta: Delta
-    finish_reason: str | None = None
-    logprobs: None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Response):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    cacheblend: dict[str, Any] | None = None
 
 
-class CompletionChoice(BaseModel):
-    index: int = 0
+class CompletionChoice(_Choice):
     text: str
-    finish_reason: str | None = None
-    logprobs: None = None
 
 
-class Completion(BaseModel):
+class Completion(_Response):
     """A /v1/completions response, or one of its stream chunks (OpenAI uses the same object)."""
 
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = None
-    cacheblend: dict[str, Any] | None = None
 
 
 class ModelCard(BaseModel):
@@ -239,7 +231,7 @@ class ModelList(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok", "shutting_down"]
+    status: Literal["ok"]
     model: str
     running: int
     waiting: int

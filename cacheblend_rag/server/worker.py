@@ -101,10 +101,6 @@ class EngineWorker:
         self._admitted = 0  # running + waiting
         self._closing = False
 
-    @property
-    def closing(self) -> bool:
-        return self._closing
-
     def load(self) -> tuple[int, int]:
         """(running, waiting) right now."""
         with self._guard:
