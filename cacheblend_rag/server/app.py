@@ -75,7 +75,6 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         await asyncio.to_thread(worker.close)
 
     app = FastAPI(title="cacheblend-rag", lifespan=lifespan)
-    app.state.worker = worker
     _install_error_handlers(app)
 
     def check_model(requested: str) -> None:
@@ -83,10 +82,9 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
             raise APIError(404, f"The model {requested!r} does not exist: this server serves {name!r} (GET /v1/models)",
                            param="model", code="model_not_found")
 
-    async def answer(body: GenerationRequest, request: Request, max_tokens: int | None, fmt: ChatFormat | CompletionFormat):
-        kwargs = body.engine_kwargs(max_tokens)
+    async def answer(body: GenerationRequest, request: Request, fmt: ChatFormat | CompletionFormat):
         try:
-            job = worker.submit(_producer(engine, request, kwargs))
+            job = worker.submit(_producer(engine, request, body.engine_kwargs()))
         except Overloaded as exc:
             raise APIError(503, str(exc), type="server_error", code="overloaded") from None
         if not body.stream:
@@ -112,14 +110,12 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest) -> Any:
         check_model(body.model)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await answer(body, chat_request(body), body.max_completion_tokens or body.max_tokens, ChatFormat(name, include_usage))
+        return await answer(body, chat_request(body), ChatFormat(name, body.include_usage))
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest) -> Any:
         check_model(body.model)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await answer(body, completion_request(body), body.max_tokens, CompletionFormat(name, include_usage))
+        return await answer(body, completion_request(body), CompletionFormat(name, body.include_usage))
 
     return app
 

@@ -106,12 +106,20 @@ class GenerationRequest(BaseModel):
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def engine_kwargs(self, max_tokens: int | None) -> dict[str, Any]:
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.max_tokens or DEFAULT_MAX_TOKENS
+
+    def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``cacheblend_rag.run.Run``."""
         return {
             "mode": self.cacheblend.mode,
             "recompute_ratio": self.cacheblend.recompute_ratio,
-            "max_new_tokens": max_tokens or DEFAULT_MAX_TOKENS,
+            "max_new_tokens": self.max_new_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.cacheblend.top_k,
@@ -124,6 +132,10 @@ class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(default=None, ge=1)
     """OpenAI's newer name for ``max_tokens`` (what LangChain's ChatOpenAI sends); wins if both are set."""
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.max_completion_tokens or super().max_new_tokens
 
     @field_validator("messages")
     @classmethod
