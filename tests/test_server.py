@@ -239,6 +239,12 @@ def test_bad_requests_get_a_4xx_with_a_clear_message(live, body, status, message
     assert message in r.json()["error"]["message"]
 
 
+def test_unsupported_fields_at_their_off_values_are_accepted(client, expected):
+    off = {"logprobs": False, "frequency_penalty": 0, "presence_penalty": 0.0, "tools": [], "user": "u1", "n": 1}
+    res = _chat(client, messages=_user(), extra_body={"documents": SAMPLE_CHUNKS, **off})
+    assert res.choices[0].message.content == expected.text
+
+
 def test_openai_client_raises_with_the_message(client):
     with pytest.raises(openai.BadRequestError, match="n=2 is not supported"):
         _chat(client, messages=_user(), n=2)

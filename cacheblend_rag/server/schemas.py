@@ -41,20 +41,21 @@ class ChatMessage(BaseModel):
     {"cacheblend_chunk": true}}`` part is one retrieved document (``cacheblend_rag.messages``)."""
 
 
-# Fields OpenAI defines that the engine has no equivalent for, with the value that means "off".
-_UNSUPPORTED: dict[str, Any] = {
-    "logprobs": None,
-    "top_logprobs": None,
-    "logit_bias": None,
-    "frequency_penalty": 0,
-    "presence_penalty": 0,
-    "tools": None,
-    "functions": None,
-    "response_format": None,
-    "best_of": None,
-    "echo": False,
-    "suffix": None,
-}
+# Fields OpenAI defines that the engine has no equivalent for. Their "off" values (None, false,
+# 0, an empty list) are accepted, as clients send them by default.
+_UNSUPPORTED = (
+    "logprobs",
+    "top_logprobs",
+    "logit_bias",
+    "frequency_penalty",
+    "presence_penalty",
+    "tools",
+    "functions",
+    "response_format",
+    "best_of",
+    "echo",
+    "suffix",
+)
 
 
 class GenerationRequest(BaseModel):
@@ -97,8 +98,8 @@ class GenerationRequest(BaseModel):
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> "GenerationRequest":
         extra = self.model_extra or {}
-        for name, off in _UNSUPPORTED.items():
-            if extra.get(name, off) not in (off, None):
+        for name in _UNSUPPORTED:
+            if extra.get(name):
                 raise ValueError(f"{name} is not supported by this server (CacheBlend engine): leave it unset")
         return self
 
