@@ -108,6 +108,28 @@ def _ask(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from .server import ServerConfig, create_app
+    except ImportError as exc:
+        raise SystemExit(f"error: serve needs the server extra ({exc.name} is missing): pip install 'cacheblend-rag[server]'")
+    from .engine import CacheBlendEngine
+
+    if args.max_queue < 0:
+        raise SystemExit(f"error: --max-queue {args.max_queue}: pass how many requests may wait (>= 0)")
+    engine = CacheBlendEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, store_dir=args.store_dir)
+    try:
+        app = create_app(engine, ServerConfig(model_name=args.served_model_name, max_queue=args.max_queue))
+        # uvicorn stops on SIGINT/SIGTERM gracefully: it stops accepting connections, lets open
+        # requests finish, then runs the app's shutdown (which drains the worker).
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.close()
+    return 0
+
+
 def _jsonable(value: object) -> object:
     """Numbers and arrays among the stats (numpy / torch scalars) as plain JSON values."""
     for attr in ("tolist", "item"):
@@ -138,6 +160,17 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--dtype", default="float32")
     ask.add_argument("--precompute", action="store_true", help="precompute chunk caches first (not counted in TTFT)")
     ask.set_defaults(func=_ask)
+    serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (docs/server.md)")
+    serve.add_argument("--model", default=None, help="model dir, .gguf file or hub id (default: bundled SmolLM2-135M-Instruct)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--store-dir", default=None, help="chunk KV store directory (default: <cache home>/kv)")
+    serve.add_argument("--max-queue", type=int, default=8, help="requests that may wait while one runs; more get 503 (default 8)")
+    serve.add_argument("--served-model-name", default=None, help="the name clients pass as model (default: the model's id)")
+    serve.add_argument("--device", default="cpu")
+    serve.add_argument("--dtype", default="float32")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.set_defaults(func=_serve)
     for name in SUBCOMMANDS:
         importlib.import_module(name).register(sub)
     return parser

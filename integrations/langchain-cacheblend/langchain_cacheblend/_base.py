@@ -11,8 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from cacheblend_rag import CacheBlendEngine
 from cacheblend_rag.matching import ChunkRegistry
-
-from ._run import Request, Run
+from cacheblend_rag.messages import split_messages
+from cacheblend_rag.run import Request, Run
 
 NO_CHUNKS = (
     "no chunks found in the prompt: wrap your retriever with CacheBlendRetriever (or precompute "
@@ -161,47 +161,19 @@ class CacheBlendParams(BaseModel):
         if not match.spans:
             self._warn_no_match(registry)
             return self._no_chunks([{"role": "user", "content": prompt}], prompt)
-        return self._chunk_request(match.remainder(), match.chunks, "matched", len(match.spans))
+        return Request.over_chunks(match.remainder(), match.chunks, "matched", len(match.spans))
 
     def _request_from_messages(self, messages: Sequence[BaseMessage]) -> Request:
         """Chunks from flagged content blocks if any message has them, else found in the text."""
-        explicit = any(isinstance(m.content, list) and any(map(_is_chunk, m.content)) for m in messages)
-        registry = None if explicit or not self.match_chunks else self.chunk_registry
-        chunks: list[str] = []
-        rest: list[str] = []
-        plain: list[dict[str, str]] = []
-        for msg in messages:
-            role = _role(msg)
-            text_parts: list[str] = []
-            for block in msg.content if isinstance(msg.content, list) else [msg.content]:
-                if _is_chunk(block):
-                    chunks.append(block["text"])
-                else:
-                    text_parts.append(_block_text(block))
-            text = "".join(text_parts)
-            plain.append({"role": role, "content": text})
-            if registry is not None:
-                match = registry.match(text)
-                chunks.extend(match.chunks)
-                text = match.remainder()
-            text = text.strip()
-            if text:
-                rest.append(f"Assistant: {text}" if role == "assistant" else text)
-        if not chunks:
+        registry = self.chunk_registry if self.match_chunks else None
+        split = split_messages([(_role(m), m.content) for m in messages], registry)
+        if not split.chunks:
             if registry is not None:
                 self._warn_no_match(registry)
-            return self._no_chunks(plain, "\n\n".join(rest))
-        if explicit:
-            return self._chunk_request("\n\n".join(rest), chunks, "explicit", 0)
-        return self._chunk_request("\n\n".join(rest), chunks, "matched", len(chunks))
-
-    def _chunk_request(self, question: str, chunks: list[str], source: str, matched: int) -> Request:
-        if not question.strip():
-            raise ValueError(
-                "the prompt holds only chunks and no question text: put the question after the "
-                "documents (e.g. 'Context: {context}\\n\\nQuestion: {question}')"
-            )
-        return Request(question, tuple(chunks), chunk_source=source, chunks_matched=matched)
+            return self._no_chunks(list(split.messages), split.question)
+        if split.explicit:
+            return Request.over_chunks(split.question, split.chunks, "explicit", 0)
+        return Request.over_chunks(split.question, split.chunks, "matched", len(split.chunks))
 
     def _warn_no_match(self, registry: ChunkRegistry) -> None:
         """Once per model: chunks are registered, yet this prompt contains none of them verbatim."""
@@ -213,10 +185,8 @@ class CacheBlendParams(BaseModel):
     def _no_chunks(self, messages: list[dict[str, str]], text: str) -> Request:
         if self.require_chunks:
             raise ValueError(NO_CHUNKS)
-        if not text.strip():
-            raise ValueError("the prompt is empty: nothing to answer")
         # Honest fallback: answer the prompt as an ordinary chat with a full prefill.
-        return Request(text, (), tuple(messages))
+        return Request.plain_chat(messages, text)
 
     def _start(self, request: Request, stop: Sequence[str] | None, overrides: dict[str, Any]) -> Run:
         return Run(self.get_engine(), request, engine_kwargs=self._engine_kwargs(stop, overrides))
@@ -233,12 +203,6 @@ class CacheBlendParams(BaseModel):
         }
 
 
-def _is_chunk(block: object) -> bool:
-    from .inputs import is_chunk_block
-
-    return is_chunk_block(block)
-
-
 def _role(msg: BaseMessage) -> str:
     if isinstance(msg, SystemMessage):
         return "system"
@@ -251,11 +215,3 @@ def _role(msg: BaseMessage) -> str:
         "text messages (no tool calling)"
     )
 
-
-def _block_text(block: object) -> str:
-    if isinstance(block, str):
-        return block
-    if isinstance(block, dict) and block.get("type") == "text":
-        return str(block.get("text", ""))
-    kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-    raise ValueError(f"content block of type {kind!r} is not supported: CacheBlend models read text only")

@@ -12,9 +12,9 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from langchain_core.prompt_values import PromptValue
 
 from cacheblend_rag.aio import iterate_in_thread
+from cacheblend_rag.run import Run
 
 from ._base import CacheBlendParams
-from ._run import Run
 from .inputs import RAGPromptValue
 
 

@@ -18,7 +18,8 @@ from langchain_core.documents import Document
 from langchain_core.messages import BaseMessage, HumanMessage
 from langchain_core.prompt_values import PromptValue
 
-CHUNK_FLAG = "cacheblend_chunk"
+from cacheblend_rag.messages import CHUNK_FLAG, chunk_part, is_chunk_part  # noqa: F401 (CHUNK_FLAG re-exported)
+
 QUESTION_KEYS = ("question", "input", "query")
 CONTEXT_KEYS = ("context", "documents", "docs")
 
@@ -34,16 +35,11 @@ def as_document(item: Document | str) -> Document:
 def chunk_block(item: Document | str) -> dict[str, Any]:
     """A chat content block that carries one retrieved chunk (its metadata travels in ``extras``)."""
     doc = as_document(item)
-    return {"type": "text", "text": doc.page_content, "extras": {CHUNK_FLAG: True, "metadata": dict(doc.metadata)}}
+    return chunk_part(doc.page_content, doc.metadata)
 
 
-def is_chunk_block(block: object) -> bool:
-    return (
-        isinstance(block, dict)
-        and block.get("type") == "text"
-        and isinstance(block.get("extras"), dict)
-        and bool(block["extras"].get(CHUNK_FLAG))
-    )
+# A chunk block is the core's chunk part: the HTTP server reads the same flag.
+is_chunk_block = is_chunk_part
 
 
 def rag_message(question: str, documents: Sequence[Document | str]) -> HumanMessage:

@@ -16,9 +16,9 @@ from tqdm.auto import tqdm
 
 from cacheblend_rag import CacheBlendEngine
 from cacheblend_rag.matching import ChunkRegistry
+from cacheblend_rag.run import engine_lock
 
 from ._base import CacheBlendParams
-from ._run import engine_lock
 
 log = logging.getLogger("langchain_cacheblend")
 

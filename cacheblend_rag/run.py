@@ -2,8 +2,9 @@
 (``cacheblend_rag.plain``: the engine's full prefill of the messages in the model's chat template).
 
 Both paths stream text deltas and end with a :class:`RunResult` carrying the engine's stats. A
-per-engine lock serializes work on one engine: LangChain's ``batch`` and background precompute
-run in threads, and one model forward at a time is also what the CPU can actually do.
+per-engine lock serializes work on one engine: the framework integrations' ``batch`` and
+background precompute run in threads, the HTTP server has its worker thread, and one model
+forward at a time is also what the CPU can actually do.
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
-from cacheblend_rag.config import SamplingParams
-from cacheblend_rag.plain import chat_text, plain_stream
+from .config import SamplingParams
+from .plain import chat_text, plain_stream
 
 _locks: "weakref.WeakKeyDictionary[object, threading.Lock]" = weakref.WeakKeyDictionary()
 _locks_guard = threading.Lock()
@@ -49,6 +50,24 @@ class Request:
     @property
     def plain(self) -> bool:
         return not self.chunks
+
+    @classmethod
+    def over_chunks(cls, question: str, chunks: Sequence[str], source: str = "explicit", matched: int = 0) -> "Request":
+        """``generate(question, chunks)``; refuses a prompt that holds chunks but no question."""
+        if not question.strip():
+            raise ValueError(
+                "the prompt holds only chunks and no question text: put the question after the "
+                "documents (e.g. 'Context: {context}\\n\\nQuestion: {question}')"
+            )
+        return cls(question, tuple(chunks), chunk_source=source, chunks_matched=matched)
+
+    @classmethod
+    def plain_chat(cls, messages: Sequence[dict[str, str]], text: str) -> "Request":
+        """A prompt without chunks, answered as an ordinary chat with a full prefill; ``text`` is
+        the messages' text (what a chunked request would have used as its question)."""
+        if not text.strip():
+            raise ValueError("the prompt is empty: nothing to answer")
+        return cls(text, (), tuple(messages))
 
 
 @dataclass

@@ -1,0 +1,195 @@
+"""The FastAPI application: OpenAI's chat and completions endpoints over one CacheBlendEngine.
+
+``create_app(engine)`` builds it without opening a socket (serve it with uvicorn, or drive it
+with a test client). Requests run one at a time on the :class:`~.worker.EngineWorker`; errors use
+OpenAI's body ``{"error": {"message", "type", "param", "code"}}`` so OpenAI clients raise their
+usual exceptions with the message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from ..run import Request, Run
+from .inputs import chat_request, completion_request
+from .outputs import DONE, ChatFormat, CompletionFormat, sse
+from .schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorInfo,
+    ErrorResponse,
+    GenerationRequest,
+    Health,
+    ModelCard,
+    ModelList,
+)
+from .worker import EngineWorker, Job, Overloaded
+
+log = logging.getLogger("cacheblend_rag.server")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the server presents and protects its engine.
+
+    model_name: the name clients pass as ``model`` (None: the engine's ``model_id``). Any other
+        name is answered 404 ``model_not_found``, as OpenAI does.
+    max_queue: requests that may wait while one runs; one more gets 503 at once (default 8).
+    """
+
+    model_name: str | None = None
+    max_queue: int = 8
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.info = status, ErrorInfo(message=message, type=type, param=param, code=code)
+
+
+def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
+    """An OpenAI-compatible app over ``engine`` (a ``CacheBlendEngine``). Closing the app (its
+    lifespan's end, e.g. uvicorn's graceful shutdown) waits for queued requests; the engine is
+    the caller's to close."""
+    config = config or ServerConfig()
+    name = config.model_name or engine.model_id
+    worker = EngineWorker(config.max_queue)
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        # uvicorn has let every open request finish by now; wait for the worker to drain too.
+        await asyncio.to_thread(worker.close)
+
+    app = FastAPI(title="cacheblend-rag", lifespan=lifespan)
+    _install_error_handlers(app)
+
+    def check_model(requested: str) -> None:
+        if requested != name:
+            raise APIError(404, f"The model {requested!r} does not exist: this server serves {name!r} (GET /v1/models)",
+                           param="model", code="model_not_found")
+
+    async def answer(body: GenerationRequest, request: Request, fmt: ChatFormat | CompletionFormat):
+        try:
+            job = worker.submit(_producer(engine, request, body.engine_kwargs()))
+        except Overloaded as exc:
+            raise APIError(503, str(exc), type="server_error", code="overloaded") from None
+        if not body.stream:
+            async for _ in job:
+                pass
+            return fmt.whole(job.result, job.queue_s)
+        return await _event_stream(job, fmt)
+
+    @app.get("/health", response_model=Health)
+    async def health() -> Health:
+        running, waiting = worker.load()
+        return Health(status="ok", model=name, running=running, waiting=waiting, max_queue=worker.max_queue)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=name, created=started)])
+
+    @app.get("/v1/models/{model:path}", response_model=ModelCard)
+    async def model(model: str) -> ModelCard:
+        check_model(model)
+        return ModelCard(id=name, created=started)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest) -> Any:
+        check_model(body.model)
+        return await answer(body, chat_request(body), ChatFormat(name, body.include_usage))
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest) -> Any:
+        check_model(body.model)
+        return await answer(body, completion_request(body), CompletionFormat(name, body.include_usage))
+
+    return app
+
+
+def _producer(engine, request: Request, kwargs: dict[str, Any]) -> Callable:
+    """The worker's generator: the run's text deltas, then its result as the return value."""
+
+    def produce():
+        run = Run(engine, request, engine_kwargs=kwargs)  # validates: a bad request fails here
+        yield from run
+        return run.result
+
+    return produce
+
+
+async def _event_stream(job: Job[str], fmt: ChatFormat | CompletionFormat) -> StreamingResponse:
+    """An SSE response. The first token is awaited before answering, so a request the engine
+    refuses (too long, bad sampling values) still gets its 4xx instead of a broken stream."""
+    deltas = aiter(job)
+    try:
+        first: str | None = await anext(deltas)
+    except StopAsyncIteration:
+        first = None
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            opening = fmt.opening()
+            if opening is not None:
+                yield sse(opening)
+            if first is not None:
+                yield sse(fmt.delta(first))
+            async for delta in deltas:
+                yield sse(fmt.delta(delta))
+            for chunk in fmt.closing(job.result, job.queue_s):
+                yield sse(chunk)
+        except Exception as exc:  # the 200 is sent already: report in the stream, as OpenAI does
+            log.exception("request failed while streaming")
+            yield sse(ErrorResponse(error=ErrorInfo(message=str(exc), type="server_error")))
+        finally:
+            await deltas.aclose()  # a client gone: stop generating
+        yield DONE
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    def reply(status: int, info: ErrorInfo) -> JSONResponse:
+        return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=status)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: HTTPRequest, exc: APIError) -> JSONResponse:
+        return reply(exc.status, exc.info)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
+        problems = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err.get("loc", ())[1:])  # drop the leading "body"
+            msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+            problems.append(f"{where}: {msg}" if where else msg)
+        first_loc = exc.errors()[0].get("loc", ()) if exc.errors() else ()
+        param = str(first_loc[1]) if len(first_loc) > 1 else None
+        return reply(400, ErrorInfo(message="invalid request: " + "; ".join(problems), type="invalid_request_error", param=param))
+
+    @app.exception_handler(ValueError)
+    async def refused(_: HTTPRequest, exc: ValueError) -> JSONResponse:
+        # What the engine and the request mapping raise for input they cannot answer.
+        return reply(400, ErrorInfo(message=str(exc), type="invalid_request_error"))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: HTTPRequest, exc: HTTPException) -> JSONResponse:
+        return reply(exc.status_code, ErrorInfo(message=str(exc.detail), type="invalid_request_error"))
+
+    @app.exception_handler(Exception)
+    async def failed(_: HTTPRequest, exc: Exception) -> JSONResponse:
+        log.error("request failed", exc_info=exc)
+        return reply(500, ErrorInfo(message=f"the engine failed: {type(exc).__name__}: {exc}", type="server_error"))

@@ -1,0 +1,135 @@
+"""Engine results as API bodies: whole responses, stream chunks, usage and the engine's stats.
+
+A :class:`ChatFormat` or :class:`CompletionFormat` holds one response's id and creation time, so
+every chunk of a stream carries the same ones, as OpenAI's do.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from typing import Any, Mapping
+
+from pydantic import BaseModel
+
+from ..run import RunResult
+from .schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    CompletionChoice,
+    Delta,
+    PromptTokensDetails,
+    Usage,
+)
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(event: BaseModel) -> str:
+    """One server-sent event carrying ``event`` as JSON."""
+    return f"data: {event.model_dump_json()}\n\n"
+
+
+def usage(result: RunResult) -> Usage:
+    n_in = int(result.stats.get("prompt_tokens", 0))
+    n_out = len(result.token_ids)
+    return Usage(
+        prompt_tokens=n_in,
+        completion_tokens=n_out,
+        total_tokens=n_in + n_out,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=int(result.stats.get("cache_read_tokens", 0))),
+    )
+
+
+def engine_stats(result: RunResult, queue_s: float) -> dict[str, Any]:
+    """The ``cacheblend`` response field: the engine's stats and the time spent waiting for it."""
+    return {**_jsonable(result.stats), "queue_s": queue_s}
+
+
+def _jsonable(stats: Mapping[str, Any]) -> dict[str, Any]:
+    # JSON has no NaN/inf, and a tensor or numpy scalar among the stats must not break a response.
+    def plain(v: Any) -> Any:
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if hasattr(v, "tolist"):
+            return plain(v.tolist())
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        return str(v)
+
+    return {str(k): plain(v) for k, v in stats.items()}
+
+
+class _Format:
+    """One response's id and creation time, and the parts chat and completions share."""
+
+    id_prefix = ""
+
+    def __init__(self, model: str, include_usage: bool = False):
+        self.model, self.include_usage = model, include_usage
+        self.id, self.created = f"{self.id_prefix}-{uuid.uuid4().hex}", int(time.time())
+
+    def _body(self, choices: list[Any], **fields: Any) -> BaseModel:
+        raise NotImplementedError
+
+    def _final_choice(self, finish_reason: str) -> BaseModel:
+        raise NotImplementedError
+
+    def opening(self) -> BaseModel | None:
+        """The stream's first chunk, sent before the first token, if the format has one."""
+        return None
+
+    def closing(self, result: RunResult, queue_s: float) -> list[BaseModel]:
+        """The stream's last chunks: the finish reason with the engine's stats, then the usage
+        (when asked for with ``stream_options.include_usage``)."""
+        last = self._body([self._final_choice(result.finish_reason)], cacheblend=engine_stats(result, queue_s))
+        return [last] + ([self._body([], usage=usage(result))] if self.include_usage else [])
+
+
+class ChatFormat(_Format):
+    """Bodies of /v1/chat/completions."""
+
+    id_prefix = "chatcmpl"
+
+    def _body(self, choices: list[Any], **fields: Any) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, **fields)
+
+    def _final_choice(self, finish_reason: str) -> ChatChunkChoice:
+        return ChatChunkChoice(delta=Delta(), finish_reason=finish_reason)
+
+    def whole(self, result: RunResult, queue_s: float) -> ChatCompletion:
+        choice = ChatChoice(message=AssistantMessage(content=result.text), finish_reason=result.finish_reason)
+        return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice],
+                              usage=usage(result), cacheblend=engine_stats(result, queue_s))
+
+    def opening(self) -> ChatCompletionChunk:
+        return self._body([ChatChunkChoice(delta=Delta(role="assistant", content=""))])
+
+    def delta(self, text: str) -> ChatCompletionChunk:
+        return self._body([ChatChunkChoice(delta=Delta(content=text))])
+
+
+class CompletionFormat(_Format):
+    """Bodies of /v1/completions (a stream chunk is a completion with a partial text)."""
+
+    id_prefix = "cmpl"
+
+    def _body(self, choices: list[Any], **fields: Any) -> Completion:
+        return Completion(id=self.id, created=self.created, model=self.model, choices=choices, **fields)
+
+    def _final_choice(self, finish_reason: str) -> CompletionChoice:
+        return CompletionChoice(text="", finish_reason=finish_reason)
+
+    def whole(self, result: RunResult, queue_s: float) -> Completion:
+        return self._body([CompletionChoice(text=result.text, finish_reason=result.finish_reason)],
+                          usage=usage(result), cacheblend=engine_stats(result, queue_s))
+
+    def delta(self, text: str) -> Completion:
+        return self._body([CompletionChoice(text=text)])

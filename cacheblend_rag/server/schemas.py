@@ -1,0 +1,262 @@
+"""Request and response bodies of the OpenAI-compatible API (the subset the engine can honour).
+
+Unknown fields are ignored, as OpenAI clients add new optional ones over time; fields whose
+non-default value would change the answer in a way the engine cannot do (``n`` > 1, tools,
+logprobs, penalties, ...) are refused with a 400 rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ..config import MODES
+
+DEFAULT_MAX_TOKENS = 128  # the engine's default; OpenAI's "until the context is full" is rarely wanted
+
+
+class CacheBlendOptions(BaseModel):
+    """The ``cacheblend`` extension field: how the engine prefills the documents."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal[MODES] = "cacheblend"  # type: ignore[valid-type]
+    """One of cacheblend, full_recompute (the exact full prefill), prefix_caching, full_reuse."""
+    recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
+    """Fraction of chunk tokens recomputed per layer (None: the engine's configured one)."""
+    top_k: int = Field(default=0, ge=0)
+    """Sample from the k most likely tokens only (0: off)."""
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    """Send a last chunk with ``usage`` (and empty ``choices``) before ``[DONE]``, as OpenAI does."""
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[Any]
+    """A string or a list of parts; a ``{"type": "text", "text": ..., "extras":
+    {"cacheblend_chunk": true}}`` part is one retrieved document (``cacheblend_rag.messages``)."""
+
+
+# Fields OpenAI defines that the engine has no equivalent for. Their "off" values (None, false,
+# 0, an empty list) are accepted, as clients send them by default.
+_UNSUPPORTED = (
+    "logprobs",
+    "top_logprobs",
+    "logit_bias",
+    "frequency_penalty",
+    "presence_penalty",
+    "tools",
+    "functions",
+    "response_format",
+    "best_of",
+    "echo",
+    "suffix",
+)
+
+
+class GenerationRequest(BaseModel):
+    """Fields both endpoints share."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    """Most tokens to generate (default 128)."""
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
+    """0 (the default here, unlike OpenAI's 1) decodes greedily."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    """Sampling seed (used when temperature > 0)."""
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = 1
+    user: str | None = None  # accepted and ignored, as a single-tenant server has no use for it
+    documents: list[str] | None = None
+    """The retrieved chunks, one string each (extension field; each one's KV is cached)."""
+    cacheblend: CacheBlendOptions = Field(default_factory=CacheBlendOptions)
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int | None) -> int | None:
+        if n not in (None, 1):
+            raise ValueError(f"n={n} is not supported: this server returns one choice per request (n=1)")
+        return n
+
+    @field_validator("documents")
+    @classmethod
+    def _nonblank_documents(cls, docs: list[str] | None) -> list[str] | None:
+        for i, doc in enumerate(docs or []):
+            if not doc.strip():
+                raise ValueError(f"document {i} is empty or whitespace: drop it")
+        return docs
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> "GenerationRequest":
+        extra = self.model_extra or {}
+        for name in _UNSUPPORTED:
+            if extra.get(name):
+                raise ValueError(f"{name} is not supported by this server (CacheBlend engine): leave it unset")
+        return self
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.max_tokens or DEFAULT_MAX_TOKENS
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``cacheblend_rag.run.Run``."""
+        return {
+            "mode": self.cacheblend.mode,
+            "recompute_ratio": self.cacheblend.recompute_ratio,
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.cacheblend.top_k,
+            "stop": self.stops,
+            "seed": self.seed,
+        }
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    """OpenAI's newer name for ``max_tokens`` (what LangChain's ChatOpenAI sends); wins if both are set."""
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.max_completion_tokens or super().max_new_tokens
+
+    @field_validator("messages")
+    @classmethod
+    def _some_messages(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        if not messages:
+            raise ValueError("messages is empty: pass at least one message")
+        return messages
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: str | list[str]
+    """The question (with ``documents``) or the whole prompt; a list must hold exactly one string."""
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt: str | list[str]) -> str | list[str]:
+        if isinstance(prompt, list) and len(prompt) != 1:
+            raise ValueError(f"prompt is a list of {len(prompt)} strings: this server answers one prompt per request")
+        return prompt
+
+    @property
+    def text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+# ---------------------------------------------------------------- responses
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+    """Chunk tokens whose KV was read from the cache instead of prefilled."""
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class _Choice(BaseModel):
+    index: int = 0
+    finish_reason: str | None = None
+    """"stop" (end of answer or a stop string) or "length" (max_tokens); None until the last chunk."""
+    logprobs: None = None
+
+
+class _Response(BaseModel):
+    id: str
+    created: int
+    model: str
+    usage: Usage | None = None
+    cacheblend: dict[str, Any] | None = None
+    """The engine's stats (ttft_s, chunk_hits, recompute_fraction, ...) plus queue_s; on a whole
+    response, and in a stream on the chunk with the finish reason."""
+
+
+class ChatChoice(_Choice):
+    message: AssistantMessage
+
+
+class ChatCompletion(_Response):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Choice):
+    delta: Delta
+
+
+class ChatCompletionChunk(_Response):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+
+
+class CompletionChoice(_Choice):
+    text: str
+
+
+class Completion(_Response):
+    """A /v1/completions response, or one of its stream chunks (OpenAI uses the same object)."""
+
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "cacheblend-rag"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    model: str
+    running: int
+    waiting: int
+    max_queue: int
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
