@@ -144,7 +144,7 @@ class RedisStore:
                 f"Redis at {self.where} refused the credentials in the URL ({exc}). Put the right password "
                 "in the URL, redis://:PASSWORD@host:port/db, or an ACL user and its password, "
                 "redis://USER:PASSWORD@host:port/db (percent-encode special characters); an ACL user "
-                f"needs +@read +@write +@keyspace +ping on keys '{self.config.prefix}:*'"
+                f"needs +@read +@write +@keyspace +ping +multi +exec on keys '{self.config.prefix}:*'"
             ) from exc
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             log.warning(

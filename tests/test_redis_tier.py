@@ -353,6 +353,29 @@ def test_wrong_password_is_a_clear_error_at_open(tmp_path):
         srv.stop()
 
 
+def test_acl_user_with_the_documented_rules_can_use_the_store(server):
+    cfg = _config(server.url)
+    user = f"cb{uuid.uuid4().hex[:8]}"
+    admin = redis.Redis.from_url(server.url)
+    # The rule docs/sharing.md gives, for this test's prefix.
+    admin.execute_command("ACL", "SETUSER", user, "on", ">acl-pw", "resetkeys", f"~{cfg.prefix}:*",
+                          "+@read", "+@write", "+@keyspace", "+ping", "+multi", "+exec")
+    try:
+        url = f"redis://{user}:acl-pw@127.0.0.1:{server.port}/0"
+        store = RedisStore(RedisConfig(url, prefix=cfg.prefix))
+        layers = _layers()
+        assert store.put("k", layers) and store.contains("k")
+        assert torch.equal(store.get_layers(["k"], 2)[0][0], layers[2][0])
+        store.discard("k")
+        assert not store.contains("k")
+        store.close()
+        with pytest.raises(RedisAuthError, match="ACL user and its password"):
+            RedisStore(RedisConfig(f"redis://{user}:not-it@127.0.0.1:{server.port}/0", prefix=cfg.prefix))
+    finally:
+        admin.execute_command("ACL", "DELUSER", user)
+        admin.close()
+
+
 def test_url_forms():
     tls = RedisStore(f"rediss://127.0.0.1:{_free_port()}/0")  # nothing listens: a warning, no error
     assert tls.client.connection_pool.connection_class is redis.SSLConnection
