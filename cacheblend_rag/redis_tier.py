@@ -55,6 +55,10 @@ _URL_SCHEMES = ("redis://", "rediss://", "unix://")
 _SCAN_BATCH = 500  # keys per SCAN/UNLINK round trip in clear()
 
 
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def is_redis_url(spec: object) -> bool:
     return isinstance(spec, str) and spec.lower().startswith(_URL_SCHEMES)
 
@@ -157,16 +161,16 @@ class RedisStore:
     def _check_eviction(self) -> None:
         """Warn when Redis would grow without bound or refuse writes once full."""
         try:
-            conf = self.client.config_get("maxmemory*")
+            conf = {_text(k): _text(v) for k, v in self.client.config_get("maxmemory*").items()}
         except redis.RedisError:  # managed services often disable CONFIG: their eviction is theirs
             return
-        policy = conf.get(b"maxmemory-policy", b"").decode()
-        if conf.get(b"maxmemory") in (b"0", None) or not policy.startswith("allkeys"):
+        limit, policy = conf.get("maxmemory", "?"), conf.get("maxmemory-policy", "?")
+        if limit == "0" or not policy.startswith("allkeys"):
             log.warning(
                 "Redis at %s has maxmemory=%s and maxmemory-policy=%s: set maxmemory and "
                 "maxmemory-policy allkeys-lru so old chunk caches are evicted instead of "
                 "filling the server (writes then fail once it is full)",
-                self.where, conf.get(b"maxmemory", b"?").decode(), policy or "?",
+                self.where, limit, policy,
             )
 
     # Keys ------------------------------------------------------------------------------------

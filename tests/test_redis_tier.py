@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -245,6 +247,26 @@ def test_redis_down_at_open_warns_and_the_engine_answers(tokenizer, tmp_path, cl
     eng.close()
 
 
+def test_hung_redis_times_out_and_falls_back(tokenizer, own_server, clean):
+    redis_store = RedisStore(_config(own_server.url))  # 0.5 s socket timeout
+    store = TieredStore([Tier(redis_store, "redis")], cooldown_s=0.5)
+    eng = _engine(tokenizer, store)
+    eng.precompute(CHUNKS, progress=False)
+    os.kill(own_server.proc.pid, signal.SIGSTOP)  # accepts nothing, answers nothing
+    try:
+        t0 = time.monotonic()
+        res = _assert_same_answer(eng, clean)
+        assert time.monotonic() - t0 < 5.0  # one timeout, then the tier is skipped
+        assert res.stats["chunk_misses"] == len(CHUNKS) and store.stats.fallbacks >= 1
+    finally:
+        os.kill(own_server.proc.pid, signal.SIGCONT)
+    time.sleep(0.6)  # past the cool-down
+    eng.flush()
+    res = _assert_same_answer(eng, clean)
+    assert res.stats["chunk_hits"] == len(CHUNKS) and store.stats.tier_hits["redis"] > 0
+    eng.close()
+
+
 # ------------------------------------------------------------------ 3. restart
 
 
@@ -321,13 +343,23 @@ def test_a_layer_evicted_after_the_lookup_is_a_miss_and_drops_the_chunk(server):
     store.close()
 
 
-def test_an_lru_evicting_redis_keeps_answers_correct(tokenizer, tmp_path, clean):
+def test_eviction_settings_are_checked_at_open(server, caplog):
+    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.redis_tier"):
+        RedisStore(_config(server.url)).close()  # the test server runs with Redis's defaults
+    assert "maxmemory=0 and maxmemory-policy=noeviction" in caplog.text and "allkeys-lru" in caplog.text
+
+
+def test_an_lru_evicting_redis_keeps_answers_correct(tokenizer, tmp_path, clean, caplog):
     srv = RedisServer(tmp_path / "redis", "--maxmemory", "2mb", "--maxmemory-policy", "allkeys-lru").start()
     try:
-        store = TieredStore([Tier(RedisStore(_config(srv.url)), "redis")])
+        with caplog.at_level(logging.WARNING, logger="cacheblend_rag.redis_tier"):
+            redis_store = RedisStore(_config(srv.url))
+        assert "maxmemory" not in caplog.text  # configured as documented: no warning
+        store = TieredStore([Tier(redis_store, "redis")])
         eng = _engine(tokenizer, store)
-        filler = [f"Filler passage number {i} about rivers, towers and prizes." for i in range(60)]
-        eng.precompute(CHUNKS + filler, progress=False)  # more than 2 MB: Redis evicts records
+        filler = [f"Filler passage number {i} about rivers, towers and prizes." for i in range(40)]
+        eng.precompute(CHUNKS + filler, progress=False)  # more than fits: Redis evicts records
+        assert redis_store.client.info("stats")["evicted_keys"] > 0
         _assert_same_answer(eng, clean)
         eng.close()
     finally:
@@ -407,6 +439,34 @@ def test_from_pretrained_store_forms(server, tmp_path, monkeypatch):
     eng = CacheBlendEngine.from_pretrained("tiny", cache_dir=str(tmp_path), store=server.url, memory_bytes=0)
     assert [t.name for t in eng.store.tiers] == ["redis"]  # still tiered: an outage falls back to recompute
     eng.close()
+
+
+def test_clear_removes_only_this_models_records(server):
+    cfg = _config(server.url)
+    mine, theirs = RedisStore(cfg, fingerprint="model-a"), RedisStore(cfg, fingerprint="model-b")
+    for i in range(3):
+        mine.put(f"k{i}", _layers())
+    theirs.put("k0", _layers())
+    mine.clear()
+    assert not any(mine.contains(f"k{i}") for i in range(3)) and theirs.contains("k0")
+    left = sorted(mine.client.scan_iter(match=f"{cfg.prefix}:*"))
+    assert left == sorted(theirs.record_name("k0", i).encode() for i in (None, 0, 1, 2))
+    mine.close()
+    theirs.close()
+
+
+def test_profile_measures_a_redis_tier(server, tmp_path):
+    from cacheblend_rag.profile import default_tiers, measure_tier_read
+
+    tiers = default_tiers(tmp_path / "kv", server.url)
+    try:
+        assert list(tiers) == ["memory", "disk", "redis"]
+        got = measure_tier_read(tiers["redis"], num_layers=2, kv_shape=(2, 8), dtype=torch.float32, tokens=16, repeats=1)
+        assert got.read_bytes_per_s > 0 and got.element_bytes == 4
+        assert not tiers["redis"].client.keys("cacheblend-profile:*")  # the probe chunk is removed
+    finally:
+        for store in tiers.values():
+            store.close()
 
 
 # ------------------------------------------------------------------ 6. the batched per-layer read
