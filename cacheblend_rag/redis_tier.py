@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -52,6 +53,7 @@ log = logging.getLogger("cacheblend_rag.redis_tier")
 
 KV = tuple[torch.Tensor, torch.Tensor]
 _URL_SCHEMES = ("redis://", "rediss://", "unix://")
+_PREFIX = re.compile(r"[A-Za-z0-9._-]+")
 _SCAN_BATCH = 500  # keys per SCAN/UNLINK round trip in clear()
 
 
@@ -74,7 +76,8 @@ class RedisConfig:
     url: ``redis://[[user]:password@]host[:port][/db]``, ``rediss://...`` for TLS (certificate
         options as query arguments, e.g. ``?ssl_ca_certs=/path/ca.pem``) or ``unix:///path.sock``;
         parsed by redis-py's ``from_url``.
-    prefix: first part of every key, so several applications can share one Redis.
+    prefix: first part of every key, so several applications can share one Redis (letters,
+        digits, ``.``, ``_``, ``-``).
     socket_timeout_s: a command slower than this fails (default 1 s): a slow or hung Redis costs
         a request at most about this long before the tier is skipped. Raise it for large chunks
         over a slow link (a 1 s budget at 100 MB/s is ~100 MB per round trip).
@@ -92,8 +95,8 @@ class RedisConfig:
     def __post_init__(self) -> None:
         if not is_redis_url(self.url):
             raise ValueError(f"Redis URL {self.url!r} must start with redis://, rediss:// or unix://")
-        if not self.prefix or ":" in self.prefix:
-            raise ValueError(f"prefix={self.prefix!r} must be a non-empty string without ':'")
+        if not _PREFIX.fullmatch(self.prefix):  # no ':' (our separator) and no glob characters (clear's SCAN)
+            raise ValueError(f"prefix={self.prefix!r} must be letters, digits, '.', '_' or '-'")
         if self.ttl_s is not None and self.ttl_s <= 0:
             raise ValueError(f"ttl_s={self.ttl_s!r} must be a positive number of seconds or None")
 
@@ -126,7 +129,8 @@ class RedisStore:
             # Timeouts are not retried: that would double the wait on a slow Redis.
             retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
         )
-        if self.client.connection_pool.connection_kwargs.get("decode_responses") not in (None, False, "False", "false", "0"):
+        # A URL's query arguments override keywords in from_url, and text replies would break records.
+        if str(self.client.connection_pool.connection_kwargs.get("decode_responses")).lower() not in ("none", "false", "0"):
             self.client.close()
             raise ValueError("the Redis URL sets decode_responses: records are raw bytes, remove it from the URL")
         self._check_server()
@@ -165,7 +169,8 @@ class RedisStore:
         except redis.RedisError:  # managed services often disable CONFIG: their eviction is theirs
             return
         limit, policy = conf.get("maxmemory", "?"), conf.get("maxmemory-policy", "?")
-        if limit == "0" or not policy.startswith("allkeys"):
+        evicts = policy.startswith("allkeys") or (self.config.ttl_s is not None and policy.startswith("volatile"))
+        if limit == "0" or not evicts:
             log.warning(
                 "Redis at %s has maxmemory=%s and maxmemory-policy=%s: set maxmemory and "
                 "maxmemory-policy allkeys-lru so old chunk caches are evicted instead of "
@@ -178,12 +183,6 @@ class RedisStore:
         """The Redis key of a chunk's ``layer`` record, or of its meta record (``layer=None``)."""
         return f"{self._namespace}{key}:{'meta' if layer is None else layer}"
 
-    def _meta_key(self, key: str) -> str:
-        return self.record_name(key)
-
-    def _layer_key(self, key: str, layer: int) -> str:
-        return self.record_name(key, layer)
-
     def _count(self, **deltas: int) -> None:
         with self._lock:
             for name, delta in deltas.items():
@@ -191,12 +190,12 @@ class RedisStore:
 
     # The store interface ---------------------------------------------------------------------
     def meta(self, key: str) -> ChunkMeta | None:
-        return self._decode_meta(key, self.client.get(self._meta_key(key)))
+        return self._meta_of(key, self.client.get(self.record_name(key)))
 
     def contains(self, key: str) -> bool:
         return self.meta(key) is not None
 
-    def _decode_meta(self, key: str, blob: Any) -> ChunkMeta | None:
+    def _meta_of(self, key: str, blob: Any) -> ChunkMeta | None:
         if blob is None:
             return None
         try:
@@ -217,10 +216,10 @@ class RedisStore:
         written = 0
         for i, (k, v) in enumerate(layers):
             blob = encode_layer(k, v, self.fingerprint, chunk=key, layer=i)
-            pipe.set(self._layer_key(key, i), blob, ex=ttl)
+            pipe.set(self.record_name(key, i), blob, ex=ttl)
             written += len(blob)
         blob = encode_meta(ChunkMeta(num_tokens, len(layers), dtype_name(dtype)), self.fingerprint, key)
-        pipe.set(self._meta_key(key), blob, ex=ttl)  # last: publishes the chunk
+        pipe.set(self.record_name(key), blob, ex=ttl)  # last: publishes the chunk
         try:
             pipe.execute()
         except redis.ResponseError as exc:  # OOM under noeviction, READONLY replica, ...
@@ -245,12 +244,12 @@ class RedisStore:
         keys = list(keys)
         if not keys:
             return []
-        names = [self._meta_key(k) for k in keys] + [self._layer_key(k, layer) for k in keys]
+        names = [self.record_name(k) for k in keys] + [self.record_name(k, layer) for k in keys]
         blobs = self.client.mget(names)
         return [self._decode_layer(key, layer, meta, blob, device) for key, meta, blob in zip(keys, blobs, blobs[len(keys):])]
 
     def _decode_layer(self, key: str, layer: int, meta_blob: Any, blob: Any, device) -> KV | None:
-        meta = self._decode_meta(key, meta_blob)
+        meta = self._meta_of(key, meta_blob)
         if meta is None:
             if meta_blob is None:
                 self._count(misses=1)
@@ -284,7 +283,7 @@ class RedisStore:
     def _delete(self, key: str, num_layers: int) -> None:
         # Meta first, in one command: the chunk disappears before its layers. Without a readable
         # meta the layer count is unknown; orphaned layers are evicted by Redis or overwritten.
-        self.client.unlink(self._meta_key(key), *(self._layer_key(key, i) for i in range(num_layers)))
+        self.client.unlink(self.record_name(key), *(self.record_name(key, i) for i in range(num_layers)))
 
     def discard(self, key: str) -> None:
         """Remove every record of a chunk (no error if absent)."""

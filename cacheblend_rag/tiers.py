@@ -1,4 +1,5 @@
-"""Storage tiers for chunk KV caches: a byte-bounded memory LRU in front of the disk store.
+"""Storage tiers for chunk KV caches: a byte-bounded memory LRU in front of the disk store (and/or
+a Redis tier, ``redis_tier.py``).
 
 ``TieredStore`` has the interface the engine uses on its ``store`` (``contains``, ``meta``, ``put``,
 ``get_layer``, ``get_layers``, ``discard``, ``close``, ``stats``, ``volume``), so
@@ -6,8 +7,9 @@
 
 * Reads try the tiers in order; ``get_layers`` asks each tier once for one layer of all the chunks
   the tiers above it lacked (one round trip to a network tier that offers ``get_layers``, such as
-  ``redis_tier.RedisStore``; one ``get_layer`` per chunk otherwise). A hit in a lower tier is copied into the tiers above it that can
-  hold single layers (``MemoryTier``): promotion, so the next request reads from memory.
+  ``redis_tier.RedisStore``; one ``get_layer`` per chunk otherwise). A hit in a lower tier is copied
+  into the tiers above it that can hold single layers (``MemoryTier``): promotion, so the next
+  request reads from memory.
 * Writes (``precompute`` and the engine's background write-back of chunks computed during a
   request) go to every healthy tier, memory first, so the next request hits memory.
 * ``dtype`` casts chunks on ``put`` (fp16/bf16 halve what is stored and read); the loader casts
@@ -221,7 +223,7 @@ class ThrottledStore:
 
     Simulates a rate-limited reader (network volume, cold object store). The wait is a
     ``time.sleep``, which releases the GIL like real I/O does, so it can overlap compute.
-    Everything but ``get_layer`` is passed through untouched.
+    Everything but ``get_layer`` and ``get_layers`` is passed through untouched.
     """
 
     def __init__(self, inner: Any, bytes_per_s: float, name: str = "throttled") -> None:
@@ -230,13 +232,7 @@ class ThrottledStore:
         self.inner, self.bytes_per_s, self.tier_name = inner, float(bytes_per_s), name
 
     def get_layer(self, key: str, layer: int, device: torch.device | str | None = None) -> KV | None:
-        t0 = time.perf_counter()
-        got = self.inner.get_layer(key, layer, device=device)
-        if got is not None:
-            remaining = _nbytes(*got) / self.bytes_per_s - (time.perf_counter() - t0)
-            if remaining > 0:
-                time.sleep(remaining)
-        return got
+        return self.get_layers([key], layer, device)[0]
 
     def get_layers(self, keys: Sequence[str], layer: int, device: torch.device | str | None = None) -> list[KV | None]:
         t0 = time.perf_counter()
@@ -263,8 +259,8 @@ class Tier:
     cost_per_byte: relative price of keeping a byte here (only compared between tiers; the
         loading controller picks the cheapest tier whose load the recompute still hides).
     read_timeout_s: a read (one layer of the chunks asked for together) slower than this counts
-        as a failure and falls through
-        (None: wait as long as it takes; reads then run on the caller's thread, no hand-off).
+        as a failure and falls through (None: wait as long as it takes; reads then run on the
+        caller's thread, no hand-off).
     """
 
     store: Any

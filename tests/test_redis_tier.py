@@ -416,6 +416,11 @@ def test_url_forms():
         RedisStore(f"redis://127.0.0.1:{_free_port()}/0?decode_responses=True")
     with pytest.raises(ValueError, match="must start with redis://"):
         RedisConfig("http://127.0.0.1:6379")
+    for bad in ("a:b", "a*", ""):
+        with pytest.raises(ValueError, match="must be letters, digits"):
+            RedisConfig("redis://127.0.0.1:6379/0", prefix=bad)
+    with pytest.raises(ValueError, match="ttl_s=0"):
+        RedisConfig("redis://127.0.0.1:6379/0", ttl_s=0)
     with pytest.raises(ValueError, match="unknown store 'memory'"):
         open_store(["memory"], directory="unused", size_limit=2**30, fingerprint="", memory_bytes=0)
 
@@ -439,6 +444,13 @@ def test_from_pretrained_store_forms(server, tmp_path, monkeypatch):
     eng = CacheBlendEngine.from_pretrained("tiny", cache_dir=str(tmp_path), store=server.url, memory_bytes=0)
     assert [t.name for t in eng.store.tiers] == ["redis"]  # still tiered: an outage falls back to recompute
     eng.close()
+
+
+def test_ttl_applies_to_every_record_of_a_chunk(server):
+    store = RedisStore(_config(server.url, ttl_s=600))
+    store.put("k", _layers())
+    assert all(0 < store.client.ttl(store.record_name("k", layer)) <= 600 for layer in (None, 0, 1, 2))
+    store.close()
 
 
 def test_clear_removes_only_this_models_records(server):
