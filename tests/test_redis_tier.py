@@ -249,19 +249,20 @@ def test_redis_down_at_open_warns_and_the_engine_answers(tokenizer, tmp_path, cl
 
 def test_hung_redis_times_out_and_falls_back(tokenizer, own_server, clean):
     redis_store = RedisStore(_config(own_server.url))  # 0.5 s socket timeout
-    store = TieredStore([Tier(redis_store, "redis")], cooldown_s=0.5)
+    store = TieredStore([Tier(redis_store, "redis")], cooldown_s=5.0)
     eng = _engine(tokenizer, store)
     eng.precompute(CHUNKS, progress=False)
-    os.kill(own_server.proc.pid, signal.SIGSTOP)  # accepts nothing, answers nothing
+    os.kill(own_server.proc.pid, signal.SIGSTOP)  # accepts connections, answers nothing
     try:
         t0 = time.monotonic()
-        res = _assert_same_answer(eng, clean)
-        assert time.monotonic() - t0 < 5.0  # one timeout, then the tier is skipped
-        assert res.stats["chunk_misses"] == len(CHUNKS) and store.stats.fallbacks >= 1
+        res = eng.generate(Q, CHUNKS, max_new_tokens=5)
+        took = time.monotonic() - t0
+        assert res.token_ids == clean[0].token_ids and res.stats["chunk_misses"] == len(CHUNKS)
+        # One read waited for the socket timeout; then the tier was skipped for the cool-down.
+        assert store.stats.fallbacks == 1 and took < 4.0
     finally:
         os.kill(own_server.proc.pid, signal.SIGCONT)
-    time.sleep(0.6)  # past the cool-down
-    eng.flush()
+    time.sleep(5.0)  # past the cool-down: the tier is tried again and still holds the chunks
     res = _assert_same_answer(eng, clean)
     assert res.stats["chunk_hits"] == len(CHUNKS) and store.stats.tier_hits["redis"] > 0
     eng.close()
