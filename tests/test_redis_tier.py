@@ -367,6 +367,22 @@ def test_an_lru_evicting_redis_keeps_answers_correct(tokenizer, tmp_path, clean,
         srv.stop()
 
 
+def test_a_full_redis_under_noeviction_refuses_writes_and_reads_go_on(tmp_path, caplog):
+    srv = RedisServer(tmp_path / "redis", "--maxmemory", "1", "--maxmemory-policy", "noeviction").start()
+    try:
+        store = RedisStore(_config(srv.url))
+        with caplog.at_level(logging.WARNING, logger="cacheblend_rag.redis_tier"):
+            assert store.put("a", _layers()) is False and store.put("b", _layers()) is False
+        assert store.stats.write_errors == 2 and caplog.text.count("refused to store chunk") == 1
+        assert "maxmemory" in caplog.text
+        # MULTI/EXEC: no layer of a refused chunk was written either.
+        assert not store.client.exists(*(store.record_name("a", layer) for layer in (None, 0, 1, 2)))
+        assert store.get_layers(["a", "b"], 0) == [None, None]
+        store.close()
+    finally:
+        srv.stop()
+
+
 # ------------------------------------------------------------------ 5. credentials
 
 
