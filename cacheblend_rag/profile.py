@@ -42,7 +42,7 @@ from .store_spec import TIER_COSTS
 
 __all__ = [
     "FusedMeasurement", "TierReading", "default_profile_path", "device_tag", "fused_code_id", "measure_fused", "measure_prefill",
-    "measure_tier_read", "profile_engine", "register",
+    "engine_redis_tiers", "measure_tier_read", "profile_engine", "register",
 ]
 
 log = logging.getLogger("cacheblend_rag.profile")
@@ -270,6 +270,14 @@ def default_tiers(directory: str | Path | None = None, redis_url: str | None = N
     return tiers
 
 
+def engine_redis_tiers(engine) -> dict[str, Any]:
+    """The Redis tiers of ``engine``'s store by tier name, to be measured where they are: without
+    them in the profile the controller cannot price a chunk found there."""
+    from .redis_tier import RedisStore
+
+    return {t.name: t.store for t in getattr(engine.store, "tiers", []) if isinstance(t.store, RedisStore)}
+
+
 def profile_engine(
     engine,
     *,
@@ -286,7 +294,8 @@ def profile_engine(
 ) -> DeviceProfile:
     """Measure ``engine``'s model on its device, its fused prefill at ``fused_ratios`` (empty: skip
     the calibration) and the read throughput of ``tiers`` (name -> store; default: a memory tier, a
-    disk store in a temporary directory under the cache home and, with ``redis_url``, that Redis)."""
+    disk store in a temporary directory under the cache home, the engine's own Redis tiers and, with
+    ``redis_url``, that Redis)."""
     from .models import default_cache_dir
 
     costs = {**DEFAULT_TIER_COSTS, **(tier_costs or {})}
@@ -299,7 +308,8 @@ def profile_engine(
         home = default_cache_dir()
         home.mkdir(parents=True, exist_ok=True)
         tmp = tempfile.TemporaryDirectory(prefix="profile-kv-", dir=home)
-        tiers = default_tiers(tmp.name, redis_url)
+        created = default_tiers(tmp.name, redis_url)
+        tiers = {**engine_redis_tiers(engine), **created}
     try:
         measured = {}
         for name, store in tiers.items():
@@ -313,7 +323,7 @@ def profile_engine(
             )
     finally:
         if own:
-            for store in tiers.values():
+            for store in created.values():  # not the engine's own tiers
                 store.close()
             tmp.cleanup()
     profile = DeviceProfile(

@@ -498,6 +498,24 @@ def test_profile_measures_a_redis_tier(server, tmp_path):
             store.close()
 
 
+def test_controller_profiles_and_prices_the_engines_redis_tier(tokenizer, server, tmp_path, monkeypatch):
+    from cacheblend_rag.controller import LoadingController
+    from cacheblend_rag.profile import profile_engine
+
+    monkeypatch.setenv("CACHEBLEND_RAG_HOME", str(tmp_path / "home"))
+    redis_store = RedisStore(_config(server.url))
+    eng = _engine(tokenizer, TieredStore([Tier(MemoryTier(), "memory"), Tier(redis_store, "redis")]))
+    profile = profile_engine(eng, lengths=(16, 32), tier_tokens=16, repeats=1, fused_ratios=())
+    assert {"memory", "disk", "redis"} <= set(profile.tiers) and profile.tiers["redis"].read_bytes_per_s > 0
+    assert redis_store.client.ping()  # measured in place, not closed
+    eng.precompute(CHUNKS, progress=False)
+    eng.store.tier("memory").store.clear()  # every chunk now sits in Redis only
+    eng.controller = LoadingController(profile)
+    res = eng.generate(Q, CHUNKS, max_new_tokens=2)
+    assert res.stats["controller_tier"] == "redis" and res.stats["chunk_hits"] == len(CHUNKS)
+    eng.close()
+
+
 # ------------------------------------------------------------------ 6. the batched per-layer read
 
 
