@@ -74,7 +74,7 @@ class RedisConfig:
     """Where and how to reach Redis.
 
     url: ``redis://[[user]:password@]host[:port][/db]``, ``rediss://...`` for TLS (certificate
-        options as query arguments, e.g. ``?ssl_ca_certs=/path/ca.pem``) or ``unix:///path.sock``;
+        options as query arguments, e.g. ``?ssl_ca_certs=/path/to/ca.pem``) or ``unix:///path.sock``;
         parsed by redis-py's ``from_url``.
     prefix: first part of every key, so several applications can share one Redis (letters,
         digits, ``.``, ``_``, ``-``).

@@ -62,6 +62,7 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> "RedisServer":
+        # Later arguments win: ``extra`` may turn the plain port off for a TLS-only server.
         cmd = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                "--dir", str(self.directory), *self.extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -423,6 +424,40 @@ def test_acl_user_with_the_documented_rules_can_use_the_store(server):
     finally:
         admin.execute_command("ACL", "DELUSER", user)
         admin.close()
+
+
+def _self_signed(directory: Path) -> tuple[Path, Path]:
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl not found: cannot make a certificate for the TLS test")
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True, timeout=60,
+    )
+    return cert, key
+
+
+def test_tls_url_with_the_servers_ca_works(tmp_path, caplog):
+    cert, key = _self_signed(tmp_path)
+    srv = RedisServer(tmp_path / "redis")
+    # TLS only: "--port 0" turns the plain port off, the test's port speaks TLS.
+    srv.extra = ("--port", "0", "--tls-port", str(srv.port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+                 "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no")
+    srv.start()
+    try:
+        store = RedisStore(_config(f"rediss://127.0.0.1:{srv.port}/0?ssl_ca_certs={cert}"))
+        assert store.client.connection_pool.connection_class is redis.SSLConnection
+        layers = _layers()
+        assert store.put("k", layers) and torch.equal(store.get_layer("k", 1)[1], layers[1][1])
+        store.close()
+        # Without the CA the certificate does not verify: unreachable, a warning, no crash.
+        with caplog.at_level(logging.WARNING, logger="cacheblend_rag.redis_tier"):
+            RedisStore(_config(f"rediss://127.0.0.1:{srv.port}/0")).close()
+        assert "is not reachable" in caplog.text and "certificate" in caplog.text.lower()
+    finally:
+        srv.stop()
 
 
 def test_url_forms():
