@@ -80,6 +80,7 @@ __all__ = [
     "UnsafePathError",
     "UnsafeRecordError",
     "chunk_key",
+    "decode_chunk_layer",
     "decode_meta",
     "encode_meta",
 ]
@@ -177,6 +178,19 @@ def decode_meta(blob: Any, fingerprint: str = "", key: str = "") -> ChunkMeta:
     if dtype is None or num_layers == 0:
         raise CorruptRecordError(f"meta record has bad dtype code {code} or zero layers")
     return ChunkMeta(num_tokens=num_tokens, num_layers=num_layers, dtype=dtype_name(dtype))
+
+
+def decode_chunk_layer(
+    blob: Any, meta: ChunkMeta, fingerprint: str, key: str, layer: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer record decoded on the CPU (a device error is not corruption) and checked against its
+    chunk's meta record too (token count, dtype); CorruptRecordError otherwise."""
+    k, v = decode_layer(blob, fingerprint, chunk=key, layer=layer)
+    if k.shape[1] != meta.num_tokens or dtype_name(k.dtype) != meta.dtype:
+        raise CorruptRecordError(
+            f"record holds {dtype_name(k.dtype)} x {k.shape[1]} tokens, meta says {meta.dtype} x {meta.num_tokens}"
+        )
+    return k, v
 
 
 # ------------------------------------------------------------------- safe disk
@@ -802,11 +816,7 @@ class KVStore:
             self._discard(key, meta.num_layers)
             return None
         try:
-            k, v = decode_layer(blob, self.fingerprint, chunk=key, layer=layer)  # on CPU: device errors are not corruption
-            if k.shape[1] != meta.num_tokens or dtype_name(k.dtype) != meta.dtype:
-                raise CorruptRecordError(
-                    f"record holds {dtype_name(k.dtype)} x {k.shape[1]} tokens, meta says {meta.dtype} x {meta.num_tokens}"
-                )
+            k, v = decode_chunk_layer(blob, meta, self.fingerprint, key, layer)
         except (CorruptRecordError, ValueError, RuntimeError) as exc:
             self._on_corrupt(key, record, exc, meta.num_layers)
             return None

@@ -44,8 +44,8 @@ try:  # the `redis` extra: only a Redis tier needs it
 except ImportError:  # pragma: no cover - exercised only without the extra
     redis = None  # type: ignore[assignment]
 
-from .kv_record import CorruptRecordError, decode_layer, dtype_name, encode_layer, validate_chunk
-from .kv_store import ChunkMeta, StoreStats, decode_meta, encode_meta
+from .kv_record import CorruptRecordError, dtype_name, encode_layer, validate_chunk
+from .kv_store import ChunkMeta, StoreStats, decode_chunk_layer, decode_meta, encode_meta
 
 __all__ = ["RedisAuthError", "RedisConfig", "RedisStore", "is_redis_url"]
 
@@ -262,11 +262,7 @@ class RedisStore:
             self._delete(key, meta.num_layers)
             return None
         try:
-            k, v = decode_layer(blob, self.fingerprint, chunk=key, layer=layer)
-            if k.shape[1] != meta.num_tokens or dtype_name(k.dtype) != meta.dtype:
-                raise CorruptRecordError(
-                    f"record holds {dtype_name(k.dtype)} x {k.shape[1]} tokens, meta says {meta.dtype} x {meta.num_tokens}"
-                )
+            k, v = decode_chunk_layer(blob, meta, self.fingerprint, key, layer)
         except (CorruptRecordError, ValueError, RuntimeError) as exc:
             self._on_corrupt(key, str(layer), exc, meta.num_layers)
             return None
