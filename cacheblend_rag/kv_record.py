@@ -38,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import zlib
+from typing import Sequence
 
 import torch
 
@@ -54,6 +55,7 @@ __all__ = [
     "fingerprint_digest",
     "identity_digest",
     "record_size",
+    "validate_chunk",
     "validate_layer",
 ]
 
@@ -143,6 +145,21 @@ def validate_layer(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.dtype, tuple
     if max(shape) > _MAX_DIM:
         raise ValueError(f"shape {shape} does not fit the record header")
     return k.dtype, shape
+
+
+def validate_chunk(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.dtype, int]:
+    """Check a chunk's (K, V) layers are storable and agree on dtype and token count; returns
+    both. Raises ValueError before a store writes anything."""
+    if not layers:
+        raise ValueError("put needs at least one layer")
+    dtype, (_, num_tokens, _) = validate_layer(*layers[0])
+    for i, (k, v) in enumerate(layers):
+        dt, shape = validate_layer(k, v)
+        if dt != dtype or shape[1] != num_tokens:
+            raise ValueError(
+                f"layer {i} has dtype {dt} and {shape[1]} tokens; layer 0 has {dtype} and {num_tokens}"
+            )
+    return dtype, num_tokens
 
 
 def _raw_bytes(t: torch.Tensor) -> memoryview:

@@ -68,7 +68,7 @@ from .kv_record import (
     encode_layer,
     identity_digest,
     record_size,
-    validate_layer,
+    validate_chunk,
 )
 
 __all__ = [
@@ -80,6 +80,9 @@ __all__ = [
     "UnsafePathError",
     "UnsafeRecordError",
     "chunk_key",
+    "decode_chunk_layer",
+    "decode_meta",
+    "encode_meta",
 ]
 
 logger = logging.getLogger("cacheblend_rag.kv_store")
@@ -150,7 +153,8 @@ _META_VERSION = 2
 _CODE_TO_DTYPE = {code: dt for dt, code in DTYPE_CODES.items()}
 
 
-def _encode_meta(meta: ChunkMeta, fingerprint: str = "", key: str = "") -> bytes:
+def encode_meta(meta: ChunkMeta, fingerprint: str = "", key: str = "") -> bytes:
+    """A chunk's meta record, bound to (fingerprint, key); every store writes this format."""
     code = next(c for dt, c in DTYPE_CODES.items() if dtype_name(dt) == meta.dtype)
     body = _META.pack(
         _META_MAGIC, _META_VERSION, code, meta.num_tokens, meta.num_layers, identity_digest(fingerprint, key)
@@ -158,7 +162,8 @@ def _encode_meta(meta: ChunkMeta, fingerprint: str = "", key: str = "") -> bytes
     return body + struct.pack("<I", zlib.crc32(body))
 
 
-def _decode_meta(blob: Any, fingerprint: str = "", key: str = "") -> ChunkMeta:
+def decode_meta(blob: Any, fingerprint: str = "", key: str = "") -> ChunkMeta:
+    """Parse a meta record; CorruptRecordError unless it is intact and names (fingerprint, key)."""
     if not isinstance(blob, bytes) or len(blob) != _META.size + 4:
         raise CorruptRecordError(f"meta record has wrong type/size ({type(blob).__name__})")
     body, (crc,) = blob[:-4], struct.unpack("<I", blob[-4:])
@@ -173,6 +178,19 @@ def _decode_meta(blob: Any, fingerprint: str = "", key: str = "") -> ChunkMeta:
     if dtype is None or num_layers == 0:
         raise CorruptRecordError(f"meta record has bad dtype code {code} or zero layers")
     return ChunkMeta(num_tokens=num_tokens, num_layers=num_layers, dtype=dtype_name(dtype))
+
+
+def decode_chunk_layer(
+    blob: Any, meta: ChunkMeta, fingerprint: str, key: str, layer: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer record decoded on the CPU (a device error is not corruption) and checked against its
+    chunk's meta record too (token count, dtype); CorruptRecordError otherwise."""
+    k, v = decode_layer(blob, fingerprint, chunk=key, layer=layer)
+    if k.shape[1] != meta.num_tokens or dtype_name(k.dtype) != meta.dtype:
+        raise CorruptRecordError(
+            f"record holds {dtype_name(k.dtype)} x {k.shape[1]} tokens, meta says {meta.dtype} x {meta.num_tokens}"
+        )
+    return k, v
 
 
 # ------------------------------------------------------------------- safe disk
@@ -662,7 +680,7 @@ class KVStore:
             blob = self._get(f"{key}/meta")
             if blob is None:
                 return None, False
-            return _decode_meta(blob, self.fingerprint, key), False
+            return decode_meta(blob, self.fingerprint, key), False
         except diskcache.Timeout:
             logger.warning("KV store busy reading meta of chunk %s; treating as a miss", key)
             return None, False
@@ -702,15 +720,7 @@ class KVStore:
         than the size limit, or a store without the free space for it, is not written (warning).
         """
         layers = list(layers)
-        if not layers:
-            raise ValueError("put needs at least one layer")
-        dtype, (_, num_tokens, _) = validate_layer(*layers[0])
-        for i, (k, v) in enumerate(layers):
-            dt, shape = validate_layer(k, v)
-            if dt != dtype or shape[1] != num_tokens:
-                raise ValueError(
-                    f"layer {i} has dtype {dt} and {shape[1]} tokens; layer 0 has {dtype} and {num_tokens}"
-                )
+        dtype, num_tokens = validate_chunk(layers)
         if not self._try_writable():
             self._warn_once("<read-only>", "KV store %s is read-only: new chunks are not stored", self.directory)
             self._count(write_errors=1)
@@ -728,7 +738,7 @@ class KVStore:
                     blob = encode_layer(k, v, self.fingerprint, chunk=key, layer=i)
                     self._cache.set(f"{key}/{i}", blob, tag=key)
                     written += len(blob)
-                blob = _encode_meta(meta, self.fingerprint, key)
+                blob = encode_meta(meta, self.fingerprint, key)
                 self._cache.set(f"{key}/meta", blob, tag=key)  # last: publishes the chunk
                 written += len(blob)
             except _STORAGE_ERRORS as exc:
@@ -806,11 +816,7 @@ class KVStore:
             self._discard(key, meta.num_layers)
             return None
         try:
-            k, v = decode_layer(blob, self.fingerprint, chunk=key, layer=layer)  # on CPU: device errors are not corruption
-            if k.shape[1] != meta.num_tokens or dtype_name(k.dtype) != meta.dtype:
-                raise CorruptRecordError(
-                    f"record holds {dtype_name(k.dtype)} x {k.shape[1]} tokens, meta says {meta.dtype} x {meta.num_tokens}"
-                )
+            k, v = decode_chunk_layer(blob, meta, self.fingerprint, key, layer)
         except (CorruptRecordError, ValueError, RuntimeError) as exc:
             self._on_corrupt(key, record, exc, meta.num_layers)
             return None

@@ -1,7 +1,8 @@
 """Assembles one layer's K/V for a whole prompt from the chunk store, optionally one layer ahead.
 
 ``fetch_kv`` of the paper: every reused segment's cached K/V for a layer is read from the store,
-its keys re-rotated to the segment's new offset, and laid into a prompt-length tensor. With
+its keys re-rotated to the segment's new offset, and laid into a prompt-length tensor. A store
+with ``get_layers`` (a tiered store, Redis) is asked for one layer of all the chunks at once. With
 ``pipelined=True`` a background thread reads layers i+1..i+depth from the store while the fusor
 computes layer i; calling the loader for layer i is the synchronisation point (paper section 5,
 "synchronize"), where the caller's thread rotates and places that layer's K/V.
@@ -13,11 +14,12 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from .rope import apply_rotation, rotation
+from .tiers import batched_reader
 
 log = logging.getLogger("cacheblend_rag.loader")
 
@@ -102,17 +104,16 @@ class LayerAssembler:
         if self._lost is not None:  # the request is being retried without that chunk
             raise ChunkLost(self._lost)
         t0, c0 = time.perf_counter(), time.thread_time()
+        batch = self._read_batch(layer)
         parts = []
         for spec in self.specs:
             if spec.kv is not None:
                 parts.append(spec.kv[layer])
                 continue
-            try:
-                got = self.store.get_layer(spec.key, layer, device=self.device)
-            except Exception as exc:  # noqa: BLE001 - any storage fault means "recompute this chunk"
-                log.warning("reading layer %d of chunk %s failed: %r", layer, spec.key[:16], exc)
-                self._lost = spec.key
-                raise ChunkLost(spec.key) from exc
+            if batch is not None:
+                got = next(batch)
+            else:
+                got = self._read(spec.key, layer, lambda: self.store.get_layer(spec.key, layer, device=self.device))
             if got is None:
                 self._lost = spec.key
                 raise ChunkLost(spec.key)
@@ -123,6 +124,23 @@ class LayerAssembler:
             if self.pipelined:
                 self._start_pool(layer + 1)
         return parts, wall_s
+
+    def _read_batch(self, layer: int) -> Iterator[tuple[torch.Tensor, torch.Tensor] | None] | None:
+        """``layer`` of every chunk to load in one ``get_layers`` call (one round trip to a network
+        tier), in spec order; None when the store reads one chunk at a time."""
+        get_layers = batched_reader(self.store)
+        keys = [spec.key for spec in self.specs if spec.kv is None]
+        if get_layers is None or not keys:
+            return None
+        return iter(self._read(keys[0], layer, lambda: get_layers(keys, layer, device=self.device)))
+
+    def _read(self, key: str, layer: int, read: Callable[[], Any]) -> Any:
+        try:
+            return read()
+        except Exception as exc:  # noqa: BLE001 - any storage fault means "recompute this chunk"
+            log.warning("reading layer %d of chunk %s failed: %r", layer, key[:16], exc)
+            self._lost = key
+            raise ChunkLost(key) from exc
 
     def _assemble(self, layer: int, fetched: tuple[list[tuple[torch.Tensor, torch.Tensor]], float]) -> tuple[torch.Tensor, torch.Tensor]:
         parts, fetch_s = fetched

@@ -1,7 +1,8 @@
 """``cacheblend-rag pipeline-bench``: does pipelined loading hide the recompute, tier by tier?
 
-For each storage tier (memory, disk, and the disk behind a reader throttled to ``--throttle-mbps``)
-it measures, side by side and interleaved over ``--repeats`` rounds (median reported):
+For each storage tier (memory, disk, a Redis with ``--redis URL``, and the disk behind a reader
+throttled to ``--throttle-mbps``) it measures, side by side and interleaved over ``--repeats``
+rounds (median reported):
 
 * pure load: reading every layer of every chunk from the tier, nothing else (the floor);
 * load-then-compute: CacheBlend with the loader not overlapped (``pipelined=False``);
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -46,10 +48,13 @@ def _chunks(n: int, min_tokens: int, tokenizer, musique: Path) -> list[str]:
 
 
 def _pure_load(store, keys: list[str], num_layers: int) -> float:
+    from .tiers import read_layers
+
     t0 = time.perf_counter()
     for layer in range(num_layers):
-        for key in keys:
-            if store.get_layer(key, layer) is None:
+        # As the loader reads: one layer of every chunk at once (one round trip to Redis).
+        for key, got in zip(keys, read_layers(store, keys, layer)):
+            if got is None:
                 raise RuntimeError(f"chunk {key[:12]} missing from {store!r} during the pure-load run")
     return time.perf_counter() - t0
 
@@ -87,6 +92,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "memory": (mem, 1.0),
         "disk": (disk, 0.1),
     }
+    filled = [disk]  # stores filled directly (the throttled tiers read the disk)
+    if args.redis:
+        from .redis_tier import RedisConfig, RedisStore
+        from .store_spec import TIER_COSTS
+
+        # Its own prefix, cleared afterwards: the bench never touches the Redis's other keys.
+        redis_store = RedisStore(RedisConfig(args.redis, prefix=f"pipeline-bench-{os.getpid()}"), fingerprint=engine.fingerprint)
+        tiers["redis"] = (redis_store, TIER_COSTS["redis"])
+        filled.append(redis_store)
     for mbps in args.throttle_mbps:
         name = f"throttled{mbps:g}"
         tiers[name] = (ThrottledStore(disk, mbps * 1e6, name=name), 0.01)
@@ -101,7 +115,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             layers = [(k.to(stored), v.to(stored)) for k, v in layers]
             mem.discard(key)
             mem.put(key, layers)
-            disk.put(key, layers)
+            for store in filled:
+                if not store.put(key, layers):
+                    raise RuntimeError(f"could not fill {store!r} with the bench's chunks")
 
         print(f"profiling prefill and tier reads ({n_ctx} context tokens, {len(chunks)} chunks)...", flush=True)
         lengths = sorted({max(64, n_ctx // 4), max(128, n_ctx // 2), n_ctx})
@@ -167,7 +183,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         engine.store = default_store
         engine.controller = None
-        disk.close()
+        if args.redis:
+            redis_store.clear()
+        for store in filled:
+            store.close()
         tmp.cleanup()
         engine.close()
     return results
@@ -233,6 +252,7 @@ def register(subparsers) -> None:
         "--throttle-mbps", type=lambda s: [float(x) for x in s.split(",")], default=[100.0],
         help="read rate(s) of the throttled tier(s), MB/s, comma-separated (one tier each)",
     )
+    p.add_argument("--redis", default=None, metavar="URL", help="also measure a Redis tier at this URL (redis://host:6379/0)")
     p.add_argument("--floor", type=float, default=0.15, help="quality floor r* of the controller")
     p.add_argument(
         "--cpu-contention", type=float, default=None,

@@ -38,16 +38,17 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from .controller import DeviceProfile, FusedCost, LoadingController, TierProfile
+from .store_spec import TIER_COSTS
 
 __all__ = [
     "FusedMeasurement", "TierReading", "default_profile_path", "device_tag", "fused_code_id", "measure_fused", "measure_prefill",
-    "measure_tier_read", "profile_engine", "register",
+    "engine_redis_tiers", "measure_tier_read", "profile_engine", "register",
 ]
 
 log = logging.getLogger("cacheblend_rag.profile")
 
 DEFAULT_LENGTHS = (128, 512, 1024, 2048)
-DEFAULT_TIER_COSTS = {"memory": 1.0, "disk": 0.1}  # relative price per stored byte (RAM vs SSD)
+DEFAULT_TIER_COSTS = TIER_COSTS  # relative price per stored byte (RAM, shared Redis RAM, SSD)
 # The floor and two points above it, all below saturation: the first chunk sits behind the
 # instruction exactly as cached and is never recomputed, so with c chunks any ratio above about
 # 1 - 1/c recomputes the same tokens (measured: r=1.0 cost only 1.25x r=0.5 with 3 chunks, which
@@ -254,13 +255,27 @@ def measure_fused(
         mem.close()
 
 
-def default_tiers(directory: str | Path | None = None) -> dict[str, Any]:
+def default_tiers(directory: str | Path | None = None, redis_url: str | None = None) -> dict[str, Any]:
     """Fresh stores standing for the memory and disk tiers (the disk one in ``directory``, which
-    should be on the filesystem the real store uses). The caller closes them."""
+    should be on the filesystem the real store uses), and the Redis at ``redis_url`` if given.
+    The caller closes them."""
     from .kv_store import KVStore
     from .tiers import MemoryTier
 
-    return {"memory": MemoryTier(), "disk": KVStore(directory)}
+    tiers: dict[str, Any] = {"memory": MemoryTier(), "disk": KVStore(directory)}
+    if redis_url:
+        from .redis_tier import RedisConfig, RedisStore
+
+        tiers["redis"] = RedisStore(RedisConfig(redis_url, prefix="cacheblend-profile"))
+    return tiers
+
+
+def engine_redis_tiers(engine) -> dict[str, Any]:
+    """The Redis tiers of ``engine``'s store by tier name, to be measured where they are: without
+    them in the profile the controller cannot price a chunk found there."""
+    from .redis_tier import RedisStore
+
+    return {t.name: t.store for t in getattr(engine.store, "tiers", []) if isinstance(t.store, RedisStore)}
 
 
 def profile_engine(
@@ -275,10 +290,12 @@ def profile_engine(
     fused_tokens: int = DEFAULT_FUSED_TOKENS,
     fused_ratios: Sequence[float] = DEFAULT_FUSED_RATIOS,
     fused_chunks: int = 4,
+    redis_url: str | None = None,
 ) -> DeviceProfile:
     """Measure ``engine``'s model on its device, its fused prefill at ``fused_ratios`` (empty: skip
-    the calibration) and the read throughput of ``tiers`` (name -> store; default: a memory tier and
-    a disk store in a temporary directory under the cache home)."""
+    the calibration) and the read throughput of ``tiers`` (name -> store; default: a memory tier, a
+    disk store in a temporary directory under the cache home, the engine's own Redis tiers and, with
+    ``redis_url``, that Redis)."""
     from .models import default_cache_dir
 
     costs = {**DEFAULT_TIER_COSTS, **(tier_costs or {})}
@@ -291,7 +308,8 @@ def profile_engine(
         home = default_cache_dir()
         home.mkdir(parents=True, exist_ok=True)
         tmp = tempfile.TemporaryDirectory(prefix="profile-kv-", dir=home)
-        tiers = default_tiers(tmp.name)
+        created = default_tiers(tmp.name, redis_url)
+        tiers = {**engine_redis_tiers(engine), **created}
     try:
         measured = {}
         for name, store in tiers.items():
@@ -305,7 +323,7 @@ def profile_engine(
             )
     finally:
         if own:
-            for store in tiers.values():
+            for store in created.values():  # not the engine's own tiers
                 store.close()
             tmp.cleanup()
     profile = DeviceProfile(
@@ -411,7 +429,7 @@ def _run(args: argparse.Namespace) -> int:
             profile = profile_engine(
                 engine, lengths=lengths, tier_costs=args.tier_cost, stored_dtype=resolve_dtype(args.stored_dtype),
                 tier_tokens=args.tier_tokens, repeats=args.repeats, fused_tokens=args.fused_tokens,
-                fused_ratios=args.fused_ratios,
+                fused_ratios=args.fused_ratios, redis_url=args.redis,
             )
             profile.save(path)
             print(f"saved {path}")
@@ -432,6 +450,7 @@ def register(subparsers) -> None:
     p.add_argument("--tier-cost", type=_parse_costs, default={}, help="relative cost per byte, e.g. memory=1,disk=0.1")
     p.add_argument("--stored-dtype", default=None, help="dtype the tiers store K/V in (fp32/fp16/bf16; default: the model's)")
     p.add_argument("--tier-tokens", type=int, default=512, help="size of the synthetic chunk read from each tier")
+    p.add_argument("--redis", default=None, metavar="URL", help="also profile a Redis tier at this URL (redis://host:6379/0)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--fused-tokens", type=int, default=DEFAULT_FUSED_TOKENS, help="context tokens of the fused-prefill calibration")
     p.add_argument(

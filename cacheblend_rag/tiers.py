@@ -1,11 +1,15 @@
-"""Storage tiers for chunk KV caches: a byte-bounded memory LRU in front of the disk store.
+"""Storage tiers for chunk KV caches: a byte-bounded memory LRU in front of the disk store (and/or
+a Redis tier, ``redis_tier.py``).
 
 ``TieredStore`` has the interface the engine uses on its ``store`` (``contains``, ``meta``, ``put``,
-``get_layer``, ``discard``, ``close``, ``stats``, ``volume``), so
+``get_layer``, ``get_layers``, ``discard``, ``close``, ``stats``, ``volume``), so
 ``CacheBlendEngine(model, tok, store=TieredStore.memory_over_disk(...))`` needs no engine change.
 
-* Reads try the tiers in order. A hit in a lower tier is copied into the tiers above it that can
-  hold single layers (``MemoryTier``): promotion, so the next request reads from memory.
+* Reads try the tiers in order; ``get_layers`` asks each tier once for one layer of all the chunks
+  the tiers above it lacked (one round trip to a network tier that offers ``get_layers``, such as
+  ``redis_tier.RedisStore``; one ``get_layer`` per chunk otherwise). A hit in a lower tier is copied
+  into the tiers above it that can hold single layers (``MemoryTier``): promotion, so the next
+  request reads from memory.
 * Writes (``precompute`` and the engine's background write-back of chunks computed during a
   request) go to every healthy tier, memory first, so the next request hits memory.
 * ``dtype`` casts chunks on ``put`` (fp16/bf16 halve what is stored and read); the loader casts
@@ -27,14 +31,14 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from .kv_store import ChunkMeta, KVStore
 from .kv_record import dtype_name
 
-__all__ = ["MemoryTier", "ThrottledStore", "Tier", "TieredStats", "TieredStore", "resolve_dtype"]
+__all__ = ["MemoryTier", "ThrottledStore", "Tier", "TieredStats", "TieredStore", "batched_reader", "read_layers", "resolve_dtype"]
 
 log = logging.getLogger("cacheblend_rag.tiers")
 
@@ -61,6 +65,23 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 def _nbytes(k: torch.Tensor, v: torch.Tensor) -> int:
     return k.numel() * k.element_size() + v.numel() * v.element_size()
+
+
+def batched_reader(store: Any) -> Callable[..., list[KV | None]] | None:
+    """``store.get_layers`` when the store's class defines it, else None.
+
+    Looked up on the class: a wrapper that overrides ``get_layer`` and forwards everything else
+    with ``__getattr__`` (a test hook, a throttle) must keep seeing every read."""
+    return store.get_layers if hasattr(type(store), "get_layers") else None
+
+
+def read_layers(store: Any, keys: Sequence[str], layer: int, device: torch.device | str | None = None) -> list[KV | None]:
+    """``store.get_layers(keys, layer)`` where the store has it (one round trip to a network
+    tier), else one ``get_layer`` per key."""
+    batched = batched_reader(store)
+    if batched is not None:
+        return batched(keys, layer, device)
+    return [store.get_layer(key, layer, device) for key in keys]
 
 
 # ------------------------------------------------------------------------ memory tier
@@ -202,7 +223,7 @@ class ThrottledStore:
 
     Simulates a rate-limited reader (network volume, cold object store). The wait is a
     ``time.sleep``, which releases the GIL like real I/O does, so it can overlap compute.
-    Everything but ``get_layer`` is passed through untouched.
+    Everything but ``get_layer`` and ``get_layers`` is passed through untouched.
     """
 
     def __init__(self, inner: Any, bytes_per_s: float, name: str = "throttled") -> None:
@@ -211,12 +232,14 @@ class ThrottledStore:
         self.inner, self.bytes_per_s, self.tier_name = inner, float(bytes_per_s), name
 
     def get_layer(self, key: str, layer: int, device: torch.device | str | None = None) -> KV | None:
+        return self.get_layers([key], layer, device)[0]
+
+    def get_layers(self, keys: Sequence[str], layer: int, device: torch.device | str | None = None) -> list[KV | None]:
         t0 = time.perf_counter()
-        got = self.inner.get_layer(key, layer, device=device)
-        if got is not None:
-            remaining = _nbytes(*got) / self.bytes_per_s - (time.perf_counter() - t0)
-            if remaining > 0:
-                time.sleep(remaining)
+        got = read_layers(self.inner, keys, layer, device)
+        remaining = sum(_nbytes(*kv) for kv in got if kv is not None) / self.bytes_per_s - (time.perf_counter() - t0)
+        if remaining > 0:
+            time.sleep(remaining)
         return got
 
     def __getattr__(self, name: str) -> Any:
@@ -235,8 +258,9 @@ class Tier:
 
     cost_per_byte: relative price of keeping a byte here (only compared between tiers; the
         loading controller picks the cheapest tier whose load the recompute still hides).
-    read_timeout_s: a layer read slower than this counts as a failure and falls through
-        (None: wait as long as it takes; reads then run on the caller's thread, no hand-off).
+    read_timeout_s: a read (one layer of the chunks asked for together) slower than this counts
+        as a failure and falls through (None: wait as long as it takes; reads then run on the
+        caller's thread, no hand-off).
     """
 
     store: Any
@@ -407,23 +431,40 @@ class TieredStore:
         return ok
 
     def get_layer(self, key: str, layer: int, device: torch.device | str | None = None) -> KV | None:
+        return self.get_layers([key], layer, device)[0]
+
+    def get_layers(self, keys: Sequence[str], layer: int, device: torch.device | str | None = None) -> list[KV | None]:
+        """``layer`` of every chunk in ``keys`` (None where no tier has it), each tier asked once
+        for the chunks the tiers above it lacked: one round trip to a tier with ``get_layers``."""
+        keys = list(keys)
+        out: list[KV | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
         for i, t in enumerate(self.tiers):
+            if not todo:
+                break
             if not self._healthy(i):
                 continue
-            got = self._call(i, f"read of {key[:16]}/{layer}", t.store.get_layer, key, layer, device, timed=True)
-            if got is _FAILED or got is None:
+            asked = [keys[j] for j in todo]
+            what = f"read of {asked[0][:16]}/{layer}" + (f" and {len(asked) - 1} more chunks" if len(asked) > 1 else "")
+            got = self._call(i, what, read_layers, t.store, asked, layer, device, timed=True)
+            if got is _FAILED:
                 continue
-            k, v = got
-            with self._lock:
-                self.stats.hits += 1
-                self.stats.bytes_read += _nbytes(k, v)
-                self.stats.tier_hits[t.name] += 1
-            if self.promote and i > 0:
-                self._promote(i, key, layer, k, v)
-            return k, v
+            left = []
+            for j, kv in zip(todo, got):
+                if kv is None:
+                    left.append(j)
+                    continue
+                out[j] = kv
+                with self._lock:
+                    self.stats.hits += 1
+                    self.stats.bytes_read += _nbytes(*kv)
+                    self.stats.tier_hits[t.name] += 1
+                if self.promote and i > 0:
+                    self._promote(i, keys[j], layer, *kv)
+            todo = left
         with self._lock:
-            self.stats.misses += 1
-        return None
+            self.stats.misses += len(todo)
+        return out
 
     def _promote(self, src: int, key: str, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         uppers = [j for j in range(src) if hasattr(self.tiers[j].store, "put_layer") and self._healthy(j)]

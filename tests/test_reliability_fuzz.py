@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from cacheblend_rag.kv_record import CorruptRecordError, encode_layer
-from cacheblend_rag.kv_store import ChunkMeta, KVStore, _decode_meta, _encode_meta, chunk_key
+from cacheblend_rag.kv_store import ChunkMeta, KVStore, decode_meta, encode_meta, chunk_key
 
 FP = "fuzz-fingerprint"
 KEYS = [chunk_key(FP, [], [i]) for i in range(4)]
@@ -166,23 +166,23 @@ TestKVStoreAgainstDictModel = StoreMachine.TestCase
 @given(tokens=st.integers(0, 2**32 - 1), layers=st.integers(1, 2**32 - 1), dtype=st.sampled_from(["float32", "float16", "bfloat16"]), data=st.data())
 def test_meta_round_trips_and_rejects_every_damaged_byte(tokens, layers, dtype, data) -> None:
     meta = ChunkMeta(num_tokens=tokens, num_layers=layers, dtype=dtype)
-    blob = _encode_meta(meta)
-    assert _decode_meta(blob) == meta
+    blob = encode_meta(meta)
+    assert decode_meta(blob) == meta
     i = data.draw(st.integers(0, len(blob) - 1))
     x = data.draw(st.integers(1, 255))
     bad = bytearray(blob)
     bad[i] ^= x
     with pytest.raises(CorruptRecordError):
-        _decode_meta(bytes(bad))
+        decode_meta(bytes(bad))
     with pytest.raises(CorruptRecordError):
-        _decode_meta(blob[: data.draw(st.integers(0, len(blob) - 1))])
+        decode_meta(blob[: data.draw(st.integers(0, len(blob) - 1))])
 
 
 @FAST
 @given(st.one_of(st.binary(max_size=64), st.text(max_size=20), st.integers(), st.none()))
 def test_meta_decoder_only_raises_corrupt_record_error(junk) -> None:
     try:
-        _decode_meta(junk)
+        decode_meta(junk)
     except CorruptRecordError:
         pass
 
