@@ -65,7 +65,7 @@ def _ask(args: argparse.Namespace) -> int:
 
     if args.top_k < 0:
         raise SystemExit(f"error: --top-k {args.top_k}: pass a number of chunks >= 1, or 0 to send every chunk")
-    engine = CacheBlendEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
+    engine = CacheBlendEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, store=_store(args.store))
     try:
         chunks = retrieve(args.question, read_chunks(args.files, engine.tokenizer, args.chunk_tokens), args.top_k)
         if args.precompute:
@@ -108,6 +108,15 @@ def _ask(args: argparse.Namespace) -> int:
     return 0
 
 
+STORE_HELP = ("chunk cache tiers below memory, fastest first, comma-separated: disk, redis://host:6379/0 "
+              "(rediss:// for TLS); e.g. disk,redis://cache:6379/0 shares caches through Redis (default: disk)")
+
+
+def _store(text: str | None) -> list[str] | None:
+    """``--store disk,redis://...`` -> the tier list ``from_pretrained(store=...)`` takes."""
+    return None if text is None else [part.strip() for part in text.split(",") if part.strip()]
+
+
 def _serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
@@ -119,7 +128,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.max_queue < 0:
         raise SystemExit(f"error: --max-queue {args.max_queue}: pass how many requests may wait (>= 0)")
-    engine = CacheBlendEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, store_dir=args.store_dir)
+    engine = CacheBlendEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, store_dir=args.store_dir,
+                                              store=_store(args.store))
     try:
         app = create_app(engine, ServerConfig(model_name=args.served_model_name, max_queue=args.max_queue))
         # uvicorn stops on SIGINT/SIGTERM gracefully: it stops accepting connections, lets open
@@ -159,12 +169,14 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--device", default="cpu")
     ask.add_argument("--dtype", default="float32")
     ask.add_argument("--precompute", action="store_true", help="precompute chunk caches first (not counted in TTFT)")
+    ask.add_argument("--store", default=None, help=STORE_HELP)
     ask.set_defaults(func=_ask)
     serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (docs/server.md)")
     serve.add_argument("--model", default=None, help="model dir, .gguf file or hub id (default: bundled SmolLM2-135M-Instruct)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--store-dir", default=None, help="chunk KV store directory (default: <cache home>/kv)")
+    serve.add_argument("--store", default=None, help=STORE_HELP)
     serve.add_argument("--max-queue", type=int, default=8, help="requests that may wait while one runs; more get 503 (default 8)")
     serve.add_argument("--served-model-name", default=None, help="the name clients pass as model (default: the model's id)")
     serve.add_argument("--device", default="cpu")
