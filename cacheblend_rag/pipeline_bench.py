@@ -104,6 +104,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for mbps in args.throttle_mbps:
         name = f"throttled{mbps:g}"
         tiers[name] = (ThrottledStore(disk, mbps * 1e6, name=name), 0.01)
+        if args.redis:  # a Redis behind a slow link: the same reads at the throttled rate
+            tiers[f"redis_{name}"] = (ThrottledStore(redis_store, mbps * 1e6, name=f"redis_{name}"), 0.01)
     default_store = engine.store
     results: dict[str, Any] = {"context_tokens": n_ctx, "prompt_tokens": len(layout), "chunks": len(chunks)}
     try:
