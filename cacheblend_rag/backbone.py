@@ -180,6 +180,10 @@ class Backbone:
     embedding_multiplier: float = 1.0
     logits_divisor: float = 1.0
     window: int | None = None
+    # The cache keyword of the model's and of a decoder layer's forward, read once at load (every
+    # prefill and chunk precompute passes it).
+    model_cache_kwarg: str = "cache"
+    layer_cache_kwarg: str = "cache"
 
     @classmethod
     def adapt(cls, model: Any) -> "Backbone":
@@ -195,6 +199,8 @@ class Backbone:
             embedding_multiplier=float(getattr(config, "embedding_multiplier", 1.0) or 1.0),
             logits_divisor=float(getattr(config, "logits_scaling", 1.0) or 1.0),
             window=sliding_window(config),
+            model_cache_kwarg=cache_kwarg(model),
+            layer_cache_kwarg=cache_kwarg(model.model.layers[0]),
         )
 
     @property
@@ -204,14 +210,6 @@ class Backbone:
     @property
     def rotary_emb(self) -> torch.nn.Module:
         return self.model.model.rotary_emb
-
-    @property
-    def layer_cache_kwarg(self) -> str:
-        return cache_kwarg(self.layers[0])
-
-    @property
-    def model_cache_kwarg(self) -> str:
-        return cache_kwarg(self.model)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """[tokens] -> [tokens, hidden]"""
