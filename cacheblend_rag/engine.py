@@ -62,6 +62,9 @@ class CacheBlendEngine:
 
     ``model`` is a transformers causal LM with rotary position embeddings (Llama, Mistral, Qwen2,
     Qwen3, ...), ``store`` the chunk KV store (a fresh temporary one when omitted).
+    ``instruction`` is the system instruction that every chunk is cached behind; ``answer_hint`` a
+    line after the question restating the answer format (None: ``prompt.DEFAULT_ANSWER_HINT`` with
+    the default instruction, none with a custom one; "" turns it off).
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class CacheBlendEngine:
         store: KVStore | None = None,
         config: BlendConfig | None = None,
         instruction: str = DEFAULT_INSTRUCTION,
+        answer_hint: str | None = None,
         model_id: str = "custom",
         fingerprint: str | None = None,
         pipelined: bool | None = None,
@@ -96,7 +100,7 @@ class CacheBlendEngine:
         self.device = next(model.parameters()).device
         self.fingerprint = fingerprint or model_fingerprint(model, tokenizer, self.dtype)
         self.store = store if store is not None else KVStore(None, fingerprint=self.fingerprint)
-        self.prompts = PromptBuilder(tokenizer, instruction)
+        self.prompts = PromptBuilder(tokenizer, instruction, answer_hint=answer_hint)
         cfg = model.config
         self.num_layers = cfg.num_hidden_layers
         self.kv_shape = (

@@ -172,7 +172,7 @@ def _run(cfg: FidelityConfig, engine, methods: list[Method], full: Method, todo,
             target = ref_res.token_ids
             base = {
                 "model": cfg.model, "dataset": ex.dataset, "qid": ex.qid, "question": ex.question, "gold": list(ex.answers),
-                "prompt_tokens": start, "num_chunks": len(chunks), "answer_full": ref_res.text.strip(),
+                "prompt_tokens": start, "num_chunks": len(chunks), "answer_hint": engine.prompts.answer_hint, "answer_full": ref_res.text.strip(),
                 "f1_full": qa_f1(ref_res.text, ex.answers), "ttft_full_s": ref_res.ttft_s,
                 "tf_loglik_full": teacher_forced_loglik(engine, ref_pre.cache, ref_pre.logits, start, target),
             }

@@ -1,0 +1,58 @@
+"""The prompt layout's answer hint: where it goes, when it is on, and that it never touches chunk caches."""
+
+from __future__ import annotations
+
+import pytest
+
+from cacheblend_rag import CacheBlendEngine
+from cacheblend_rag.kv_store import KVStore
+from cacheblend_rag.prompt import DEFAULT_ANSWER_HINT, DEFAULT_INSTRUCTION, PromptBuilder
+from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_model
+
+
+def _question_text(builder: PromptBuilder, question: str) -> str:
+    seg = builder.build(question, ["a passage"]).segments[-1]
+    return builder.tokenizer.decode(list(seg.token_ids))
+
+
+def test_default_hint_follows_the_question_inside_the_user_turn(tokenizer):
+    p = PromptBuilder(tokenizer)
+    assert p.answer_hint == DEFAULT_ANSWER_HINT
+    text = _question_text(p, "  Who wrote it? ")
+    assert text == f"Question: Who wrote it?\n{DEFAULT_ANSWER_HINT}" + p.tail_text
+    assert p.question_text("Who wrote it?") == text
+
+
+@pytest.mark.parametrize(
+    "instruction, hint, expected",
+    [
+        ("Summarise the documents in two sentences.", None, ""),  # a custom instruction: no default hint
+        ("Summarise the documents in two sentences.", "Use two sentences.", "Use two sentences."),
+        (DEFAULT_INSTRUCTION, "", ""),  # switched off
+        (DEFAULT_INSTRUCTION, "  Reply in French.\n", "Reply in French."),
+    ],
+)
+def test_hint_follows_the_instruction_or_the_caller(tokenizer, instruction, hint, expected):
+    p = PromptBuilder(tokenizer, instruction, answer_hint=hint)
+    assert p.answer_hint == expected
+    body = "Question: Why?" + (f"\n{expected}" if expected else "")
+    assert _question_text(p, "Why?") == body + p.tail_text
+
+
+def test_a_hint_that_is_not_text_is_refused(tokenizer):
+    with pytest.raises(TypeError, match="answer_hint must be a str"):
+        PromptBuilder(tokenizer, answer_hint=1)
+
+
+def test_engines_with_other_hints_share_chunk_caches(tokenizer, tmp_path):
+    # The hint lives in the question segment, which is always recomputed: chunk caches are keyed
+    # by the instruction prefix alone, so changing the hint must not invalidate them.
+    model = make_model("llama")
+    store = KVStore(tmp_path / "kv")
+    first = CacheBlendEngine(model, tokenizer, store=store, pipelined=False)
+    first.precompute(SAMPLE_CHUNKS, progress=False)
+    other = CacheBlendEngine(model, tokenizer, store=store, pipelined=False, answer_hint="Answer in one word.")
+    result = other.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, max_new_tokens=2)
+    assert result.stats["chunk_hits"] == len(SAMPLE_CHUNKS) and result.stats["chunk_misses"] == 0
+    assert other.build_layout(SAMPLE_QUESTION, SAMPLE_CHUNKS).segments[-1] != first.build_layout(SAMPLE_QUESTION, SAMPLE_CHUNKS).segments[-1]
+    first.close()
