@@ -52,6 +52,70 @@ def _held_back(text: str, stops: tuple[str, ...]) -> int:
     return hold
 
 
+class Decoder:
+    """One answer's decoding state: picks each token (greedy or sampled) and turns the tokens into
+    text deltas, holding back what could still grow into a stop string. Shared by the one-answer
+    loop (:func:`decode`) and the batched one (``batching.DecodeBatch``), so both stop, sample and
+    stream alike."""
+
+    def __init__(self, tokenizer, eos: set[int], params: SamplingParams, device: torch.device | str = "cpu"):
+        self.tokenizer, self.eos, self.params = tokenizer, eos, params
+        self.warpers = _warpers(params)
+        self.stops = tuple(s for s in params.stop if s)
+        self.generator = None
+        if params.temperature > 0:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None  # set once the answer is complete
+        self._emitted = 0
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def choose(self, logits: torch.Tensor) -> int:
+        """The next token from this answer's next-token ``logits`` ([vocab])."""
+        logits = logits.float().reshape(1, -1)
+        if self.params.temperature > 0:
+            ids = torch.tensor([self.token_ids], dtype=torch.long, device=logits.device)
+            scores = self.warpers(ids, logits)
+            return int(torch.multinomial(scores.softmax(-1), 1, generator=self.generator)[0, 0])
+        return int(logits.argmax(-1)[0])
+
+    def accept(self, token: int) -> str:
+        """Add ``token``; return the text that became final (possibly ""). Sets ``finish_reason``
+        on EOS, a stop string or the token budget."""
+        if token in self.eos:
+            self.finish_reason = "stop"
+            return self._flush()
+        self.token_ids.append(token)
+        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        cut = min((text.find(s) for s in self.stops if s in text), default=-1)
+        if cut >= 0:
+            delta = text[self._emitted : cut] if cut > self._emitted else ""
+            self.text, self._emitted, self.finish_reason = text[:cut], cut, "stop"
+            return delta
+        self.text = text
+        safe = len(text) - _held_back(text, self.stops)
+        delta = ""
+        if safe > self._emitted:
+            delta, self._emitted = text[self._emitted : safe], safe
+        if len(self.token_ids) >= self.params.max_new_tokens:
+            self.finish_reason = "length"
+            delta += self._flush()
+        return delta
+
+    def _flush(self) -> str:
+        delta = self.text[self._emitted :]
+        self._emitted = len(self.text)
+        return delta
+
+    def state(self) -> DecodeState:
+        return DecodeState(self.token_ids, self.text, self.finish_reason or "length")
+
+
 def decode(
     model,
     tokenizer,
@@ -64,43 +128,21 @@ def decode(
 ) -> Iterator[str]:
     """Yield text deltas; the generator's return value is the final ``DecodeState``."""
     device = first_logits.device
-    eos = eos_token_ids(model, tokenizer)
-    warpers = _warpers(params)
-    stops = tuple(s for s in params.stop if s)
-    gen = None
-    if params.temperature > 0:
-        gen = torch.Generator(device=device)
-        gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+    decoder = Decoder(tokenizer, eos_token_ids(model, tokenizer), params, device)
     cache_kw = cache_kwarg(model)
-    ids: list[int] = []
-    emitted = 0
-    logits = first_logits.float()[None]
+    logits = first_logits
     position = start_position
-    finish = "length"
-    for step in range(params.max_new_tokens):
-        if params.temperature > 0:
-            scores = warpers(torch.tensor([ids], dtype=torch.long, device=device), logits)
-            token = int(torch.multinomial(scores.softmax(-1), 1, generator=gen)[0, 0])
-        else:
-            token = int(logits.argmax(-1)[0])
-        if step == 0 and on_first_token is not None:
+    first = True
+    while True:
+        token = decoder.choose(logits)
+        if first and on_first_token is not None:
             on_first_token()
-        if token in eos:
-            finish = "stop"
-            break
-        ids.append(token)
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        cut = min((text.find(s) for s in stops if s in text), default=-1)
-        if cut >= 0:
-            if cut > emitted:
-                yield text[emitted:cut]
-            return DecodeState(ids, text[:cut], "stop")
-        safe = len(text) - _held_back(text, stops)
-        if safe > emitted:
-            yield text[emitted:safe]
-            emitted = safe
-        if step + 1 == params.max_new_tokens:
-            break
+        first = False
+        delta = decoder.accept(token)
+        if delta:
+            yield delta
+        if decoder.done:
+            return decoder.state()
         with torch.inference_mode():
             out = model(
                 input_ids=torch.tensor([[token]], device=device),
@@ -111,8 +153,4 @@ def decode(
                 **(model_kwargs or {}),
             )
         position += 1
-        logits = out.logits[:, -1].float()
-    text = tokenizer.decode(ids, skip_special_tokens=True)
-    if len(text) > emitted:
-        yield text[emitted:]
-    return DecodeState(ids, text, finish)
+        logits = out.logits[0, -1]

@@ -1,0 +1,317 @@
+"""Continuous batching: requests are prefilled one at a time as they arrive, and every running
+answer is decoded in one forward per token.
+
+One decode step reads all of the model's weights to produce a single token per answer. That read,
+not the arithmetic, bounds the step on a CPU as on a GPU, so a step for B answers costs little more
+than a step for one, and concurrent requests no longer queue behind each other's whole answers.
+Prefills stay one request at a time: each is compute-bound already and a fused prefill is one
+request's plan.
+
+Answers of different prompt lengths share one cache through left padding. A row's keys stay where
+its own prefill put them (rotated for its own positions), its padding is masked out, and each new
+token carries the row's own position id, so a row's logits are the ones it would get decoded alone
+(up to the order of floating-point sums).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from .backbone import cache_kwarg
+from .config import SamplingParams
+from .generation import DecodeState, Decoder, decode, eos_token_ids
+
+if TYPE_CHECKING:
+    from .engine import CacheBlendEngine, GenerationResult, GenerationStream
+
+
+class AnswerSink(Protocol):
+    """Where a row's answer goes: ``first_token`` once its first token is chosen, ``delta`` for
+    each piece of text that became final, then ``done`` (or ``fail``) once."""
+
+    def first_token(self) -> None: ...
+
+    def delta(self, text: str) -> None: ...
+
+    def done(self, state: DecodeState) -> None: ...
+
+    def fail(self, exc: BaseException) -> None: ...
+
+
+@dataclass
+class _Row:
+    decoder: Decoder
+    sink: AnswerSink
+    token: int  # fed on the next step
+    position: int  # that token's position in the row's own sequence
+
+
+def _layer_kv(cache: DynamicCache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    return [lay.keys for lay in cache.layers], [lay.values for lay in cache.layers]
+
+
+class DecodeBatch:
+    """The running answers: one cache of ``[rows, kv_heads, length, head_dim]`` per layer, left
+    padded to the longest row, and a ``[rows, length]`` mask (1: a real key, 0: padding)."""
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+        self.eos = eos_token_ids(model, tokenizer)
+        self.cache_kw = cache_kwarg(model)
+        self.rows: list[_Row] = []
+        self.keys: list[torch.Tensor] = []  # per layer [rows, kv_heads, length, head_dim]
+        self.values: list[torch.Tensor] = []
+        self.mask: torch.Tensor | None = None  # [rows, length]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def start(self, cache: DynamicCache, first_logits: torch.Tensor, length: int, params: SamplingParams, sink: AnswerSink) -> Decoder:
+        """Choose the answer's first token from its prefill's ``first_logits`` ([vocab]); unless
+        that ends the answer, the prefill ``cache`` (``length`` positions, batch 1, handed over)
+        joins the batch. Returns the row's decoder (``done`` when the answer already ended)."""
+        decoder = Decoder(self.tokenizer, self.eos, params, first_logits.device)
+        token = decoder.choose(first_logits)
+        sink.first_token()
+        text = decoder.accept(token)
+        if text:
+            sink.delta(text)
+        if decoder.done:
+            sink.done(decoder.state())
+            return decoder
+        keys, values = _layer_kv(cache)
+        keys = [k[..., :length, :] for k in keys]  # [1, kv_heads, length, head_dim]
+        values = [v[..., :length, :] for v in values]
+        mask = torch.ones(1, length, dtype=torch.long, device=first_logits.device)
+        if not self.rows:
+            self.keys, self.values, self.mask = keys, values, mask
+        else:
+            assert self.mask is not None
+            width = max(self.mask.shape[1], length)
+            self.keys = [torch.cat([_pad_left(a, width), _pad_left(b, width)]) for a, b in zip(self.keys, keys)]
+            self.values = [torch.cat([_pad_left(a, width), _pad_left(b, width)]) for a, b in zip(self.values, values)]
+            self.mask = torch.cat([_pad_left(self.mask, width), _pad_left(mask, width)])
+        self.rows.append(_Row(decoder, sink, token, length))
+        return decoder
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """One token for every running answer; finished answers leave the batch."""
+        if not self.rows:
+            return
+        assert self.mask is not None
+        device = self.mask.device
+        cache = DynamicCache()
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            cache.update(k[..., :0, :], v[..., :0, :], i)  # initialises layer i, empty
+            cache.layers[i].keys, cache.layers[i].values = k, v
+        mask = torch.cat([self.mask, torch.ones(len(self.rows), 1, dtype=self.mask.dtype, device=device)], dim=1)
+        out = self.model(
+            input_ids=torch.tensor([[r.token] for r in self.rows], device=device),
+            position_ids=torch.tensor([[r.position] for r in self.rows], device=device),
+            attention_mask=mask,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self.cache_kw: cache},
+        )
+        self.keys, self.values = _layer_kv(cache)
+        self.mask = mask
+        keep = []
+        for i, row in enumerate(self.rows):
+            row.position += 1
+            row.token = row.decoder.choose(out.logits[i, -1])
+            text = row.decoder.accept(row.token)
+            if text:
+                row.sink.delta(text)
+            if row.decoder.done:
+                row.sink.done(row.decoder.state())
+            else:
+                keep.append(i)
+        if len(keep) < len(self.rows):
+            self._keep(keep)
+
+    def _keep(self, rows: list[int]) -> None:
+        self.rows = [self.rows[i] for i in rows]
+        if not self.rows:
+            self.keys, self.values, self.mask = [], [], None
+            return
+        assert self.mask is not None
+        idx = torch.tensor(rows, device=self.mask.device)
+        mask = self.mask[idx]
+        # Drop the padding columns no remaining row needs (the finished row was the longest).
+        first = int(mask.any(0).nonzero()[0])
+        self.mask = mask[:, first:]
+        self.keys = [k[idx, :, first:] for k in self.keys]
+        self.values = [v[idx, :, first:] for v in self.values]
+
+
+def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t`` ([..., length, head_dim] K/V or a [rows, length] mask) left-padded with zeros to ``width``."""
+    if t.dim() == 2:
+        return F.pad(t, (width - t.shape[1], 0))
+    return F.pad(t, (0, 0, width - t.shape[-2], 0))
+
+
+# ----------------------------------------------------------------------------- the scheduler
+_END = object()
+
+
+@dataclass
+class Ticket:
+    """One submitted request: iterate it for the answer's text deltas, or call ``result()``."""
+
+    stream: "GenerationStream"
+    _items: "queue.Queue[Any]" = field(default_factory=queue.Queue)
+    _done: threading.Event = field(default_factory=threading.Event)
+    _result: "GenerationResult | None" = None
+    _error: BaseException | None = None
+    started_s: float = 0.0  # when its prefill began (perf_counter)
+    first_token_s: float = 0.0
+
+    def __iter__(self) -> Iterator[str]:
+        while True:
+            item = self._items.get()
+            if item is _END:
+                break
+            yield item
+        if self._error is not None:
+            raise self._error
+
+    def result(self, timeout: float | None = None) -> "GenerationResult":
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"no answer within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    # AnswerSink, called on the batcher's thread
+    def first_token(self) -> None:
+        self.first_token_s = time.perf_counter()
+
+    def delta(self, text: str) -> None:
+        self._items.put(text)
+
+    def done(self, state: DecodeState) -> None:
+        from .engine import GenerationResult
+
+        now = time.perf_counter()
+        s = self.stream
+        first = self.first_token_s or now
+        pre = s.prefill_result
+        assert pre is not None
+        stats = dict(pre.stats, **s.controller_stats, ttft_s=first - s.t0, total_s=now - s.t0,
+                     generated_tokens=len(state.token_ids), queue_s=self.started_s - s.t0)
+        self._result = GenerationResult(state.text, state.token_ids, first - s.t0, now - s.t0, state.finish_reason, stats)
+        self._finish()
+
+    def fail(self, exc: BaseException) -> None:
+        self._error = exc
+        self._finish()
+
+    def _finish(self) -> None:
+        self._items.put(_END)
+        self._done.set()
+
+
+class Batcher:
+    """Serve one engine from one thread, decoding every running answer in one batch.
+
+    ``submit`` (any thread) validates the request as ``engine.stream`` does, so bad input fails in
+    the caller, and queues it. The worker prefills waiting requests (up to ``max_batch`` running),
+    then steps the batch one token, and repeats: a request that arrives while others decode waits
+    at most one step and the prefills ahead of it. ``max_batch=1`` serves one answer at a time,
+    as the engine alone does.
+
+    Time to first token counts from ``submit``, so it includes the wait for the worker.
+    """
+
+    def __init__(self, engine: "CacheBlendEngine", max_batch: int = 8):
+        if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
+            raise ValueError(f"max_batch={max_batch!r} must be an int >= 1 (1: one answer at a time)")
+        self.engine, self.max_batch = engine, max_batch
+        self._waiting: list[Ticket] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self.steps = 0  # batched decode steps run
+        self.rows_stepped = 0  # answers advanced by them (rows_stepped / steps: mean batch size)
+        self._thread = threading.Thread(target=self._run, name="cacheblend-batcher", daemon=True)
+        self._thread.start()
+
+    def submit(self, question: str, chunks: Sequence[str], **kwargs: Any) -> Ticket:
+        """Queue one request; keyword arguments as for ``CacheBlendEngine.stream``."""
+        ticket = Ticket(self.engine.stream(question, chunks, **kwargs))
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the batcher is closed: create a new Batcher")
+            self._waiting.append(ticket)
+            self._cond.notify()
+        return ticket
+
+    def generate(self, question: str, chunks: Sequence[str], **kwargs: Any) -> "GenerationResult":
+        return self.submit(question, chunks, **kwargs).result()
+
+    def close(self) -> None:
+        """Finish every submitted request, then stop the worker."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join()
+
+    def __enter__(self) -> "Batcher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _run(self) -> None:
+        eng = self.engine
+        batch = DecodeBatch(eng.model, eng.tokenizer)
+        while True:
+            with self._cond:
+                while not self._waiting and not len(batch) and not self._closed:
+                    self._cond.wait()
+                if self._closed and not self._waiting and not len(batch):
+                    return
+                take = max(0, self.max_batch - len(batch))
+                admit, self._waiting = self._waiting[:take], self._waiting[take:]
+            for ticket in admit:
+                try:
+                    self._start(batch, ticket)
+                except Exception as exc:  # noqa: BLE001 - the caller gets its own request's error
+                    ticket.fail(exc)
+            if len(batch):
+                n = len(batch)
+                try:
+                    batch.step()
+                except Exception as exc:  # noqa: BLE001 - a failed step fails the answers in it
+                    for row in batch.rows:
+                        row.sink.fail(exc)
+                    batch = DecodeBatch(eng.model, eng.tokenizer)
+                    continue
+                self.steps += 1
+                self.rows_stepped += n
+
+    def _start(self, batch: DecodeBatch, ticket: Ticket) -> None:
+        s = ticket.stream
+        ticket.started_s = time.perf_counter()
+        pre = s.prefill_result = self.engine.prefill(s.layout, s.mode, s.config)
+        if pre.attention_kwargs:
+            # APE reweighting is a per-request attention change: decode this answer on its own.
+            gen = decode(self.engine.model, self.engine.tokenizer, pre.cache, pre.logits, len(s.layout), s.params,
+                         ticket.first_token, model_kwargs=pre.attention_kwargs)
+            while True:
+                try:
+                    ticket.delta(next(gen))
+                except StopIteration as stop:
+                    ticket.done(stop.value)
+                    return
+        batch.start(pre.cache, pre.logits, len(s.layout), s.params, ticket)
