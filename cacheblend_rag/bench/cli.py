@@ -20,7 +20,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def register(subparsers) -> None:
     from .datasets import DATASETS
-    from .methods import DEFAULT_METHODS, DEFAULT_RATIOS
+    from .methods import DEFAULT_RATIOS
 
     p = subparsers.add_parser(
         "bench",
@@ -35,7 +35,7 @@ def register(subparsers) -> None:
     p.add_argument("--chain-n", type=int, default=None,
                    help="run map_reduce/map_rerank only on the first N of those questions (default: all --n); "
                    "their TTFT ratios are then over the questions both methods ran")
-    p.add_argument("--methods", type=_csv, default=DEFAULT_METHODS,
+    p.add_argument("--methods", type=_csv, default=None,
                    help="comma list; cacheblend expands over --ratios, cacheblend@R[:CRITERION] runs one (default: all)")
     p.add_argument("--ratios", type=_floats, default=DEFAULT_RATIOS, help="recompute ratios for 'cacheblend' (default 0.05,0.15,0.3,0.5)")
     p.add_argument("--top-k", type=_ints, default=(6,), help="retrieved chunks; a comma list sweeps it (default 6)")
@@ -54,17 +54,49 @@ def register(subparsers) -> None:
     p.add_argument("--report-only", action="store_true", help="rebuild summary and plots from --out's results.jsonl; run nothing")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--device", default="cpu")
+    load = p.add_argument_group("throughput under concurrent load (--load)")
+    load.add_argument("--load", action="store_true",
+                      help="serve requests from concurrent clients through the batcher instead (default methods: "
+                      "full_recompute,cacheblend@0.15; first dataset of --datasets)")
+    load.add_argument("--clients", type=_ints, default=(1, 2, 4, 8), help="closed-loop client counts (default 1,2,4,8)")
+    load.add_argument("--rates", type=_floats, default=(), help="open-loop arrival rates in requests/s (default none)")
+    load.add_argument("--requests", type=int, default=16, help="answers per setting (default 16)")
+    load.add_argument("--max-batch", type=_ints, default=(1, 8), help="batcher sizes compared; 1 = one answer at a time (default 1,8)")
     p.set_defaults(func=_bench)
 
 
+def _load(args: argparse.Namespace) -> int:
+    from .load import LoadConfig, markdown_table, run_load
+    from .qwen import QwenPartsMissing
+
+    try:
+        cfg = LoadConfig(
+            model=args.model, dataset=args.datasets[0], n=args.n, methods=args.methods or LoadConfig.methods,
+            clients=args.clients, rates=args.rates, requests=args.requests, max_batches=args.max_batch,
+            max_new_tokens=args.max_new_tokens, top_k=args.top_k[0], chunk_tokens=args.chunk_tokens, seed=args.seed,
+            out_dir=args.out, musique=args.musique, hotpotqa=args.hotpotqa, progress=not args.quiet,
+            plots=not args.no_plots, device=args.device,
+        )
+        summary = run_load(cfg)
+    except (FileNotFoundError, ImportError, QwenPartsMissing, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(markdown_table(summary))
+    print(f"\nresults: {args.out}/load.jsonl, load_summary.json, plots/load.png")
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
+    from .methods import DEFAULT_METHODS
     from .qwen import QwenPartsMissing
     from .runner import BenchConfig, run_benchmark
     from .summary import markdown_table, summarize
 
+    if args.load:
+        return _load(args)
     try:
         cfg = BenchConfig(
-            model=args.model, datasets=args.datasets, n=args.n, chain_n=args.chain_n, methods=args.methods, ratios=args.ratios,
+            model=args.model, datasets=args.datasets, n=args.n, chain_n=args.chain_n, methods=args.methods or DEFAULT_METHODS, ratios=args.ratios,
             top_ks=args.top_k, chunk_tokens=args.chunk_tokens, max_new_tokens=args.max_new_tokens,
             summary_max_new_tokens=args.summary_max_new_tokens,
             chain_max_new_tokens=args.chain_max_new_tokens, out_dir=args.out, musique=args.musique,
