@@ -28,6 +28,7 @@ from transformers import DynamicCache
 from .backbone import cache_kwarg
 from .config import SamplingParams
 from .generation import DecodeState, Decoder, decode, eos_token_ids
+from .run import cache_read_tokens, cached_chunk_tokens, engine_lock
 
 if TYPE_CHECKING:
     from .engine import CacheBlendEngine, GenerationResult, GenerationStream
@@ -175,6 +176,7 @@ class Ticket:
     _error: BaseException | None = None
     started_s: float = 0.0  # when its prefill began (perf_counter)
     first_token_s: float = 0.0
+    cache_read_tokens: int = 0  # prompt tokens whose KV came from the chunk cache
 
     def __iter__(self) -> Iterator[str]:
         while True:
@@ -209,7 +211,8 @@ class Ticket:
         pre = s.prefill_result
         assert pre is not None
         stats = dict(pre.stats, **s.controller_stats, ttft_s=first - s.t0, total_s=now - s.t0,
-                     generated_tokens=len(state.token_ids), queue_s=self.started_s - s.t0)
+                     generated_tokens=len(state.token_ids), queue_s=self.started_s - s.t0,
+                     cache_read_tokens=self.cache_read_tokens)
         self._result = GenerationResult(state.text, state.token_ids, first - s.t0, now - s.t0, state.finish_reason, stats)
         self._finish()
 
@@ -231,7 +234,9 @@ class Batcher:
     at most one step and the prefills ahead of it. ``max_batch=1`` serves one answer at a time,
     as the engine alone does.
 
-    Time to first token counts from ``submit``, so it includes the wait for the worker.
+    Time to first token counts from ``submit``, so it includes the wait for the worker. Each
+    prefill and each step holds the engine's lock (``run.engine_lock``), so precompute and answers
+    served outside the batcher interleave with it safely.
     """
 
     def __init__(self, engine: "CacheBlendEngine", max_batch: int = 8):
@@ -291,7 +296,8 @@ class Batcher:
             if len(batch):
                 n = len(batch)
                 try:
-                    batch.step()
+                    with engine_lock(eng):
+                        batch.step()
                 except Exception as exc:  # noqa: BLE001 - a failed step fails the answers in it
                     for row in batch.rows:
                         row.sink.fail(exc)
@@ -301,12 +307,17 @@ class Batcher:
                 self.rows_stepped += n
 
     def _start(self, batch: DecodeBatch, ticket: Ticket) -> None:
-        s = ticket.stream
+        eng, s = self.engine, ticket.stream
         ticket.started_s = time.perf_counter()
-        pre = s.prefill_result = self.engine.prefill(s.layout, s.mode, s.config)
-        if pre.attention_kwargs:
+        with engine_lock(eng):
+            cached = cached_chunk_tokens(eng, s)
+            pre = s.prefill_result = eng.prefill(s.layout, s.mode, s.config)
+            ticket.cache_read_tokens = cache_read_tokens(pre.stats, cached)
+            if not pre.attention_kwargs:
+                batch.start(pre.cache, pre.logits, len(s.layout), s.params, ticket)
+                return
             # APE reweighting is a per-request attention change: decode this answer on its own.
-            gen = decode(self.engine.model, self.engine.tokenizer, pre.cache, pre.logits, len(s.layout), s.params,
+            gen = decode(eng.model, eng.tokenizer, pre.cache, pre.logits, len(s.layout), s.params,
                          ticket.first_token, model_kwargs=pre.attention_kwargs)
             while True:
                 try:
@@ -314,4 +325,3 @@ class Batcher:
                 except StopIteration as stop:
                     ticket.done(stop.value)
                     return
-        batch.start(pre.cache, pre.logits, len(s.layout), s.params, ticket)

@@ -12,10 +12,13 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from .config import SamplingParams
 from .plain import chat_text, plain_stream
+
+if TYPE_CHECKING:
+    from .batching import Batcher
 
 _locks: "weakref.WeakKeyDictionary[object, threading.Lock]" = weakref.WeakKeyDictionary()
 _locks_guard = threading.Lock()
@@ -85,13 +88,19 @@ class Run:
     surface before any streaming starts.
     """
 
-    def __init__(self, engine, request: Request, *, engine_kwargs: dict[str, Any]):
+    def __init__(self, engine, request: Request, *, engine_kwargs: dict[str, Any], batcher: "Batcher | None" = None):
         self.engine = engine
         self.request = request
         self.result: RunResult | None = None
         self.cancelled = threading.Event()
         self._cache_read = 0
-        if request.plain:
+        # With a batcher, chunked requests are decoded together with whatever else it is serving;
+        # plain chats (no chunks) keep their own full-prefill path.
+        self._ticket = None if batcher is None or request.plain else batcher.submit(
+            request.question, list(request.chunks), **engine_kwargs)
+        if self._ticket is not None:
+            self._stream = self._ticket.stream
+        elif request.plain:
             # No chunks: the messages in the model's chat template, one full prefill.
             params = SamplingParams(
                 engine_kwargs["max_new_tokens"],
@@ -106,8 +115,13 @@ class Run:
             self._stream = engine.stream(request.question, list(request.chunks), **engine_kwargs)
 
     def __iter__(self) -> Iterator[str]:
+        if self._ticket is not None:
+            yield from self._ticket
+            res = self._ticket.result()
+            self.result = RunResult(res.text, list(res.token_ids), res.finish_reason, dict(res.stats))
+            return
         with engine_lock(self.engine):
-            self._cache_read = _cached_chunk_tokens(self.engine, self._stream)
+            self._cache_read = cached_chunk_tokens(self.engine, self._stream)
             deltas = self._run_engine()
             try:
                 for delta in deltas:
@@ -124,14 +138,19 @@ class Run:
         stats = dict(res.stats)
         if self.request.plain:
             stats["mode"] = "plain_chat"  # the engine's full_recompute of the chat, labelled as such
-        if stats.get("mode") == "prefix_caching":
-            stats["cache_read_tokens"] = int(stats.get("reused_prefix_tokens", 0))
-        else:
-            stats["cache_read_tokens"] = self._cache_read
+        stats["cache_read_tokens"] = cache_read_tokens(stats, self._cache_read)
         self.result = RunResult(res.text, list(res.token_ids), res.finish_reason, stats)
 
 
-def _cached_chunk_tokens(engine, stream) -> int:
+def cache_read_tokens(stats: dict[str, Any], chunk_tokens: int) -> int:
+    """Prompt tokens whose KV came from the cache: the reused prefix under prefix caching, else
+    ``chunk_tokens`` (:func:`cached_chunk_tokens`, counted before the prefill)."""
+    if stats.get("mode") == "prefix_caching":
+        return int(stats.get("reused_prefix_tokens", 0))
+    return chunk_tokens
+
+
+def cached_chunk_tokens(engine, stream) -> int:
     """Tokens of the chunks whose KV the coming prefill reads from the store instead of computing.
 
     Checked under the engine lock after the pending write-backs finished, so it sees exactly the

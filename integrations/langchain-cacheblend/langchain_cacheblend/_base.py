@@ -10,6 +10,7 @@ from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, System
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from cacheblend_rag import CacheBlendEngine
+from cacheblend_rag.batching import Batcher
 from cacheblend_rag.matching import ChunkRegistry
 from cacheblend_rag.messages import split_messages
 from cacheblend_rag.run import Request, Run
@@ -70,8 +71,13 @@ class CacheBlendParams(BaseModel):
     a full prefill and no reuse."""
     streaming: bool = False
     """Chat model: route ``invoke`` through streaming (LangChain's standard flag)."""
+    max_batch: int = Field(default=1, ge=1)
+    """Answers decoded together when calls overlap (``batch``, ``abatch``, concurrent ``ainvoke``,
+    threads): above 1, chunked requests go through a ``cacheblend_rag.batching.Batcher`` that
+    decodes up to this many answers in one forward per token. 1: one answer at a time."""
 
     _loaded: CacheBlendEngine | None = PrivateAttr(default=None)
+    _batcher: Batcher | None = PrivateAttr(default=None)
     _warned_no_match: bool = PrivateAttr(default=False)
 
     # ------------------------------------------------------------------ engine + registry
@@ -189,7 +195,19 @@ class CacheBlendParams(BaseModel):
         return Request.plain_chat(messages, text)
 
     def _start(self, request: Request, stop: Sequence[str] | None, overrides: dict[str, Any]) -> Run:
-        return Run(self.get_engine(), request, engine_kwargs=self._engine_kwargs(stop, overrides))
+        return Run(self.get_engine(), request, engine_kwargs=self._engine_kwargs(stop, overrides), batcher=self.batcher)
+
+    @property
+    def batcher(self) -> Batcher | None:
+        """The batcher serving this model's chunked requests (None when ``max_batch`` is 1);
+        its ``steps`` and ``rows_stepped`` tell how many answers shared each decode step."""
+        if self.max_batch <= 1:
+            return None
+        engine = self.get_engine()
+        with _load_lock:
+            if self._batcher is None:
+                self._batcher = Batcher(engine, max_batch=self.max_batch)
+        return self._batcher
 
     def _metadata(self, run: Run) -> dict[str, Any]:
         assert run.result is not None

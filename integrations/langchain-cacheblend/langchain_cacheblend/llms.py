@@ -73,8 +73,10 @@ class CacheBlendLLM(CacheBlendParams, BaseLLM):
         **kwargs: Any,
     ) -> LLMResult:
         generations = []
-        for prompt in prompts:
-            run = self._start(self._request_from_text(prompt), stop, kwargs)
+        # Every run is started before any is read: with max_batch > 1 they are then decoded
+        # together; without, starting only validates and the runs go one after another.
+        runs = [self._start(self._request_from_text(prompt), stop, kwargs) for prompt in prompts]
+        for run in runs:
             for delta in run:
                 if run_manager is not None:
                     run_manager.on_llm_new_token(delta)

@@ -170,6 +170,28 @@ def test_async_and_batch(tiny_engine, documents):
     assert (a, b, s, t, cs, ab) == (refs[0], refs[1], refs[0], refs[0], refs[1], refs)
 
 
+def test_overlapping_calls_are_decoded_together_with_the_same_answers(tiny_engine, documents):
+    # max_batch > 1: batch/abatch/concurrent calls share decode steps (cacheblend_rag.batching).
+    llm = CacheBlendLLM(engine=tiny_engine, max_new_tokens=N, max_batch=4)
+    chat = ChatCacheBlend(engine=tiny_engine, max_new_tokens=N, max_batch=4, registry=ChunkRegistry())
+    questions = [QUESTION, "Where is the Eiffel Tower?", "Which river is it?", "Who painted it?"]
+    inputs = [{"question": q, "context": documents[i : i + 2]} for i, q in enumerate(questions)]
+    tiny_engine.precompute(texts(documents), progress=False)
+    tiny_engine.flush()
+    refs = [tiny_engine.generate(x["question"], texts(x["context"]), max_new_tokens=N).text for x in inputs]
+    assert llm.batch(inputs) == refs
+    assert asyncio.run(llm.abatch(inputs)) == refs
+    assert llm.batcher.rows_stepped > llm.batcher.steps  # the answers really shared decode steps
+    assert CacheBlendLLM(engine=tiny_engine).batcher is None
+    answers = chat.batch(inputs)
+    assert [m.content for m in answers] == refs
+    for m, x in zip(answers, inputs):
+        cached = sum(len(s) for s in tiny_engine.build_layout(x["question"], texts(x["context"])).segments if s.reusable)
+        assert m.usage_metadata["input_token_details"]["cache_read"] == cached
+    assert "".join(llm.stream(inputs[0])) == refs[0]
+    assert llm.invoke("Hello, no documents here") == CacheBlendLLM(engine=tiny_engine, max_new_tokens=N).invoke("Hello, no documents here")
+
+
 def test_stop_sequences_reach_the_engine(tiny_engine, documents):
     llm = CacheBlendLLM(engine=tiny_engine, max_new_tokens=N)
     x = {"question": QUESTION, "context": documents[:2]}
