@@ -19,14 +19,15 @@ from .config import BlendConfig, SamplingParams, check_mode
 from .backbone import Backbone
 from .fusor import FusionPlan, fuse, question_pass
 from .generation import DecodeState, decode
-from .kv_store import KVStore, chunk_key
-from .loader import ChunkLost, LayerAssembler, LoadSpec
+from .store.disk import KVStore
+from .store.keys import chunk_key
+from .store.loader import ChunkLost, LayerAssembler, LoadSpec
 from .prompt import DEFAULT_INSTRUCTION, PromptBuilder, PromptLayout, Segment
 from .rope import shift_keys
 from .selector import pick_chunks, pick_tokens, resolve_criterion
 
 if TYPE_CHECKING:
-    from .store_spec import StoreSpec
+    from .store.spec import StoreSpec
 
 log = logging.getLogger("cacheblend_rag.engine")
 
@@ -163,7 +164,7 @@ class CacheBlendEngine:
         were 9% of a CacheBlend prefill on the bundled model (docs/engine.md).
         """
         from .models import default_cache_dir, load_model
-        from .store_spec import open_store
+        from .store.spec import open_store
 
         loaded = load_model(model, device=device, dtype=dtype, cache_dir=cache_dir)
         home = default_cache_dir() if cache_dir is None else cache_dir

@@ -48,7 +48,7 @@ def _chunks(n: int, min_tokens: int, tokenizer, musique: Path) -> list[str]:
 
 
 def _pure_load(store, keys: list[str], num_layers: int) -> float:
-    from .tiers import read_layers
+    from .store.protocol import read_layers
 
     t0 = time.perf_counter()
     for layer in range(num_layers):
@@ -67,10 +67,12 @@ def _ttft(engine, question, chunks, **kw) -> tuple[float, dict[str, Any]]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from .controller import LoadingController
     from .engine import CacheBlendEngine
-    from .kv_store import KVStore
+    from .store.disk import KVStore
     from .paths import data_file
     from .profile import profile_engine
-    from .tiers import MemoryTier, ThrottledStore, resolve_dtype
+    from .bench.throttle import ThrottledStore
+    from .store.dtypes import resolve_dtype
+    from .store.tiers import MemoryTier
 
     musique = data_file("musique", args.musique)  # before loading the model: a missing file fails fast
     torch.manual_seed(0)
@@ -94,8 +96,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     filled = [disk]  # stores filled directly (the throttled tiers read the disk)
     if args.redis:
-        from .redis_tier import RedisConfig, RedisStore
-        from .store_spec import TIER_COSTS
+        from .store.redis_tier import RedisConfig, RedisStore
+        from .store.spec import TIER_COSTS
 
         # Its own prefix, cleared afterwards: the bench never touches the Redis's other keys.
         redis_store = RedisStore(RedisConfig(args.redis, prefix=f"pipeline-bench-{os.getpid()}"), fingerprint=engine.fingerprint)

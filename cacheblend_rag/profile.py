@@ -38,7 +38,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from .controller import DeviceProfile, FusedCost, LoadingController, TierProfile
-from .store_spec import TIER_COSTS
+from .store.spec import TIER_COSTS
 
 __all__ = [
     "FusedMeasurement", "TierReading", "default_profile_path", "device_tag", "fused_code_id", "measure_fused", "measure_prefill",
@@ -216,7 +216,7 @@ def measure_fused(
     cast/re-rotate/copy assembly, reported per loaded token): everything the pipeline cannot hide.
     The engine's store is swapped for the memory tier meanwhile and put back afterwards.
     """
-    from .tiers import MemoryTier
+    from .store.tiers import MemoryTier
 
     ratios = sorted({float(r) for r in ratios})
     if not ratios or any(not 0.0 <= r <= 1.0 for r in ratios):
@@ -259,12 +259,12 @@ def default_tiers(directory: str | Path | None = None, redis_url: str | None = N
     """Fresh stores standing for the memory and disk tiers (the disk one in ``directory``, which
     should be on the filesystem the real store uses), and the Redis at ``redis_url`` if given.
     The caller closes them."""
-    from .kv_store import KVStore
-    from .tiers import MemoryTier
+    from .store.disk import KVStore
+    from .store.tiers import MemoryTier
 
     tiers: dict[str, Any] = {"memory": MemoryTier(), "disk": KVStore(directory)}
     if redis_url:
-        from .redis_tier import RedisConfig, RedisStore
+        from .store.redis_tier import RedisConfig, RedisStore
 
         tiers["redis"] = RedisStore(RedisConfig(redis_url, prefix="cacheblend-profile"))
     return tiers
@@ -273,7 +273,7 @@ def default_tiers(directory: str | Path | None = None, redis_url: str | None = N
 def engine_redis_tiers(engine) -> dict[str, Any]:
     """The Redis tiers of ``engine``'s store by tier name, to be measured where they are: without
     them in the profile the controller cannot price a chunk found there."""
-    from .redis_tier import RedisStore
+    from .store.redis_tier import RedisStore
 
     return {t.name: t.store for t in getattr(engine.store, "tiers", []) if isinstance(t.store, RedisStore)}
 
@@ -412,7 +412,7 @@ def _parse_ratios(text: str) -> tuple[float, ...]:
 
 def _run(args: argparse.Namespace) -> int:
     from .engine import CacheBlendEngine
-    from .tiers import resolve_dtype
+    from .store.dtypes import resolve_dtype
 
     engine = CacheBlendEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
     try:

@@ -19,7 +19,7 @@ from cacheblend_rag.controller import (
     LoadingController,
     TierProfile,
 )
-from cacheblend_rag.kv_store import KVStore
+from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.profile import (
     describe,
     measure_fused,
@@ -27,7 +27,8 @@ from cacheblend_rag.profile import (
     profile_engine,
 )
 from cacheblend_rag.testing import make_model
-from cacheblend_rag.tiers import MemoryTier, ThrottledStore
+from cacheblend_rag.bench.throttle import ThrottledStore
+from cacheblend_rag.store.tiers import MemoryTier
 
 MB = 1e6
 # Without the safety headroom: these tests check the equal-delay rule itself.

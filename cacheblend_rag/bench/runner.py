@@ -95,7 +95,7 @@ TINY_CONTEXT = 8192
 def tiny_engine(store_dir: str | None = None):
     """``testing.make_engine("llama")``'s random model with an ``TINY_CONTEXT``-token window."""
     from ..engine import CacheBlendEngine
-    from ..kv_store import KVStore
+    from ..store.disk import KVStore
     from ..testing import make_model, make_tokenizer
 
     return CacheBlendEngine(make_model("llama", max_position_embeddings=TINY_CONTEXT), make_tokenizer(), store=KVStore(store_dir))
