@@ -378,9 +378,10 @@ class LoadingController:
             est_contention_s=contention_s,
         )
 
-    def decide_for(self, engine, layout) -> Decision:
-        """Decide for one request: find which tier holds each reusable chunk of ``layout``."""
-        store = engine.store
+    def decide_for(self, engine, layout, *, store: Any = None) -> Decision:
+        """Decide for one request: find which tier of ``store`` (default: the engine's) holds each
+        reusable chunk of ``layout``."""
+        store = engine.store if store is None else store
         locate = getattr(store, "locate", None)
         name = getattr(store, "tier_name", None) or self.default_tier
         loads: dict[str, int] = {}

@@ -245,7 +245,7 @@ def test_slow_tier_times_out_and_falls_back(tokenizer, tmp_path, clean):
     assert res.stats["chunk_hits"] == len(CHUNKS)
     assert eng.store.stats.timeouts == 1 and eng.store.stats.tier_hits["backup"] > 0
     eng.store.close()
-    eng._writer.shutdown(wait=True)
+    eng.close(close_store=False)
     disk.close()
 
 

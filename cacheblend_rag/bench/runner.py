@@ -316,8 +316,7 @@ def _run_cases(cfg, engine, retriever, methods, todo, results_path: Path, total:
                 new_rows.append(row)
     eng_list = [e for e in (summary_engine,) if e is not None]
     for e in eng_list:
-        e.flush()
-        e._writer.shutdown(wait=True)  # its store is the main engine's, closed by the caller
+        e.close(close_store=False)  # its store is the main engine's, closed by the caller
     return new_rows
 
 
