@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import torch
 from transformers import DynamicCache
 
-from .models import UnsupportedModelError
+from .errors import UnsupportedModelError
 
 __all__ = ["KV", "Backbone", "UnsupportedModelError", "cache_from", "cache_kwarg", "cache_layers", "check_support", "sliding_window"]
 
