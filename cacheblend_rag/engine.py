@@ -1,11 +1,17 @@
-"""CacheBlendEngine: per-chunk KV caching and the four prefill modes behind one ``generate``."""
+"""CacheBlendEngine: the four prefill modes and generation behind one ``generate``.
+
+A façade: the adapter (``backbone``) runs the model, the planner (``planner``) decides what each
+prompt position loads, computes or reuses, the chunk cache (``chunk_cache``) computes and writes
+chunk caches, the loader (``store.loader``) reads them, the fusor (``fusor``) recomputes the
+selected tokens layer by layer, and ``generation`` decodes.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -17,7 +23,7 @@ from .chunk_cache import ChunkCache
 from .config import BlendConfig, SamplingParams, check_mode
 from .fusor import FusionStats, fuse, question_pass
 from .generation import DecodeState, decode
-from .prompt import DEFAULT_INSTRUCTION, PromptBuilder, PromptLayout, Segment
+from .prompt import DEFAULT_INSTRUCTION, PromptBuilder, PromptLayout, Segment, check_texts, check_unicode, named_chunks
 from .selector import resolve_criterion
 from .store.disk import KVStore
 from .store.loader import ChunkLost, LayerAssembler
@@ -32,11 +38,11 @@ log = logging.getLogger("cacheblend_rag.engine")
 
 @dataclass
 class PrefillResult:
-    cache: DynamicCache
-    logits: torch.Tensor  # [vocab] float32
+    cache: DynamicCache  # [layers] K/V [1, kv_heads, prompt, head_dim]
+    logits: torch.Tensor  # [vocab] float32, the next token's
     layout: PromptLayout
     stats: dict[str, Any]
-    selected: list[torch.Tensor] | None = None  # per layer recomputed positions (fused modes)
+    selected: list[torch.Tensor] | None = None  # [layers][recomputed positions] (fused modes)
     # Extra model-call keywords decoding must pass on (APE reweighting of the chunks' attention).
     attention_kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -81,7 +87,7 @@ class CacheBlendEngine:
         self.model_id = model_id
         self.config = _check_config(config) or BlendConfig()
         # Read layer i+1.. from the store while layer i computes (paper section 5). None: decide per
-        # request from how layer 0's read went (loader.LayerAssembler._worth_overlap).
+        # request from how layer 0's read went (store.loader.LayerAssembler).
         self.pipelined = pipelined
         # Optional cacheblend_rag.controller.LoadingController: picks the recompute ratio of a
         # request that does not name one (stream/generate with recompute_ratio=None).
@@ -122,25 +128,25 @@ class CacheBlendEngine:
         database, read-only and empty) a warning is logged and a temporary store, deleted on
         ``close()``, is used instead.
 
-        ``store`` picks the tiers below the memory tier, fastest first (``store_spec``):
+        ``store`` picks the tiers below the memory tier, fastest first (``store.spec``):
 
         * None or ``"disk"``: the disk store above;
         * ``"redis://[[user]:password@]host:6379/0"`` (``rediss://`` for TLS): one Redis, shared by
           every worker that points at it, instead of the disk;
         * a list such as ``["disk", "redis://host:6379/0"]``: memory -> disk -> Redis, each read
           served by the first tier that holds the chunk and copied up into memory; write-backs go
-          to every tier. ``redis_tier.RedisConfig(url, prefix=..., socket_timeout_s=...)`` may
+          to every tier. ``store.redis_tier.RedisConfig(url, prefix=..., socket_timeout_s=...)`` may
           stand for a URL, and a store object for any entry.
 
         A Redis that is down or slow never fails an answer: its tier is skipped for a while and
         the chunk comes from the next tier or is recomputed. A Redis that refuses the URL's
-        password raises ``redis_tier.RedisAuthError`` here. See docs/sharing.md.
+        password raises ``store.redis_tier.RedisAuthError`` here. See docs/sharing.md.
 
         Without a ``config``, a quality profile saved by ``cacheblend-rag calibrate`` for this
         model sets the strategy and recompute ratio; otherwise ``BlendConfig()``'s defaults hold.
 
         ``memory_bytes`` (default 2 GiB; 0 turns it off) keeps recently used chunk caches in RAM
-        in front of the other tiers (``tiers.TieredStore``): the chunks RAG retrieves come back
+        in front of the other tiers (``store.tiers.TieredStore``): the chunks RAG retrieves come back
         often, and a layer read from RAM skips the database lookup, file read and checksum, which
         were 9% of a CacheBlend prefill on the bundled model (docs/engine.md).
         """
@@ -200,7 +206,7 @@ class CacheBlendEngine:
         """
         if not isinstance(neighbours, int) or isinstance(neighbours, bool) or neighbours < 0:
             raise ValueError(f"neighbours={neighbours!r} must be an int >= 0 (0: plain chunk caches only)")
-        texts = list(dict.fromkeys(_check_texts(texts)))
+        texts = list(dict.fromkeys(check_texts(texts)))
         return self.chunk_cache.precompute(self._store(store), texts, neighbours=neighbours, embed=embed, progress=progress)
 
     def flush(self) -> None:
@@ -212,7 +218,7 @@ class CacheBlendEngine:
 
     # ------------------------------------------------------------------ prefill
     def build_layout(self, question: str, chunks: Sequence[str]) -> PromptLayout:
-        _check_unicode([("question", question)] + (list(_named(chunks)) if isinstance(chunks, (list, tuple)) else []))
+        check_unicode([("question", question)] + (list(named_chunks(chunks)) if isinstance(chunks, (list, tuple)) else []))
         layout = self.prompts.build(question, chunks)
         self.backbone.check_fits(len(layout), "the prompt (instruction + chunks + question)")
         return layout
@@ -489,37 +495,3 @@ def _check_config(config: object) -> BlendConfig | None:
             "build one with cacheblend_rag.BlendConfig(**options)"
         )
     return config
-
-
-def _check_texts(texts: Iterable[str]) -> list[str]:
-    if isinstance(texts, (str, bytes)):
-        raise TypeError(f"precompute takes a list of chunk texts, got a single {type(texts).__name__}; wrap it as [text]")
-    # A dict would silently iterate its keys; a non-iterable would fail with a bare Python message.
-    if isinstance(texts, Mapping) or not isinstance(texts, Iterable):
-        raise TypeError(f"precompute takes a list of chunk texts (str), got {type(texts).__name__}")
-    out = list(texts)
-    for i, t in enumerate(out):
-        if not isinstance(t, str):
-            raise TypeError(f"chunk {i} is a {type(t).__name__}, not a str: pass the passage text")
-        if not t.strip():
-            raise ValueError(f"chunk {i} is empty or whitespace: drop it before precomputing")
-    _check_unicode(_named(out))
-    return out
-
-
-def _named(chunks: Sequence[object]) -> Iterator[tuple[str, object]]:
-    return ((f"chunk {i}", c) for i, c in enumerate(chunks))
-
-
-def _check_unicode(texts: Iterable[tuple[str, object]]) -> None:
-    """Reject lone surrogates (e.g. bytes decoded with errors="surrogateescape"): the tokenizer
-    cannot encode them and would fail deep inside its Rust binding with an opaque message."""
-    for what, text in texts:
-        if isinstance(text, str):
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise ValueError(
-                    f"{what} is not valid Unicode text ({exc.reason} at character {exc.start}): "
-                    "decode documents with errors='replace' (or strip lone surrogates) first"
-                ) from None
