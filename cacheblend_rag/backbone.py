@@ -22,8 +22,9 @@ import torch
 from transformers import DynamicCache
 
 from .errors import UnsupportedModelError
+from .store.protocol import KV
 
-__all__ = ["KV", "Backbone", "UnsupportedModelError", "cache_from", "cache_kwarg", "cache_layers", "check_support", "sliding_window"]
+__all__ = ["Backbone", "UnsupportedModelError", "cache_from", "cache_kwarg", "cache_layers", "check_support", "sliding_window"]
 
 
 # RoPE variants whose angle is not `position * inv_freq` for one fixed inv_freq: "dynamic" (NTK)
@@ -45,9 +46,6 @@ def cache_kwarg(module: torch.nn.Module) -> str:
     ``past_key_values`` to ``cache``."""
     params = inspect.signature(module.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
-
-
-KV = tuple[torch.Tensor, torch.Tensor]
 
 
 def cache_layers(cache: Any) -> list[KV]:

@@ -19,13 +19,13 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from .backbone import KV, Backbone, cache_from, cache_layers
+from .backbone import Backbone, cache_from, cache_layers
 from .planner import COMPUTE, PREFIX, Load
 from .prompt import PromptBuilder, Segment
 from .rope import shift_keys
 from .store.keys import chunk_key
 from .store.loader import LoadSpec
-from .store.protocol import ChunkStore
+from .store.protocol import KV, ChunkStore
 
 __all__ = ["ChunkCache"]
 
