@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
+from transformers import DynamicCache
 
-from .models import UnsupportedModelError
+from .errors import UnsupportedModelError
+from .store.protocol import KV
 
-__all__ = ["Backbone", "UnsupportedModelError", "cache_kwarg", "check_support", "sliding_window"]
+__all__ = ["Backbone", "UnsupportedModelError", "cache_from", "cache_kwarg", "cache_layers", "check_support", "sliding_window"]
 
 
 # RoPE variants whose angle is not `position * inv_freq` for one fixed inv_freq: "dynamic" (NTK)
@@ -44,6 +46,27 @@ def cache_kwarg(module: torch.nn.Module) -> str:
     ``past_key_values`` to ``cache``."""
     params = inspect.signature(module.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_layers(cache: Any) -> list[KV]:
+    """A transformers cache's K/V per layer: [layers](K, V) [1, kv_heads, tokens, head_dim]."""
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def cache_from(kv: Sequence[KV], *, adopt: bool = False) -> DynamicCache:
+    """A DynamicCache holding ``kv`` ([layers](K, V), each [1, kv_heads, tokens, head_dim] or
+    [kv_heads, tokens, head_dim]): copied (``update`` concatenates into new storage), or with
+    ``adopt=True`` the tensors themselves, for buffers that belong to this request alone (the
+    fusor's output: copying the whole prompt's K/V cost 2% of a CacheBlend prefill)."""
+    cache = DynamicCache()
+    for i, (k, v) in enumerate(kv):
+        k, v = (k if k.dim() == 4 else k[None]), (v if v.dim() == 4 else v[None])
+        if not adopt:
+            cache.update(k, v, i)
+            continue
+        cache.update(k[..., :0, :], v[..., :0, :], i)  # creates and initialises layer i, empty
+        cache.layers[i].keys, cache.layers[i].values = k, v
+    return cache
 
 
 def _architecture_name(model: Any) -> str:
@@ -208,8 +231,55 @@ class Backbone:
         return self.model.model.layers
 
     @property
+    def num_layers(self) -> int:
+        return int(self.model.config.num_hidden_layers)
+
+    @property
+    def kv_shape(self) -> tuple[int, int]:
+        """(kv_heads, head_dim) of every layer's K and V."""
+        config = self.model.config
+        return (config.num_key_value_heads or config.num_attention_heads, _head_dim(config))
+
+    @property
+    def context_window(self) -> int:
+        """Longest prompt plus answer, in tokens, that the fused prefill runs exactly."""
+        window = int(getattr(self.model.config, "max_position_embeddings", 0) or 0) or 2048
+        if self.window is not None:
+            # The fused mask is full causal: exact only while the whole prompt and answer fit in
+            # the sliding window (the model's cache keeps window - 1 past tokens).
+            window = min(window, self.window - 1)
+        return window
+
+    @property
     def rotary_emb(self) -> torch.nn.Module:
         return self.model.model.rotary_emb
+
+    def check_fits(self, n: int, what: str, reserve: int = 0) -> None:
+        """Refuse ``what`` (``n`` tokens, plus ``reserve`` to generate) beyond :attr:`context_window`."""
+        if n + reserve > self.context_window:
+            window = "" if self.window is None else (
+                f" (its sliding attention window of {self.window} less one: inside it the fused prefill is exact)")
+            raise ValueError(
+                f"{what} is {n} tokens{f' plus {reserve} to generate' if reserve else ''}, more than "
+                f"the model's context window of {self.context_window} tokens{window}: retrieve fewer or "
+                "shorter chunks (split long documents) or lower max_new_tokens"
+            )
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, *, start: int | None = None, cache: Any = None) -> tuple[Any, torch.Tensor]:
+        """The model's own prefill of ``ids`` [tokens] at positions ``start``.. (None: the model's
+        default, from 0) on top of ``cache`` (None: a fresh one). Returns the cache, holding every
+        layer's K/V [1, kv_heads, past + tokens, head_dim], and the last position's float32 logits
+        [vocab]."""
+        kwargs: dict[str, Any] = {}
+        if start is not None:
+            kwargs["position_ids"] = torch.arange(start, start + ids.numel(), device=ids.device)[None]
+        if cache is not None:
+            kwargs[self.model_cache_kwarg] = cache
+        out = self.model(input_ids=ids[None], use_cache=True, logits_to_keep=1, **kwargs)
+        # transformers 5.24 renamed the output's `past_key_values` to `cache` (the old name warns).
+        cache = getattr(out, "cache", None)
+        return (cache if cache is not None else out.past_key_values), out.logits[0, -1].float()
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """[tokens] -> [tokens, hidden]"""
@@ -241,8 +311,6 @@ class Backbone:
         kw = self.model_cache_kwarg
 
         def forward(start: int) -> tuple[torch.Tensor, Any]:
-            from transformers import DynamicCache
-
             cache = DynamicCache(config=config)
             out = model(input_ids=ids[None], position_ids=torch.arange(start, start + tokens, device=device)[None],
                         use_cache=True, **{kw: cache})

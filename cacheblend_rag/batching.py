@@ -311,7 +311,7 @@ class Batcher:
         ticket.started_s = time.perf_counter()
         with engine_lock(eng):
             cached = cached_chunk_tokens(eng, s)
-            pre = s.prefill_result = eng.prefill(s.layout, s.mode, s.config)
+            pre = s.prefill_result = eng.prefill(s.layout, s.mode, s.config, pipelined=s.pipelined, store=s.store)
             ticket.cache_read_tokens = cache_read_tokens(pre.stats, cached)
             if not pre.attention_kwargs:
                 batch.start(pre.cache, pre.logits, len(s.layout), s.params, ticket)

@@ -12,7 +12,10 @@ from . import __version__
 from .paths import DataFileError
 
 # Subcommand modules; each defines ``register(subparsers)``.
-SUBCOMMANDS = ("cacheblend_rag.sweep", "cacheblend_rag.bench.cli", "cacheblend_rag.bench.fidelity", "cacheblend_rag.bench.calibrate", "cacheblend_rag.profile", "cacheblend_rag.pipeline_bench")
+SUBCOMMANDS = (
+    "cacheblend_rag.bench.sweep", "cacheblend_rag.bench.cli", "cacheblend_rag.bench.fidelity", "cacheblend_rag.bench.calibrate",
+    "cacheblend_rag.bench.profile_cli", "cacheblend_rag.bench.pipeline_bench",
+)
 
 
 def split_text(text: str, tokenizer, max_tokens: int) -> list[str]:

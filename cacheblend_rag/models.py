@@ -33,6 +33,8 @@ from typing import Any
 import torch
 import transformers
 
+from .errors import ModelLoadError, UnsupportedModelError
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -70,14 +72,6 @@ _DTYPES: dict[str, torch.dtype] = {
 
 # `org/name` (a single slash, no leading "." or "/", hub-safe characters).
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
-class ModelLoadError(ValueError):
-    """The model could not be loaded; the message names the problem and how to fix it."""
-
-
-class UnsupportedModelError(ModelLoadError):
-    """The model loads but CacheBlend cannot drive it (e.g. no rotary position embeddings)."""
 
 
 @dataclass

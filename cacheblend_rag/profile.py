@@ -1,4 +1,6 @@
-"""Offline profile of a model on a device for the loading controller; ``cacheblend-rag profile``.
+"""The profiler: measures a model on a device for the loading controller (``device_profile``).
+
+``cacheblend-rag profile`` (``bench/profile_cli.py``) runs it from the command line.
 
 Measured, not assumed:
 
@@ -25,7 +27,6 @@ reused by ``LoadingController.for_engine``.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import itertools
 import logging
@@ -37,12 +38,12 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from .controller import DeviceProfile, FusedCost, LoadingController, TierProfile
-from .store_spec import TIER_COSTS
+from .device_profile import DeviceProfile, FusedCost, TierProfile, device_tag, fused_code_id
+from .store.spec import TIER_COSTS
 
 __all__ = [
-    "FusedMeasurement", "TierReading", "default_profile_path", "device_tag", "fused_code_id", "measure_fused", "measure_prefill",
-    "engine_redis_tiers", "measure_tier_read", "profile_engine", "register",
+    "FusedMeasurement", "TierReading", "default_tiers", "engine_redis_tiers", "measure_fused", "measure_prefill",
+    "measure_tier_read", "profile_engine",
 ]
 
 log = logging.getLogger("cacheblend_rag.profile")
@@ -55,40 +56,6 @@ DEFAULT_TIER_COSTS = TIER_COSTS  # relative price per stored byte (RAM, shared R
 # bent a linear fit and made the controller under-predict recompute at r~0.7 by 35%).
 DEFAULT_FUSED_RATIOS = (0.15, 0.3, 0.5)
 DEFAULT_FUSED_TOKENS = 1024  # context tokens of the fused calibration (clipped to the window)
-
-
-def device_tag(device: torch.device | str) -> str:
-    """Names the hardware a profile was measured on (CPU timings depend on the thread count)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        return "cuda-" + "".join(c if c.isalnum() else "_" for c in name)
-    return f"{device.type}-{torch.get_num_threads()}t"
-
-
-def fused_code_id() -> str:
-    """Hash of the code whose speed the fused calibration measures (fusor, loader, attention, engine):
-    a saved calibration is stale once it changes, although the model fingerprint does not."""
-    import hashlib
-
-    from . import attention, engine, fusor, loader
-
-    h = hashlib.sha1()
-    for mod in (fusor, loader, attention, engine):
-        h.update(Path(mod.__file__).read_bytes())
-    return h.hexdigest()[:16]
-
-
-def fused_code_matches(profile: DeviceProfile) -> bool:
-    """False when ``profile``'s fused calibration was measured with other fusor/loader code."""
-    code = (profile.meta.get("fused_calibration") or {}).get("code")
-    return profile.fused is None or code is None or code == fused_code_id()
-
-
-def default_profile_path(engine) -> Path:
-    from .models import default_cache_dir
-
-    return default_cache_dir() / "profiles" / f"{engine.fingerprint[:20]}-{device_tag(engine.device)}.json"
 
 
 def _random_ids(engine, n: int, seed: int = 0) -> torch.Tensor:
@@ -214,17 +181,15 @@ def measure_fused(
 
     The seconds counted are the prefill's wall time minus the loader's (which, from RAM, is the
     cast/re-rotate/copy assembly, reported per loaded token): everything the pipeline cannot hide.
-    The engine's store is swapped for the memory tier meanwhile and put back afterwards.
+    The engine reads and writes the memory tier for these prefills alone (``prefill(store=...)``).
     """
-    from .tiers import MemoryTier
+    from .store.tiers import MemoryTier
 
     ratios = sorted({float(r) for r in ratios})
     if not ratios or any(not 0.0 <= r <= 1.0 for r in ratios):
         raise ValueError(f"calibration ratios must lie in [0, 1], got {ratios}")
     layout = _calibration_layout(engine, tokens, chunks)
     mem = MemoryTier(capacity_bytes=1 << 40)
-    saved = engine.store
-    engine.store = mem
     try:
         for seg in layout.segments:
             if seg.reusable:
@@ -234,7 +199,7 @@ def measure_fused(
         def once(r: float) -> tuple[float, float]:
             _sync(engine)
             t0 = time.perf_counter()
-            res = engine.prefill(layout, "cacheblend", engine.config.with_ratio(r), pipelined=False)
+            res = engine.prefill(layout, "cacheblend", engine.config.with_ratio(r), pipelined=False, store=mem)
             _sync(engine)
             wall = time.perf_counter() - t0
             if res.stats.get("chunk_misses"):
@@ -251,7 +216,6 @@ def measure_fused(
             points.append((layout.num_context_tokens, r, best))
         return FusedMeasurement(points, assemble / max(loaded, 1), len(layout.segments) - 2)
     finally:
-        engine.store = saved
         mem.close()
 
 
@@ -259,12 +223,12 @@ def default_tiers(directory: str | Path | None = None, redis_url: str | None = N
     """Fresh stores standing for the memory and disk tiers (the disk one in ``directory``, which
     should be on the filesystem the real store uses), and the Redis at ``redis_url`` if given.
     The caller closes them."""
-    from .kv_store import KVStore
-    from .tiers import MemoryTier
+    from .store.disk import KVStore
+    from .store.tiers import MemoryTier
 
     tiers: dict[str, Any] = {"memory": MemoryTier(), "disk": KVStore(directory)}
     if redis_url:
-        from .redis_tier import RedisConfig, RedisStore
+        from .store.redis_tier import RedisConfig, RedisStore
 
         tiers["redis"] = RedisStore(RedisConfig(redis_url, prefix="cacheblend-profile"))
     return tiers
@@ -273,7 +237,7 @@ def default_tiers(directory: str | Path | None = None, redis_url: str | None = N
 def engine_redis_tiers(engine) -> dict[str, Any]:
     """The Redis tiers of ``engine``'s store by tier name, to be measured where they are: without
     them in the profile the controller cannot price a chunk found there."""
-    from .redis_tier import RedisStore
+    from .store.redis_tier import RedisStore
 
     return {t.name: t.store for t in getattr(engine.store, "tiers", []) if isinstance(t.store, RedisStore)}
 
@@ -358,105 +322,3 @@ def profile_engine(
     return profile
 
 
-def describe(
-    profile: DeviceProfile, lengths: Sequence[int] = (512, 1024, 2048), floor: float = 0.15, cpu_contention: float | None = None
-) -> str:
-    """Human-readable summary: costs, throughputs and what the controller would choose."""
-    ctl = LoadingController(profile, quality_floor=floor, cpu_contention=cpu_contention)
-    lines = [f"model {profile.model_id} ({profile.fingerprint[:12]}) on {profile.device}, {profile.dtype}, {profile.num_layers} layers"]
-    for n, s in profile.prefill_points:
-        lines.append(f"  full prefill {n:5d} tokens: {s * 1e3:8.1f} ms  ({s / n / profile.num_layers * 1e6:6.2f} us per token per layer)")
-    if profile.fused is not None:
-        f = profile.fused
-        pts = ", ".join(f"r={r:.2f}: {s / full:.2f}" for _, r, s, full in f.points)
-        where = f"  (measured at {f.points[0][0]} tokens: {pts})" if f.points else ""
-        lines.append(f"  fused prefill = ({f.fixed:.3f} + {f.per_ratio:.3f} x r) x full prefill{where}")
-        if not fused_code_matches(profile):
-            lines.append("  WARNING: calibrated against another version of the fusor/loader code: re-run with --force")
-    else:
-        lines.append("  fused prefill: not calibrated (old profile; `--force` measures it): using r x full prefill")
-    if profile.assemble_s_per_token is not None:
-        lines.append(f"  loader assembly: {profile.assemble_s_per_token * 1e6:.2f} us CPU per loaded token")
-    lines.append(f"  CPU contention factor: {ctl.cpu_contention:g} ({'CPU device' if profile.is_cpu else 'accelerator'})")
-    for name, t in profile.tiers.items():
-        cpu = f", {t.cpu_s_per_byte * 1e9:.2f} ns CPU/byte" if t.cpu_s_per_byte is not None else ""
-        lines.append(f"  tier {name:10s}: {t.read_bytes_per_s / 1e6:9.1f} MB/s read, cost {t.cost_per_byte:g}/byte, {t.element_bytes} B/element{cpu}")
-    for n in lengths:
-        picks = ", ".join(f"{t}: r={ctl.ratio_for(n, t):.2f}" for t in profile.tiers)
-        lines.append(f"  {n:5d} context tokens -> ratio {picks}; cheapest tier hiding its load at r={floor}: {ctl.cheapest_tier(floor, n)}")
-    return "\n".join(lines)
-
-
-# ------------------------------------------------------------------------------------ CLI
-
-
-def _parse_costs(text: str) -> dict[str, float]:
-    out = {}
-    for item in filter(None, (p.strip() for p in text.split(","))):
-        name, _, value = item.partition("=")
-        try:
-            out[name.strip()] = float(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"bad tier cost {item!r}; write name=number,name=number") from None
-    return out
-
-
-def _parse_ratios(text: str) -> tuple[float, ...]:
-    if text.strip().lower() in ("", "none"):
-        return ()
-    try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bad ratios {text!r}; write e.g. 0.15,0.5,1") from None
-
-
-def _run(args: argparse.Namespace) -> int:
-    from .engine import CacheBlendEngine
-    from .tiers import resolve_dtype
-
-    engine = CacheBlendEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
-    try:
-        path = Path(args.out) if args.out else default_profile_path(engine)
-        if path.is_file() and not args.force:
-            profile = DeviceProfile.load(path)
-            print(f"reusing {path} (pass --force to measure again)")
-            if profile.fused is None:
-                print("  it has no fused-cost calibration (older version): pass --force to measure it")
-            elif not fused_code_matches(profile):
-                print("  its fused-cost calibration was measured with other fusor/loader code: pass --force to re-measure")
-        else:
-            lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
-            profile = profile_engine(
-                engine, lengths=lengths, tier_costs=args.tier_cost, stored_dtype=resolve_dtype(args.stored_dtype),
-                tier_tokens=args.tier_tokens, repeats=args.repeats, fused_tokens=args.fused_tokens,
-                fused_ratios=args.fused_ratios, redis_url=args.redis,
-            )
-            profile.save(path)
-            print(f"saved {path}")
-        print(describe(profile, floor=args.floor, cpu_contention=args.cpu_contention))
-    finally:
-        engine.close()
-    return 0
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser("profile", help="measure prefill cost and storage read throughput for the loading controller")
-    p.add_argument("--model", default=None, help="model dir, .gguf file or hub id (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--out", default=None, help="profile JSON path (default: <cache home>/profiles/<fingerprint>-<device>.json)")
-    p.add_argument("--force", action="store_true", help="measure even if the profile exists")
-    p.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)), help="context lengths to time a full prefill at")
-    p.add_argument("--tier-cost", type=_parse_costs, default={}, help="relative cost per byte, e.g. memory=1,disk=0.1")
-    p.add_argument("--stored-dtype", default=None, help="dtype the tiers store K/V in (fp32/fp16/bf16; default: the model's)")
-    p.add_argument("--tier-tokens", type=int, default=512, help="size of the synthetic chunk read from each tier")
-    p.add_argument("--redis", default=None, metavar="URL", help="also profile a Redis tier at this URL (redis://host:6379/0)")
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--fused-tokens", type=int, default=DEFAULT_FUSED_TOKENS, help="context tokens of the fused-prefill calibration")
-    p.add_argument(
-        "--fused-ratios", type=_parse_ratios, default=DEFAULT_FUSED_RATIOS,
-        help="recompute ratios the fused prefill is timed at (comma-separated; 'none' skips the calibration)",
-    )
-    p.add_argument("--floor", type=float, default=0.15, help="quality floor r* for the printed choices")
-    p.add_argument("--cpu-contention", type=float, default=None, help="override the CPU contention factor for the printed choices")
-    p.set_defaults(func=_run)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 DEFAULT_INSTRUCTION = (
     "You are a helpful assistant. Answer the question using the documents the user gives. "
@@ -94,6 +94,41 @@ def normalize_chunks(chunks: object) -> list[str]:
             raise ValueError(f"chunk {i} is empty or whitespace: drop it before asking")
         seen.setdefault(c, None)
     return list(seen)
+
+
+def check_texts(texts: object) -> list[str]:
+    """The chunk texts given to ``precompute``: a list of non-empty, valid Unicode strings."""
+    if isinstance(texts, (str, bytes)):
+        raise TypeError(f"precompute takes a list of chunk texts, got a single {type(texts).__name__}; wrap it as [text]")
+    # A dict would silently iterate its keys; a non-iterable would fail with a bare Python message.
+    if isinstance(texts, Mapping) or not isinstance(texts, Iterable):
+        raise TypeError(f"precompute takes a list of chunk texts (str), got {type(texts).__name__}")
+    out = list(texts)
+    for i, t in enumerate(out):
+        if not isinstance(t, str):
+            raise TypeError(f"chunk {i} is a {type(t).__name__}, not a str: pass the passage text")
+        if not t.strip():
+            raise ValueError(f"chunk {i} is empty or whitespace: drop it before precomputing")
+    check_unicode(named_chunks(out))
+    return out
+
+
+def named_chunks(chunks: Sequence[object]) -> Iterator[tuple[str, object]]:
+    return ((f"chunk {i}", c) for i, c in enumerate(chunks))
+
+
+def check_unicode(texts: Iterable[tuple[str, object]]) -> None:
+    """Reject lone surrogates (e.g. bytes decoded with errors="surrogateescape"): the tokenizer
+    cannot encode them and would fail deep inside its Rust binding with an opaque message."""
+    for what, text in texts:
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(
+                    f"{what} is not valid Unicode text ({exc.reason} at character {exc.start}): "
+                    "decode documents with errors='replace' (or strip lone surrogates) first"
+                ) from None
 
 
 def _text_only(tokenizer):

@@ -159,6 +159,5 @@ def cached_chunk_tokens(engine, stream) -> int:
     if stream.mode == "full_recompute":
         return 0
     engine.flush()
-    return sum(
-        len(seg) for seg in stream.layout.segments if seg.reusable and engine.store.contains(engine.chunk_key(seg))
-    )
+    store = engine.store if stream.store is None else stream.store
+    return sum(len(seg) for seg in stream.layout.segments if seg.reusable and store.contains(engine.chunk_key(seg)))

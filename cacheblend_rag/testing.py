@@ -75,6 +75,6 @@ def make_model(arch: str = "llama", seed: int = 0, layers: int = 4, **overrides)
 def make_engine(arch: str = "llama", seed: int = 0, store_dir=None, **engine_kwargs):
     """A ``CacheBlendEngine`` over a tiny random model (store in ``store_dir`` or a temp dir)."""
     from .engine import CacheBlendEngine
-    from .kv_store import KVStore
+    from .store.disk import KVStore
 
     return CacheBlendEngine(make_model(arch, seed), make_tokenizer(), store=KVStore(store_dir), **engine_kwargs)

@@ -15,7 +15,7 @@ def tokenizer():
 @pytest.fixture(params=["llama", "qwen2"])
 def engine(request, tokenizer, tmp_path):
     from cacheblend_rag import CacheBlendEngine
-    from cacheblend_rag.kv_store import KVStore
+    from cacheblend_rag.store.disk import KVStore
 
     model = make_model(request.param)
     eng = CacheBlendEngine(model, tokenizer, store=KVStore(tmp_path / "kv"), pipelined=False)

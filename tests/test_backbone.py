@@ -13,7 +13,7 @@ import transformers
 from cacheblend_rag import BlendConfig
 from cacheblend_rag.backbone import Backbone, check_support, sliding_window
 from cacheblend_rag.engine import CacheBlendEngine
-from cacheblend_rag.kv_store import KVStore
+from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.models import UnsupportedModelError
 from cacheblend_rag.rope import shift_keys
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tokenizer

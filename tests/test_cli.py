@@ -164,7 +164,7 @@ def test_benchmark_commands_without_data_fail_naming_the_flag(command, no_data_e
 
 
 def test_pipeline_bench_builds_its_chunks_from_the_given_musique_file(tmp_path):
-    from cacheblend_rag.pipeline_bench import _chunks
+    from cacheblend_rag.bench.pipeline_bench import _chunks
     from cacheblend_rag.testing import make_tokenizer
 
     rows = [{"question": "q", "answers": ["a"], "ctxs": [{"title": "t", "text": p} for p in PARAGRAPHS]}]

@@ -19,15 +19,12 @@ from cacheblend_rag.controller import (
     LoadingController,
     TierProfile,
 )
-from cacheblend_rag.kv_store import KVStore
-from cacheblend_rag.profile import (
-    describe,
-    measure_fused,
-    measure_tier_read,
-    profile_engine,
-)
+from cacheblend_rag.store.disk import KVStore
+from cacheblend_rag.bench.profile_cli import describe
+from cacheblend_rag.profile import measure_fused, measure_tier_read, profile_engine
 from cacheblend_rag.testing import make_model
-from cacheblend_rag.tiers import MemoryTier, ThrottledStore
+from cacheblend_rag.bench.throttle import ThrottledStore
+from cacheblend_rag.store.tiers import MemoryTier
 
 MB = 1e6
 # Without the safety headroom: these tests check the equal-delay rule itself.
@@ -191,7 +188,7 @@ def test_engine_warns_about_an_old_profile(tokenizer, tmp_path, caplog):
         ctl = LoadingController.for_engine(eng, path, measure=False)
     assert not ctl.calibrated and "no fused-cost calibration" in caplog.text
     # A calibration measured with other fusor/loader code is used, with a warning; current code: none.
-    from cacheblend_rag.profile import fused_code_id
+    from cacheblend_rag.device_profile import fused_code_id
 
     for code, warns in (("0123456789abcdef", True), (fused_code_id(), False)):
         caplog.clear()

@@ -8,7 +8,7 @@ import torch
 
 from cacheblend_rag import BlendConfig
 from cacheblend_rag.engine import CacheBlendEngine
-from cacheblend_rag.kv_store import KVStore
+from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_model, make_tokenizer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: these tests run where a GPU is present")

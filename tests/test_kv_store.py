@@ -12,20 +12,10 @@ import diskcache
 import pytest
 import torch
 
-from cacheblend_rag.kv_record import (
-    HEADER_SIZE,
-    CorruptRecordError,
-    decode_layer,
-    encode_layer,
-)
-from cacheblend_rag.kv_store import (
-    ChunkMeta,
-    KVStore,
-    KVStoreOpenError,
-    SafeDisk,
-    UnsafeRecordError,
-    chunk_key,
-)
+from cacheblend_rag.store.record import CorruptRecordError, HEADER_SIZE, decode_layer, encode_layer
+from cacheblend_rag.store.disk import KVStore, KVStoreOpenError, SafeDisk, UnsafeRecordError
+from cacheblend_rag.store.keys import chunk_key
+from cacheblend_rag.store.meta import ChunkMeta
 
 FP = "model-fingerprint-abc123"
 

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from cacheblend_rag import CacheBlendEngine
-from cacheblend_rag.kv_store import KVStore
+from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_model
-from cacheblend_rag.tiers import MemoryTier, ThrottledStore, Tier, TieredStore
+from cacheblend_rag.bench.throttle import ThrottledStore
+from cacheblend_rag.store.tiers import MemoryTier, Tier, TieredStore
 
 CHUNKS = SAMPLE_CHUNKS
 Q = SAMPLE_QUESTION

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cacheblend_rag import BlendConfig, CacheBlendEngine
-from cacheblend_rag.kv_store import KVStore
+from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.selector import pick_chunks, pick_tokens
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_model
 

@@ -22,12 +22,12 @@ import torch
 redis = pytest.importorskip("redis", reason="redis-py is not installed (pip install 'cacheblend-rag[redis]')")
 
 from cacheblend_rag import CacheBlendEngine  # noqa: E402
-from cacheblend_rag.kv_record import encode_layer  # noqa: E402
-from cacheblend_rag.kv_store import KVStore  # noqa: E402
-from cacheblend_rag.redis_tier import RedisAuthError, RedisConfig, RedisStore  # noqa: E402
-from cacheblend_rag.store_spec import open_store  # noqa: E402
+from cacheblend_rag.store.record import encode_layer  # noqa: E402
+from cacheblend_rag.store.disk import KVStore  # noqa: E402
+from cacheblend_rag.store.redis_tier import RedisAuthError, RedisConfig, RedisStore  # noqa: E402
+from cacheblend_rag.store.spec import open_store  # noqa: E402
 from cacheblend_rag.testing import make_model  # noqa: E402
-from cacheblend_rag.tiers import MemoryTier, Tier, TieredStore  # noqa: E402
+from cacheblend_rag.store.tiers import MemoryTier, Tier, TieredStore  # noqa: E402
 
 REDIS_SERVER = shutil.which("redis-server")
 pytestmark = pytest.mark.skipif(
@@ -143,7 +143,7 @@ WORKER = textwrap.dedent(
     torch.set_num_threads(1)
     from cacheblend_rag import CacheBlendEngine, models
     from cacheblend_rag.models import LoadedModel, model_fingerprint
-    from cacheblend_rag.redis_tier import RedisConfig
+    from cacheblend_rag.store.redis_tier import RedisConfig
     from cacheblend_rag.testing import make_model, make_tokenizer
 
     url, prefix, home, question = sys.argv[1:5]

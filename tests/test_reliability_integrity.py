@@ -20,8 +20,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent / "reliability_helpers"))
 from rel_common import CHUNKS, answer, engine, fully_decodable, keys_of  # noqa: E402
 
-from cacheblend_rag.kv_record import HEADER_SIZE, encode_layer  # noqa: E402
-from cacheblend_rag.kv_store import KVStore  # noqa: E402
+from cacheblend_rag.store.record import HEADER_SIZE, encode_layer  # noqa: E402
+from cacheblend_rag.store.disk import KVStore  # noqa: E402
 
 LAYERS = 8
 MID = 5  # a middle layer: layers 0..4 load fine, then this one fails

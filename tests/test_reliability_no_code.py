@@ -163,7 +163,7 @@ def _package_sources() -> list[Path]:
 
 def test_package_source_loads_no_code() -> None:
     files = _package_sources()
-    assert REPO / "cacheblend_rag" / "kv_store.py" in files
+    assert REPO / "cacheblend_rag" / "store" / "disk.py" in files
     found = [hit for f in files for hit in code_loading_calls(f.read_text(), str(f.relative_to(REPO)))]
     assert not found, "code-loading calls in package source:\n" + "\n".join(found)
 

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from cacheblend_rag import CacheBlendEngine
-from cacheblend_rag.kv_store import KVStore
+from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.testing import make_model
-from cacheblend_rag.tiers import MemoryTier, ThrottledStore, Tier, TieredStore
+from cacheblend_rag.bench.throttle import ThrottledStore
+from cacheblend_rag.store.tiers import MemoryTier, Tier, TieredStore
 
 CHUNKS = [
     "The Eiffel Tower is in Paris, the capital of France.",
@@ -244,15 +245,15 @@ def test_slow_tier_times_out_and_falls_back(tokenizer, tmp_path, clean):
     assert res.stats["chunk_hits"] == len(CHUNKS)
     assert eng.store.stats.timeouts == 1 and eng.store.stats.tier_hits["backup"] > 0
     eng.store.close()
-    eng._writer.shutdown(wait=True)
+    eng.close(close_store=False)
     disk.close()
 
 
 def test_throttled_store_sleeps_for_bytes_over_rate(monkeypatch):
-    import cacheblend_rag.tiers as tiers
+    import cacheblend_rag.bench.throttle as throttle
 
     naps = []
-    monkeypatch.setattr(tiers.time, "sleep", naps.append)
+    monkeypatch.setattr(throttle.time, "sleep", naps.append)
     mem = MemoryTier()
     mem.put("k", _layers())
     slow = ThrottledStore(mem, bytes_per_s=LAYER_BYTES / 2.0)  # each layer should take 2 s

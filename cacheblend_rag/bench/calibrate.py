@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from ..calibration import QualityProfile, choose_ratio, quality_profile_path
 from . import datasets as ds
-from .fidelity import _answer, agreement_f1
+from .fidelity import agreement_f1, answer_once
 from .methods import parse_methods
 from .runner import BenchConfig, load_engine
 
@@ -51,9 +51,9 @@ def calibrate(engine, sample, strategy: str, ratios, target: float, max_new_toke
     scores: dict[float, list[float]] = {m.ratio: [] for m in methods}
     for question, chunks in tqdm(sample, desc="calibrate", unit="question", disable=not progress):
         engine.precompute(chunks, progress=False)
-        ref = _answer(engine, full, question, chunks, max_new_tokens)["result"].text
+        ref = answer_once(engine, full, question, chunks, max_new_tokens)["result"].text
         for m in methods:
-            got = _answer(engine, m, question, chunks, max_new_tokens)["result"].text
+            got = answer_once(engine, m, question, chunks, max_new_tokens)["result"].text
             scores[m.ratio].append(agreement_f1(got, ref))
     curve = {r: sum(v) / len(v) for r, v in scores.items() if v}
     ratio, reached = choose_ratio(curve, target)

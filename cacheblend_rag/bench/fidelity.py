@@ -100,7 +100,7 @@ def teacher_forced_loglik(engine, cache, first_logits: torch.Tensor, start: int,
     return sum(logp) / len(logp)
 
 
-def _answer(engine, method: Method, question: str, chunks: list[str], budget: int) -> dict[str, Any]:
+def answer_once(engine, method: Method, question: str, chunks: list[str], budget: int) -> dict[str, Any]:
     stream = engine.stream(question, chunks, mode=method.mode, config=method.blend_config(engine.config),
                            max_new_tokens=budget, temperature=0.0)
     for _ in stream:
@@ -166,7 +166,7 @@ def _run(cfg: FidelityConfig, engine, methods: list[Method], full: Method, todo,
             engine.precompute(chunks, neighbours=cfg.neighbours, progress=False)
             engine.flush()
             bar.set_postfix_str(f"{ex.dataset} full_recompute")
-            ref = _answer(engine, full, ex.question, chunks, cfg.max_new_tokens)
+            ref = answer_once(engine, full, ex.question, chunks, cfg.max_new_tokens)
             ref_res, ref_pre = ref["result"], ref["prefill"]
             start = len(ref_pre.layout)
             target = ref_res.token_ids
@@ -180,7 +180,7 @@ def _run(cfg: FidelityConfig, engine, methods: list[Method], full: Method, todo,
                 if (cfg.model, ex.dataset, ex.qid, m.name) in done:
                     continue
                 bar.set_postfix_str(f"{ex.dataset} {m.name}")
-                got = _answer(engine, m, ex.question, chunks, cfg.max_new_tokens)
+                got = answer_once(engine, m, ex.question, chunks, cfg.max_new_tokens)
                 res, pre = got["result"], got["prefill"]
                 s = res.stats
                 row = dict(

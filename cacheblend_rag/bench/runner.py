@@ -95,7 +95,7 @@ TINY_CONTEXT = 8192
 def tiny_engine(store_dir: str | None = None):
     """``testing.make_engine("llama")``'s random model with an ``TINY_CONTEXT``-token window."""
     from ..engine import CacheBlendEngine
-    from ..kv_store import KVStore
+    from ..store.disk import KVStore
     from ..testing import make_model, make_tokenizer
 
     return CacheBlendEngine(make_model("llama", max_position_embeddings=TINY_CONTEXT), make_tokenizer(), store=KVStore(store_dir))
@@ -316,8 +316,7 @@ def _run_cases(cfg, engine, retriever, methods, todo, results_path: Path, total:
                 new_rows.append(row)
     eng_list = [e for e in (summary_engine,) if e is not None]
     for e in eng_list:
-        e.flush()
-        e._writer.shutdown(wait=True)  # its store is the main engine's, closed by the caller
+        e.close(close_store=False)  # its store is the main engine's, closed by the caller
     return new_rows
 
 

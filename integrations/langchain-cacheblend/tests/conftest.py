@@ -10,7 +10,7 @@ from langchain_core.embeddings import DeterministicFakeEmbedding
 from langchain_core.vectorstores import InMemoryVectorStore
 
 from cacheblend_rag import CacheBlendEngine
-from cacheblend_rag.kv_store import KVStore
+from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.testing import make_model, make_tokenizer
 
 # Texts outside the tiny tokenizer's training sentences (so they take many tokens): the context

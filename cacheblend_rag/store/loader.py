@@ -18,8 +18,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .rope import apply_rotation, rotation
-from .tiers import batched_reader
+from ..rope import apply_rotation, rotation
+from .protocol import KV, batched_reader
 
 log = logging.getLogger("cacheblend_rag.loader")
 
@@ -38,7 +38,7 @@ class LoadSpec:
     length: int
     key: str  # store key
     delta: int  # positions to shift the cached keys by
-    kv: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None  # computed during this request
+    kv: Sequence[KV] | None = None  # computed during this request: [layers](K, V) [kv_heads, length, head_dim]
 
 
 class LayerAssembler:
@@ -72,7 +72,7 @@ class LayerAssembler:
         self._pending: dict[int, Future] = {}
         self._submitted = 0  # layers handed to the loader thread so far
         self._lost: str | None = None  # first chunk that failed: queued layers stop reading
-        self._rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # delta -> (cos, sin)
         if pipelined:
             self._start_pool(0)
 
@@ -92,7 +92,7 @@ class LayerAssembler:
         """
         return self.device.type != "cpu" or cpu_s < 0.5 * wall_s
 
-    def _fetch(self, layer: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], float]:
+    def _fetch(self, layer: int) -> tuple[list[KV], float]:
         """Every segment's stored K/V for ``layer`` as kept (no arithmetic), and the time it took.
 
         This is the part the loader thread runs ahead: file reads and checksums release the GIL
@@ -125,7 +125,7 @@ class LayerAssembler:
                 self._start_pool(layer + 1)
         return parts, wall_s
 
-    def _read_batch(self, layer: int) -> Iterator[tuple[torch.Tensor, torch.Tensor] | None] | None:
+    def _read_batch(self, layer: int) -> Iterator[KV | None] | None:
         """``layer`` of every chunk to load in one ``get_layers`` call (one round trip to a network
         tier), in spec order; None when the store reads one chunk at a time."""
         get_layers = batched_reader(self.store)
@@ -142,7 +142,8 @@ class LayerAssembler:
             self._lost = key
             raise ChunkLost(key) from exc
 
-    def _assemble(self, layer: int, fetched: tuple[list[tuple[torch.Tensor, torch.Tensor]], float]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _assemble(self, layer: int, fetched: tuple[list[KV], float]) -> tuple[torch.Tensor, torch.Tensor]:
+        """[specs](K, V) [kv_heads, spec.length, head_dim] -> K, V [1, kv_heads, length, head_dim]."""
         parts, fetch_s = fetched
         t0 = time.perf_counter()
         heads, dim = self.shape
@@ -169,6 +170,7 @@ class LayerAssembler:
         return self._rotations[delta]
 
     def __call__(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s K and V for the whole prompt, [1, kv_heads, length, head_dim]."""
         if self._pool is None:  # inline, or automatic mode before layer 0 has been read
             return self._assemble(layer, self._fetch(layer))
         self._submit_upto(layer + self.depth)

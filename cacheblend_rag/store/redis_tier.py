@@ -1,13 +1,13 @@
 """A Redis tier for chunk KV caches: one cache shared by every worker and machine that can reach it.
 
-``RedisStore`` has the store interface of :class:`cacheblend_rag.kv_store.KVStore` (``contains``,
+``RedisStore`` has the store interface (:class:`~cacheblend_rag.store.protocol.ChunkStore`) (``contains``,
 ``meta``, ``put``, ``get_layer``, ``discard``, ``volume``, ``clear``, ``close``, ``stats``) plus
 ``get_layers(keys, layer)``, which reads one layer of several chunks in one round trip (``MGET``);
 the layer-wise loader uses it to fetch layer i+1 of every chunk of a request while layer i computes.
 
 Records are the disk store's, byte for byte: one Redis string per chunk and layer
-(:func:`cacheblend_rag.kv_record.encode_layer`) plus the chunk's meta record
-(:func:`cacheblend_rag.kv_store.encode_meta`), written last in one ``MULTI``/``EXEC`` so a reader
+(:func:`cacheblend_rag.store.record.encode_layer`) plus the chunk's meta record
+(:func:`cacheblend_rag.store.meta.encode_meta`), written last in one ``MULTI``/``EXEC`` so a reader
 never sees half a chunk. Keys are ``<prefix>:<model tag>:<chunk key>:<layer>`` and
 ``...:meta``; the model tag is a digest of the model fingerprint, and every record also names its
 model, chunk and layer inside its checksummed header, which each read checks. A record that fails
@@ -19,7 +19,7 @@ single records, so a chunk can lose a layer after its lookup; that read is a mis
 chunk is dropped, and the engine recomputes it like any lost record.
 
 Failures: a Redis that is down, slow or restarting raises redis-py's ``ConnectionError`` /
-``TimeoutError`` after ``socket_timeout_s``. Behind a :class:`cacheblend_rag.tiers.TieredStore`
+``TimeoutError`` after ``socket_timeout_s``. Behind a :class:`cacheblend_rag.store.tiers.TieredStore`
 (which ``CacheBlendEngine.from_pretrained`` always puts in front of Redis) that benches the tier for
 ``cooldown_s``: reads fall through to the next tier or to recompute, and the next try after the
 cool-down reconnects. A server that refuses the credentials is a configuration error, not an outage:
@@ -44,14 +44,15 @@ try:  # the `redis` extra: only a Redis tier needs it
 except ImportError:  # pragma: no cover - exercised only without the extra
     redis = None  # type: ignore[assignment]
 
-from .kv_record import CorruptRecordError, dtype_name, encode_layer, validate_chunk
-from .kv_store import ChunkMeta, StoreStats, decode_chunk_layer, decode_meta, encode_meta
+from .dtypes import dtype_name
+from .meta import ChunkMeta, decode_chunk_layer, decode_meta, encode_meta
+from .protocol import KV, StoreStats
+from .record import CorruptRecordError, encode_layer, validate_chunk
 
 __all__ = ["RedisAuthError", "RedisConfig", "RedisStore", "is_redis_url"]
 
 log = logging.getLogger("cacheblend_rag.redis_tier")
 
-KV = tuple[torch.Tensor, torch.Tensor]
 _URL_SCHEMES = ("redis://", "rediss://", "unix://")
 _PREFIX = re.compile(r"[A-Za-z0-9._-]+")
 _SCAN_BATCH = 500  # keys per SCAN/UNLINK round trip in clear()

@@ -19,12 +19,12 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
-from .bench.datasets import Example, Retriever, chunk_documents, load_musique, token_counter
-from .bench.methods import answer_with_logits, settle
-from .config import BlendConfig
-from .engine import CacheBlendEngine, GenerationResult
-from .metrics import next_token_kl, qa_f1
-from .paths import data_file
+from ..config import BlendConfig
+from ..engine import CacheBlendEngine, GenerationResult
+from ..metrics import next_token_kl, qa_f1
+from ..paths import data_file
+from .datasets import Example, Retriever, chunk_documents, load_musique, token_counter
+from .methods import answer_with_logits, settle
 
 @dataclass
 class SweepConfig:

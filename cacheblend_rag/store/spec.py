@@ -3,11 +3,11 @@
 A store spec is one entry or a list of entries, fastest first, each one of
 
 * ``"disk"``: the diskcache store in ``store_dir`` (the default when ``store`` is None);
-* a Redis URL (``redis://``, ``rediss://``, ``unix://``) or a :class:`~cacheblend_rag.redis_tier.RedisConfig`;
+* a Redis URL (``redis://``, ``rediss://``, ``unix://``) or a :class:`~cacheblend_rag.store.redis_tier.RedisConfig`;
 * a store object (anything with the store interface), used as given.
 
 A memory tier of ``memory_bytes`` sits in front of them (0: none). Several entries, or any Redis
-entry, become a :class:`~cacheblend_rag.tiers.TieredStore`, whose failover keeps a Redis outage from
+entry, become a :class:`~cacheblend_rag.store.tiers.TieredStore`, whose failover keeps a Redis outage from
 failing an answer; a single disk store without a memory tier is returned bare, as before.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
-from .kv_store import KVStore, KVStoreOpenError
+from .disk import KVStore, KVStoreOpenError
 from .redis_tier import RedisConfig, RedisStore, is_redis_url
 from .tiers import MemoryTier, Tier, TieredStore
 
@@ -69,7 +69,7 @@ def open_store(
     memory_bytes: int,
 ) -> Any:
     """The store ``spec`` describes (see the module docstring). Raises
-    :class:`~cacheblend_rag.redis_tier.RedisAuthError` if a Redis refuses its credentials."""
+    :class:`~cacheblend_rag.store.redis_tier.RedisAuthError` if a Redis refuses its credentials."""
     entries = ["disk"] if spec is None else [spec] if isinstance(spec, (str, RedisConfig)) or not isinstance(spec, Sequence) else list(spec)
     if not entries:
         raise ValueError("store=[] names no tier: use 'disk', a Redis URL, or a list of them")

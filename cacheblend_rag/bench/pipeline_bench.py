@@ -48,7 +48,7 @@ def _chunks(n: int, min_tokens: int, tokenizer, musique: Path) -> list[str]:
 
 
 def _pure_load(store, keys: list[str], num_layers: int) -> float:
-    from .tiers import read_layers
+    from ..store.protocol import read_layers
 
     t0 = time.perf_counter()
     for layer in range(num_layers):
@@ -65,12 +65,14 @@ def _ttft(engine, question, chunks, **kw) -> tuple[float, dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from .controller import LoadingController
-    from .engine import CacheBlendEngine
-    from .kv_store import KVStore
-    from .paths import data_file
-    from .profile import profile_engine
-    from .tiers import MemoryTier, ThrottledStore, resolve_dtype
+    from ..controller import LoadingController
+    from ..engine import CacheBlendEngine
+    from ..paths import data_file
+    from ..profile import profile_engine
+    from ..store.disk import KVStore
+    from ..store.dtypes import resolve_dtype
+    from ..store.tiers import MemoryTier
+    from .throttle import ThrottledStore
 
     musique = data_file("musique", args.musique)  # before loading the model: a missing file fails fast
     torch.manual_seed(0)
@@ -94,8 +96,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     filled = [disk]  # stores filled directly (the throttled tiers read the disk)
     if args.redis:
-        from .redis_tier import RedisConfig, RedisStore
-        from .store_spec import TIER_COSTS
+        from ..store.redis_tier import RedisConfig, RedisStore
+        from ..store.spec import TIER_COSTS
 
         # Its own prefix, cleared afterwards: the bench never touches the Redis's other keys.
         redis_store = RedisStore(RedisConfig(args.redis, prefix=f"pipeline-bench-{os.getpid()}"), fingerprint=engine.fingerprint)
@@ -106,12 +108,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tiers[name] = (ThrottledStore(disk, mbps * 1e6, name=name), 0.01)
         if args.redis:  # a Redis behind a slow link: the same reads at the throttled rate
             tiers[f"redis_{name}"] = (ThrottledStore(redis_store, mbps * 1e6, name=f"redis_{name}"), 0.01)
-    default_store = engine.store
     results: dict[str, Any] = {"context_tokens": n_ctx, "prompt_tokens": len(layout), "chunks": len(chunks)}
     try:
         # Fill the tiers (not timed): the model's K/V, cast to the stored dtype.
-        engine.store = mem
-        engine.precompute(chunks, progress=False)
+        engine.precompute(chunks, progress=False, store=mem)
         for key in keys:
             layers = [mem.get_layer(key, i) for i in range(engine.num_layers)]
             layers = [(k.to(stored), v.to(stored)) for k, v in layers]
@@ -136,23 +136,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if rnd:
                 full_ttfts.append(t)
             for name, (store, _) in tiers.items():
-                engine.store = store
-                engine.controller = ctl
+                on = dict(store=store, controller=ctl)  # this answer reads (and writes back to) the tier
                 if rnd == 0:  # warm-up round: touch every path once, record nothing
-                    _ttft(engine, args.question, chunks)
-                    engine.controller = None
+                    _ttft(engine, args.question, chunks, **on)
                     continue
                 load = _pure_load(store, keys, engine.num_layers)
                 runs = {}
-                auto = engine.pipelined
                 for piped in ((False, True) if rnd % 2 else (True, False)):  # alternate the order
-                    engine.pipelined = piped
-                    runs[piped] = _ttft(engine, args.question, chunks)
+                    runs[piped] = _ttft(engine, args.question, chunks, pipelined=piped, **on)
                 (seq, seq_stats), (pip, pip_stats) = runs[False], runs[True]
-                engine.pipelined = True
-                flo, _ = _ttft(engine, args.question, chunks, recompute_ratio=args.floor)
-                engine.pipelined = auto
-                engine.controller = None
+                flo, _ = _ttft(engine, args.question, chunks, recompute_ratio=args.floor, pipelined=True, **on)
                 r = rows[name]
                 for k, v in (
                     ("pure_load_s", load), ("sequential_s", seq), ("pipelined_s", pip), ("pipelined_floor_s", flo),
@@ -183,8 +176,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for n in tiers:
             results["tiers"][n]["cheapest_tier_at_ratio"] = ctl.cheapest_tier(results["tiers"][n]["ratio"], n_ctx)
     finally:
-        engine.store = default_store
-        engine.controller = None
         if args.redis:
             redis_store.clear()
         for store in filled:

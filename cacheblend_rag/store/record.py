@@ -11,7 +11,7 @@ Layout (little-endian, 100-byte header, then the payload)::
     offset size field
     0      4    magic b"CBKV"
     4      2    format version (2)
-    6      1    dtype code (see DTYPE_CODES)
+    6      1    dtype code (see dtypes.DTYPE_CODES)
     7      1    reserved, must be 0
     8      12   shape: num_kv_heads, num_tokens, head_dim (uint32 each)
     20     32   blake2b-256 digest of the model fingerprint string
@@ -42,6 +42,8 @@ from typing import Sequence
 
 import torch
 
+from .dtypes import DTYPE_CODES, dtype_from_code, dtype_name
+
 __all__ = [
     "CorruptRecordError",
     "DTYPE_CODES",
@@ -49,8 +51,6 @@ __all__ = [
     "MAGIC",
     "FORMAT_VERSION",
     "decode_layer",
-    "dtype_from_name",
-    "dtype_name",
     "encode_layer",
     "fingerprint_digest",
     "identity_digest",
@@ -61,15 +61,6 @@ __all__ = [
 
 MAGIC = b"CBKV"
 FORMAT_VERSION = 2  # 2: chunk key digest and layer index in the header
-
-# Codes are part of the on-disk format: never renumber, only append.
-DTYPE_CODES: dict[torch.dtype, int] = {
-    torch.float32: 1,
-    torch.float16: 2,
-    torch.bfloat16: 3,
-    torch.float64: 4,
-}
-_CODE_TO_DTYPE: dict[int, torch.dtype] = {code: dt for dt, code in DTYPE_CODES.items()}
 
 # magic, version, dtype code, reserved, 3 shape dims, fingerprint digest, chunk digest, layer,
 # payload len, crc
@@ -114,18 +105,6 @@ def record_size(header: bytes | bytearray | memoryview) -> int:
     if magic != MAGIC or version != FORMAT_VERSION:
         raise CorruptRecordError(f"bad magic/version {magic!r}/{version}, expected {MAGIC!r}/{FORMAT_VERSION}")
     return HEADER_SIZE + payload_len
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """'torch.bfloat16' -> 'bfloat16' (the spelling stored in chunk metadata)."""
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    for dt in DTYPE_CODES:
-        if dtype_name(dt) == name:
-            return dt
-    raise ValueError(f"unsupported KV dtype name {name!r}")
 
 
 def validate_layer(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.dtype, tuple[int, int, int]]:
@@ -236,7 +215,7 @@ def decode_layer(
         raise CorruptRecordError("chunk mismatch: record belongs to another chunk (moved or swapped)")
     if rec_layer != layer:
         raise CorruptRecordError(f"layer mismatch: record holds layer {rec_layer}, read as layer {layer}")
-    dtype = _CODE_TO_DTYPE.get(code)
+    dtype = dtype_from_code(code)
     if dtype is None or reserved != 0:
         raise CorruptRecordError(f"dtype mismatch: unknown dtype code {code} / reserved byte {reserved}")
     shape = (heads, tokens, head_dim)

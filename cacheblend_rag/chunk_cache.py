@@ -1,0 +1,167 @@
+"""Chunk caches: the instruction prefix's K/V, one chunk's prefill, precompute and write-back.
+
+A chunk's cache is its own K/V, prefilled right behind the instruction prefix (or behind its most
+similar chunks, for a cross-chunk-aware cache) and stored with its keys rotated as if the chunk
+sat right after the prefix; the loader moves them to wherever the chunk lands in a prompt. The
+store to read or write is passed to each call, never kept, so one chunk cache serves any store.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from types import MappingProxyType
+from typing import Callable, Mapping, Sequence
+
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from .backbone import Backbone, cache_from, cache_layers
+from .planner import COMPUTE, PREFIX, Load
+from .prompt import PromptBuilder, Segment
+from .rope import shift_keys
+from .store.keys import chunk_key
+from .store.loader import LoadSpec
+from .store.protocol import KV, ChunkStore
+
+__all__ = ["ChunkCache"]
+
+
+class ChunkCache:
+    def __init__(self, backbone: Backbone, prompts: PromptBuilder, fingerprint: str, device: torch.device):
+        self.backbone, self.prompts, self.fingerprint, self.device = backbone, prompts, fingerprint, device
+        self._prefix_kv: list[KV] | None = None  # [layers](K, V) [1, kv_heads, prefix, head_dim]
+        # Plain chunk key -> key of the chunk's cross-chunk-aware cache (precompute(neighbours=n)).
+        # Kept per engine: precompute recomputes the neighbour sets (embeddings only) and finds
+        # stored caches again, so a changed corpus points a chunk at a new cache, never an old one.
+        self._neighbour_keys: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="cacheblend-writeback")
+
+    # ------------------------------------------------------------------ keys
+    def key(self, segment: Segment, context_ids: Sequence[int] | None = None) -> str:
+        """The store key of ``segment`` prefilled behind ``context_ids`` (default: the prefix)."""
+        ctx = self.prompts.prefix_ids if context_ids is None else context_ids
+        return chunk_key(self.fingerprint, ctx, segment.token_ids)
+
+    def prefix_key(self) -> str:
+        """The instruction prefix's key: a segment behind an empty context, as prefix caching finds it."""
+        return chunk_key(self.fingerprint, (), self.prompts.prefix_ids)
+
+    @property
+    def neighbour_keys(self) -> Mapping[str, str]:
+        """Plain chunk key -> key of its cross-chunk-aware cache (read-only)."""
+        return MappingProxyType(self._neighbour_keys)
+
+    # ------------------------------------------------------------------ computing
+    def prefix_cache(self) -> DynamicCache:
+        """A fresh cache holding the instruction prefix's K/V (computed once per engine)."""
+        with self._lock:
+            if self._prefix_kv is None:
+                ids = torch.tensor(self.prompts.prefix_ids, device=self.device)
+                cache, _ = self.backbone.forward(ids)
+                self._prefix_kv = cache_layers(cache)
+            return cache_from(self._prefix_kv)
+
+    def prefix_layers(self) -> list[KV]:
+        """The instruction prefix's K/V as a store holds them: [layers](K, V) [kv_heads, prefix, head_dim]."""
+        self.prefix_cache()
+        assert self._prefix_kv is not None
+        return [(k[0], v[0]) for k, v in self._prefix_kv]
+
+    def compute(self, segment: Segment, behind: Sequence[Segment] = ()) -> list[KV]:
+        """Prefill one chunk behind the instruction prefix (and the ``behind`` segments, for a
+        cross-chunk-aware cache); return its own K/V per layer, ``[layers](K, V) [kv_heads,
+        len(segment), head_dim]``, with keys rotated as if the chunk sat right after the prefix."""
+        plen = len(self.prompts.prefix_ids)
+        ids = [t for seg in behind for t in seg.token_ids] + list(segment.token_ids)
+        start = plen + len(ids) - len(segment)  # where the chunk itself begins
+        cache, _ = self.backbone.forward(torch.tensor(ids, device=self.device), start=plen, cache=self.prefix_cache())
+        rotary = self.backbone.rotary_emb
+        return [
+            # Loaders shift keys from the position right after the prefix: un-rotate them there.
+            (shift_keys(rotary, k[0, :, start:], plen - start).contiguous(), v[0, :, start:].contiguous())
+            for k, v in cache_layers(cache)
+        ]
+
+    # ------------------------------------------------------------------ storing
+    def store_prefix(self, store: ChunkStore) -> None:
+        """Store the instruction prefix as a segment with an empty context, so prefix caching finds it."""
+        key = self.prefix_key()
+        if not store.contains(key):
+            store.put(key, self.prefix_layers())
+
+    def precompute(
+        self,
+        store: ChunkStore,
+        texts: Sequence[str],
+        *,
+        neighbours: int = 0,
+        embed: Callable[[list[str]], torch.Tensor] | None = None,
+        progress: bool = True,
+    ) -> int:
+        """Compute and store every chunk of ``texts`` (distinct, checked) that ``store`` lacks, and
+        with ``neighbours`` > 0 each chunk's cache behind its most similar chunks. Returns how many
+        caches were computed."""
+        segments = [self.prompts.chunk_segment(t) for t in texts]
+        plen = len(self.prompts.prefix_ids)
+        computed = 0
+        self.store_prefix(store)
+        for seg in tqdm(segments, desc="precompute KV", unit="chunk", disable=not progress):
+            self.backbone.check_fits(plen + len(seg), f"chunk {seg.text[:40]!r}...")
+            key = self.key(seg)
+            if store.contains(key):
+                continue
+            store.put(key, self.compute(seg))
+            computed += 1
+        if neighbours == 0:
+            return computed
+        from .neighbours import nearest
+
+        near = nearest(list(texts), neighbours, embed)
+        for seg, idx in tqdm(list(zip(segments, near)), desc="precompute neighbour-aware KV", unit="chunk", disable=not progress):
+            if not idx:
+                continue
+            behind = [segments[j] for j in idx]
+            context = list(self.prompts.prefix_ids) + [t for b in behind for t in b.token_ids]
+            self.backbone.check_fits(len(context) + len(seg), f"chunk {seg.text[:40]!r}... behind its {len(idx)} neighbours (use fewer neighbours)")
+            nb_key = self.key(seg, context_ids=context)
+            if not store.contains(nb_key):
+                store.put(nb_key, self.compute(seg, behind))
+                computed += 1
+            self._neighbour_keys[self.key(seg)] = nb_key
+        return computed
+
+    def fill(self, loads: Sequence[Load], store: ChunkStore) -> tuple[list[LoadSpec], float]:
+        """The loader's specs for a plan's ``loads``: a miss is computed now (and written back), the
+        prefix the store lacks comes from this process's copy. Also returns the seconds spent
+        computing misses."""
+        specs: list[LoadSpec] = []
+        miss_s = 0.0
+        for load in loads:
+            if load.source == COMPUTE:
+                t0 = time.perf_counter()
+                kv = self.compute(load.segment)
+                miss_s += time.perf_counter() - t0
+                self.write_back(store, load.spec.key, kv)
+                specs.append(replace(load.spec, kv=kv))
+            elif load.source == PREFIX:
+                specs.append(replace(load.spec, kv=self.prefix_layers()))
+            else:
+                specs.append(load.spec)
+        return specs, miss_s
+
+    def write_back(self, store: ChunkStore, key: str, kv: Sequence[KV]) -> None:
+        """Store a chunk computed during a request, in the background (the answer does not wait)."""
+        self._writer.submit(store.put, key, kv)
+
+    def flush(self) -> None:
+        """Wait for background write-backs to finish."""
+        self._writer.submit(lambda: None).result()
+
+    def close(self) -> None:
+        """Finish the write-backs; the chunk cache writes nothing afterwards."""
+        self._writer.shutdown(wait=True)

@@ -1,0 +1,199 @@
+"""The planner: a prompt layout and what the store holds -> which positions load, compute or reuse.
+
+Pure: no model and no store object. The store's contents arrive as a ``contains(key)`` predicate,
+so a plan can be built and checked in a unit test. The engine then runs the plan: the chunk cache
+computes the misses, the loader assembles the loads and the fusor recomputes the selected tokens.
+
+* ``plan_prefix``: prefix caching, the longest run of segments cached behind exactly what precedes
+  them (exact reuse, nothing fused);
+* ``plan_fusion``: the fused modes (``full_reuse``, ``cacheblend``): every reusable chunk is loaded
+  (or computed, on a miss) and its positions marked as candidates for recompute;
+* ``guide``: a question-guided strategy's plan, once the question's attention has scored the
+  context (``fusor.question_pass``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Collection, Mapping, Sequence
+
+import torch
+
+from .attention import ContextAttention
+from .config import BlendConfig
+from .fusor import FusionPlan
+from .prompt import PromptLayout, Segment
+from .selector import pick_chunks, pick_tokens
+from .store.keys import chunk_key
+from .store.loader import LoadSpec
+
+__all__ = ["FusedRequest", "Load", "PrefixRequest", "context_attention", "guide", "plan_fusion", "plan_prefix"]
+
+Contains = Callable[[str], bool]  # the store's contents: is every layer of this chunk there?
+
+# Where a load's K/V come from.
+STORE = "store"  # read from the store by the loader
+COMPUTE = "compute"  # a miss: the chunk cache computes it now and writes it back
+PREFIX = "prefix"  # the instruction prefix, from this process's copy (the store lacks it)
+
+
+@dataclass(frozen=True)
+class Load:
+    """One reused segment of the prompt: where it sits, under which key, and where its K/V come from."""
+
+    spec: LoadSpec  # kv is None here: the engine fills it for COMPUTE and PREFIX loads
+    segment: Segment
+    source: str = STORE
+
+
+@dataclass
+class PrefixRequest:
+    """Prefix caching: load ``loads`` (a true prefix of ``reused`` tokens), prefill the rest."""
+
+    loads: list[LoadSpec]
+    reused: int  # prompt positions [0, reused) come from the store
+    writebacks: list[tuple[str, int, int]]  # (key, offset, length) of each segment computed here
+    hits: int  # reusable chunks loaded
+    misses: int  # reusable chunks prefilled
+
+
+@dataclass
+class FusedRequest:
+    plan: FusionPlan
+    loads: list[Load]
+    hits: int = 0  # reusable chunks found in the store
+    misses: int = 0  # reusable chunks computed for this request
+    neighbour_hits: int = 0  # chunks served by their cross-chunk-aware cache
+    hkvd: bool = False  # HKVD's checks select the tokens; otherwise the question's attention does
+
+
+def plan_prefix(layout: PromptLayout, fingerprint: str, contains: Contains, avoid: Collection[str] = ()) -> PrefixRequest:
+    """Each segment is keyed by everything before it, so only a true prefix ever matches; the
+    segments after the first miss are prefilled and written back for the next request."""
+    token_ids = layout.token_ids
+    loads: list[LoadSpec] = []
+    writebacks: list[tuple[str, int, int]] = []
+    reused = hits = misses = 0
+    for seg, off in zip(layout.segments[:-1], layout.offsets()):  # the question is never cached
+        key = chunk_key(fingerprint, token_ids[:off], seg.token_ids)
+        if reused == off and key not in avoid and contains(key):
+            loads.append(LoadSpec(off, len(seg), key, 0))
+            reused = off + len(seg)
+            hits += seg.reusable
+        else:
+            writebacks.append((key, off, len(seg)))
+            misses += seg.reusable
+    return PrefixRequest(loads, reused, writebacks, hits, misses)
+
+
+def plan_fusion(
+    layout: PromptLayout,
+    mode: str,
+    config: BlendConfig,
+    *,
+    fingerprint: str,
+    prefix_ids: Sequence[int],
+    contains: Contains,
+    num_layers: int,
+    neighbour_keys: Mapping[str, str] | None = None,
+    avoid: Collection[str] = (),
+    device: torch.device | str = "cpu",
+) -> FusedRequest:
+    """The fused prefill of ``layout`` in ``mode`` (``full_reuse`` or ``cacheblend``).
+
+    The instruction prefix is loaded (never recomputed); a chunk right after it, cached behind
+    exactly that prefix, is exact; every other chunk is a candidate for recompute, read from its
+    cross-chunk-aware cache where one was precomputed (``neighbour_keys``, plain key -> its key).
+    Keys in ``avoid`` (records lost during an earlier attempt) are never loaded: they are computed.
+    """
+    length = len(layout)
+    token_ids = layout.token_ids
+    prefix = tuple(prefix_ids)
+    always = torch.zeros(length, dtype=torch.bool, device=device)  # [length]
+    candidate = torch.zeros_like(always)
+    forced = torch.zeros_like(always)
+    loads: list[Load] = []
+    hits = misses = neighbour_hits = 0
+
+    def stored(key: str) -> bool:
+        return key not in avoid and contains(key)
+
+    for seg, off in zip(layout.segments, layout.offsets()):
+        span = slice(off, off + len(seg))
+        if not seg.reusable:
+            # The instruction prefix is exact wherever it is cached: load it, never recompute.
+            if off == 0 and seg.token_ids == prefix:
+                prefix_key = chunk_key(fingerprint, (), prefix)
+                # Not in the store (full/read-only disk, evicted, corrupt): this process's copy, the
+                # very tensors the store would hold, so the answer does not change.
+                loads.append(Load(LoadSpec(0, len(seg), prefix_key, 0), seg, STORE if stored(prefix_key) else PREFIX))
+            else:
+                always[span] = True
+            continue
+        exact = off == len(prefix) and tuple(token_ids[:off]) == prefix
+        key = chunk_key(fingerprint, prefix, seg.token_ids)
+        nb_key = (neighbour_keys or {}).get(key) if config.neighbour_caches and not exact else None
+        if nb_key is not None and stored(nb_key):
+            key = nb_key
+            neighbour_hits += 1
+        if stored(key):
+            hits += 1
+            source = STORE
+        else:
+            misses += 1
+            source = COMPUTE
+        loads.append(Load(LoadSpec(off, len(seg), key, off - len(prefix)), seg, source))
+        if not exact:
+            candidate[span] = True
+            if config.boundary_tokens:
+                forced[off : off + min(config.boundary_tokens, len(seg))] = True
+
+    hkvd = mode == "cacheblend" and config.strategy == "hkvd"
+    checks: dict[int, int] = {}  # check layer -> candidate tokens kept after it
+    if hkvd:
+        n_forced = int(forced.sum())
+        for layer, frac in config.check_points():
+            if layer < num_layers:
+                checks[layer] = max(0, math.ceil(frac * layout.num_context_tokens) - n_forced)
+    plan = FusionPlan(
+        input_ids=torch.tensor(token_ids, dtype=torch.long, device=device),
+        always=always,
+        candidate=candidate,
+        forced=forced,
+        recompute_first_layer=hkvd,
+        checks=checks,
+        num_query=len(layout.segments[-1]),
+        attention_groups=config.attention_groups,
+        context_attention=context_attention(layout, config),
+    )
+    return FusedRequest(plan, loads, hits, misses, neighbour_hits, hkvd)
+
+
+def guide(plan: FusionPlan, layout: PromptLayout, config: BlendConfig, scores: torch.Tensor) -> FusionPlan:
+    """Question-guided selection: force the context tokens (``strategy="question"``) or whole
+    chunks (``"chunk"``) the question attends to most, ``scores`` [length], on every layer, within
+    ``config.recompute_ratio`` of the context."""
+    n_forced = int(plan.forced.sum())
+    budget = max(0, math.ceil(config.recompute_ratio * layout.num_context_tokens) - n_forced)
+    selectable = plan.candidate & ~plan.forced
+    forced = plan.forced.clone()
+    if config.strategy == "question":
+        forced[pick_tokens(scores, selectable, budget, config.selection_window)] = True
+    elif budget > 0:
+        spans = [(off, off + len(seg)) for seg, off in zip(layout.segments, layout.offsets()) if bool(plan.candidate[off])]
+        for i in pick_chunks(scores, spans, budget):
+            forced[spans[i][0] : spans[i][1]] = True
+    return FusionPlan(
+        input_ids=plan.input_ids, always=plan.always, candidate=plan.candidate, forced=forced,
+        recompute_first_layer=False, num_query=plan.num_query, attention_groups=plan.attention_groups,
+        context_attention=plan.context_attention,
+    )
+
+
+def context_attention(layout: PromptLayout, config: BlendConfig) -> ContextAttention | None:
+    """APE's reweighting of the chunks (from the first chunk to the question), if configured."""
+    if not config.reweights_context or len(layout.segments) < 3:
+        return None
+    offsets = layout.offsets()
+    return ContextAttention(offsets[1], offsets[-1], config.context_temperature, config.context_scale)

@@ -1,0 +1,24 @@
+"""Chunk KV caches at rest: keys, the record and meta formats, the stores and tiers, the loader.
+
+* ``protocol``: the ``ChunkStore`` interface every store below has (and ``read_layers``);
+* ``keys``: ``chunk_key``, the content hash naming a chunk's cache;
+* ``dtypes``: the one table of storable K/V dtypes (record codes, names, tier aliases);
+* ``record``, ``meta``: the checksummed raw-bytes layer record and a chunk's meta record;
+* ``disk``: ``KVStore``, the diskcache store (never unpickles, survives a full or read-only disk);
+* ``tiers``: ``MemoryTier`` and ``TieredStore`` (memory in front of disk and/or Redis, failover);
+* ``redis_tier``: ``RedisStore``, shared by workers and machines;
+* ``spec``: ``open_store``, the tier list ``CacheBlendEngine.from_pretrained(store=...)`` names;
+* ``loader``: ``LayerAssembler``, one layer of a prompt's K/V from the store, optionally read ahead.
+"""
+
+from .disk import KVStore, KVStoreOpenError
+from .dtypes import resolve_dtype
+from .keys import chunk_key
+from .meta import ChunkMeta
+from .protocol import KV, BatchedChunkStore, ChunkStore, StoreStats, read_layers
+from .tiers import MemoryTier, Tier, TieredStore
+
+__all__ = [
+    "KV", "BatchedChunkStore", "ChunkMeta", "ChunkStore", "KVStore", "KVStoreOpenError", "MemoryTier", "StoreStats",
+    "Tier", "TieredStore", "chunk_key", "read_layers", "resolve_dtype",
+]

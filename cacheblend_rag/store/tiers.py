@@ -1,0 +1,453 @@
+"""Storage tiers for chunk KV caches: a byte-bounded memory LRU in front of the disk store (and/or
+a Redis tier, ``redis_tier.py``).
+
+``TieredStore`` has the interface the engine uses on its ``store`` (``contains``, ``meta``, ``put``,
+``get_layer``, ``get_layers``, ``discard``, ``close``, ``stats``, ``volume``), so
+``CacheBlendEngine(model, tok, store=TieredStore.memory_over_disk(...))`` needs no engine change.
+
+* Reads try the tiers in order; ``get_layers`` asks each tier once for one layer of all the chunks
+  the tiers above it lacked (one round trip to a network tier that offers ``get_layers``, such as
+  ``redis_tier.RedisStore``; one ``get_layer`` per chunk otherwise). A hit in a lower tier is copied
+  into the tiers above it that can hold single layers (``MemoryTier``): promotion, so the next
+  request reads from memory.
+* Writes (``precompute`` and the engine's background write-back of chunks computed during a
+  request) go to every healthy tier, memory first, so the next request hits memory.
+* ``dtype`` casts chunks on ``put`` (fp16/bf16 halve what is stored and read); the loader casts
+  K and V back to the model dtype.
+* A tier that raises, or whose read takes longer than its ``read_timeout_s``, is skipped for
+  ``cooldown_s``: the read falls through to the next tier, then to "miss" (the engine recomputes
+  the chunk). Each such event is logged and counted in ``stats.fallbacks``; nothing raises."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from .disk import KVStore
+from .dtypes import dtype_name, resolve_dtype
+from .meta import ChunkMeta
+from .protocol import KV, kv_bytes, read_layers
+
+__all__ = ["MemoryTier", "Tier", "TieredStats", "TieredStore"]
+
+log = logging.getLogger("cacheblend_rag.tiers")
+
+
+# ------------------------------------------------------------------------ memory tier
+
+
+@dataclass
+class MemoryStats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0  # layers evicted to stay under the byte budget
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class MemoryTier:
+    """CPU-RAM LRU of (chunk key, layer) -> (K, V), bounded by ``capacity_bytes``.
+
+    Eviction is per layer (least recently read or written first), like the disk store, so a big
+    chunk can be partly resident; ``contains`` is true only while all its layers are.
+    """
+
+    tier_name = "memory"
+
+    def __init__(self, capacity_bytes: int = 2 * 2**30) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes={capacity_bytes} must be > 0")
+        self.capacity_bytes = capacity_bytes
+        self.stats = MemoryStats()
+        self._lru: OrderedDict[tuple[str, int], KV] = OrderedDict()
+        self._metas: dict[str, ChunkMeta] = {}  # chunks with at least one resident layer
+        self._resident: dict[str, int] = {}  # chunk -> resident layer count
+        self._bytes = 0
+        self._lock = threading.Lock()  # loader, write-back and request threads share the tier
+
+    # The store interface -------------------------------------------------------------------
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            meta = self._metas.get(key)
+            return meta is not None and self._resident.get(key, 0) == meta.num_layers
+
+    def meta(self, key: str) -> ChunkMeta | None:
+        return self._metas.get(key) if self.contains(key) else None
+
+    def num_layers_of(self, key: str) -> int | None:
+        """Layer count of a chunk with any resident layer (saves a lower-tier lookup on promotion)."""
+        meta = self._metas.get(key)
+        return meta.num_layers if meta is not None else None
+
+    def put(self, key: str, layers: Sequence[KV]) -> bool:
+        layers = list(layers)
+        if not layers:
+            raise ValueError("put needs at least one layer")
+        size = sum(kv_bytes(k, v) for k, v in layers)
+        if size > self.capacity_bytes:
+            return False  # would only evict everything, itself included: leave it to lower tiers
+        for i, (k, v) in enumerate(layers):
+            self.put_layer(key, i, k, v, len(layers))
+        return True
+
+    def put_layer(self, key: str, layer: int, k: torch.Tensor, v: torch.Tensor, num_layers: int) -> None:
+        # Own copies on the CPU: callers' tensors may be views of caches that live on.
+        k = k.detach().to("cpu", copy=True)
+        v = v.detach().to("cpu", copy=True)
+        size = kv_bytes(k, v)
+        if size > self.capacity_bytes:
+            return
+        with self._lock:
+            old = self._lru.pop((key, layer), None)
+            if old is not None:
+                self._bytes -= kv_bytes(*old)
+                self._resident[key] -= 1
+            self._metas.setdefault(key, ChunkMeta(int(k.shape[1]), num_layers, dtype_name(k.dtype)))
+            self._lru[(key, layer)] = (k, v)
+            self._resident[key] = self._resident.get(key, 0) + 1
+            self._bytes += size
+            self.stats.bytes_written += size
+            while self._bytes > self.capacity_bytes:
+                self._evict_oldest()
+
+    def _evict_oldest(self) -> None:
+        (key, _), kv = self._lru.popitem(last=False)
+        self._bytes -= kv_bytes(*kv)
+        self.stats.evictions += 1
+        self._resident[key] -= 1
+        if self._resident[key] == 0:
+            del self._resident[key], self._metas[key]
+
+    def get_layer(self, key: str, layer: int, device: torch.device | str | None = None) -> KV | None:
+        with self._lock:
+            kv = self._lru.get((key, layer))
+            if kv is None:
+                self.stats.misses += 1
+                return None
+            self._lru.move_to_end((key, layer))
+            self.stats.hits += 1
+            self.stats.bytes_read += kv_bytes(*kv)
+        k, v = kv
+        if device is not None and torch.device(device).type != "cpu":
+            k, v = k.to(device, non_blocking=True), v.to(device, non_blocking=True)
+        return k, v
+
+    def discard(self, key: str) -> None:
+        with self._lock:
+            for layer in range(self._metas.get(key, ChunkMeta(0, 0, "")).num_layers):
+                kv = self._lru.pop((key, layer), None)
+                if kv is not None:
+                    self._bytes -= kv_bytes(*kv)
+            self._metas.pop(key, None)
+            self._resident.pop(key, None)
+
+    def volume(self) -> int:
+        return self._bytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._lru.clear()
+            self._metas.clear()
+            self._resident.clear()
+            self._bytes = 0
+
+    def close(self) -> None:
+        self.clear()
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def __repr__(self) -> str:
+        return f"MemoryTier({self._bytes}/{self.capacity_bytes} bytes, {len(self._lru)} layers)"
+
+
+# ------------------------------------------------------------------------ tiered store
+
+
+@dataclass
+class Tier:
+    """One storage level of a ``TieredStore``.
+
+    cost_per_byte: relative price of keeping a byte here (only compared between tiers; the
+        loading controller picks the cheapest tier whose load the recompute still hides).
+    read_timeout_s: a read (one layer of the chunks asked for together) slower than this counts
+        as a failure and falls through (None: wait as long as it takes; reads then run on the
+        caller's thread, no hand-off).
+    """
+
+    store: Any
+    name: str = ""
+    cost_per_byte: float = 1.0
+    read_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            self.name = getattr(self.store, "tier_name", None) or type(self.store).__name__.lower()
+
+
+@dataclass
+class TieredStats:
+    hits: int = 0  # layer reads served by some tier
+    misses: int = 0  # layer reads no tier could serve (the engine recomputes the chunk)
+    promotions: int = 0  # layers copied up into a faster tier after a lower-tier hit
+    fallbacks: int = 0  # a tier failed or timed out and the next one (or recompute) was used
+    timeouts: int = 0
+    errors: int = 0  # exceptions raised by a tier (reads, writes, lookups)
+    bytes_read: int = 0
+    bytes_written: int = 0
+    write_errors: int = 0
+    tier_hits: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class TieredStore:
+    """Chunk KV store over ordered tiers (fastest first); see the module docstring."""
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier | Any],
+        *,
+        dtype: str | torch.dtype | None = None,
+        cooldown_s: float = 30.0,
+        promote: bool = True,
+    ) -> None:
+        """``tiers``: ``Tier``s or bare stores, fastest first. ``dtype``: stored dtype
+        (``fp32``/``fp16``/``bf16``; None stores what it is given). ``cooldown_s``: how long a
+        tier that failed or timed out is skipped before it is tried again."""
+        self.tiers = [t if isinstance(t, Tier) else Tier(t) for t in tiers]
+        if not self.tiers:
+            raise ValueError("TieredStore needs at least one tier")
+        names = [t.name for t in self.tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must be unique, got {names}")
+        self.dtype = resolve_dtype(dtype)
+        self.cooldown_s = cooldown_s
+        self.promote = promote
+        self.stats = TieredStats(tier_hits={n: 0 for n in names})
+        self._sick_until = [0.0] * len(self.tiers)
+        self._lock = threading.Lock()
+        self._pools: dict[int, ThreadPoolExecutor] = {}
+        for i, t in enumerate(self.tiers):
+            if t.read_timeout_s is not None:
+                # Two workers: one abandoned (timed-out) read cannot block the next attempt.
+                self._pools[i] = ThreadPoolExecutor(2, thread_name_prefix=f"cacheblend-tier-{t.name}")
+        self._closed = False
+
+    @classmethod
+    def memory_over_disk(
+        cls,
+        directory: str | None = None,
+        *,
+        memory_bytes: int = 2 * 2**30,
+        disk_bytes: int = 8 * 2**30,
+        fingerprint: str = "",
+        dtype: str | torch.dtype | None = None,
+        disk_timeout_s: float | None = None,
+        disk: Any | None = None,
+    ) -> "TieredStore":
+        """The usual set-up: a ``MemoryTier`` in front of a ``KVStore`` on ``directory``."""
+        disk = disk if disk is not None else KVStore(directory, size_limit=disk_bytes, fingerprint=fingerprint)
+        return cls(
+            [Tier(MemoryTier(memory_bytes), "memory", 1.0), Tier(disk, "disk", 0.1, disk_timeout_s)],
+            dtype=dtype,
+        )
+
+    # Helpers ---------------------------------------------------------------------------------
+    def tier(self, name: str) -> Tier:
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise KeyError(f"no tier named {name!r}; tiers are {[t.name for t in self.tiers]}")
+
+    def _healthy(self, i: int) -> bool:
+        return time.monotonic() >= self._sick_until[i]
+
+    def _fail(self, i: int, what: str, exc: BaseException | None) -> None:
+        """Count a tier failure and bench the tier for ``cooldown_s``."""
+        t = self.tiers[i]
+        with self._lock:
+            self.stats.fallbacks += 1
+            if exc is None:
+                self.stats.timeouts += 1
+            else:
+                self.stats.errors += 1
+            self._sick_until[i] = time.monotonic() + self.cooldown_s
+        reason = f"took longer than {t.read_timeout_s}s" if exc is None else f"failed: {exc!r}"
+        log.warning(
+            "storage tier %r %s on %s; skipping it for %.0fs and using the next tier or recompute",
+            t.name, reason, what, self.cooldown_s,
+        )
+
+    def _call(self, i: int, what: str, fn, *args, timed: bool = False):
+        """Run ``fn`` on tier ``i``; on failure/timeout bench the tier and return ``_FAILED``."""
+        pool = self._pools.get(i) if timed else None
+        try:
+            if pool is None:
+                return fn(*args)
+            return pool.submit(fn, *args).result(timeout=self.tiers[i].read_timeout_s)
+        except FutureTimeout:
+            self._fail(i, what, None)  # the read goes on in the pool; its result is dropped
+        except Exception as exc:  # noqa: BLE001 - a storage fault must degrade, never crash
+            self._fail(i, what, exc)
+        return _FAILED
+
+    def _cast(self, layers: Sequence[KV]) -> list[KV]:
+        if self.dtype is None:
+            return list(layers)
+        return [(k.to(self.dtype), v.to(self.dtype)) for k, v in layers]
+
+    # The store interface ---------------------------------------------------------------------
+    def locate(self, key: str) -> str | None:
+        """Name of the first healthy tier holding the whole chunk, or None."""
+        for i, t in enumerate(self.tiers):
+            if self._healthy(i):
+                got = self._call(i, f"lookup of {key[:16]}", t.store.contains, key)
+                if got is not _FAILED and got:
+                    return t.name
+        return None
+
+    def contains(self, key: str) -> bool:
+        return self.locate(key) is not None
+
+    def meta(self, key: str) -> ChunkMeta | None:
+        for i, t in enumerate(self.tiers):
+            if self._healthy(i):
+                got = self._call(i, f"lookup of {key[:16]}", t.store.meta, key)
+                if got is not _FAILED and got is not None:
+                    return got
+        return None
+
+    def put(self, key: str, layers: Sequence[KV]) -> bool:
+        """Write to every healthy tier (memory first). True if at least one tier took it.
+
+        A tier that declines (returns False: full, or a storage fault it logged itself) is
+        skipped; one that raises is benched like a failed read."""
+        layers = self._cast(layers)
+        ok = False
+        for i, t in enumerate(self.tiers):
+            if not self._healthy(i):
+                continue
+            if self._call(i, f"lookup of {key[:16]}", t.store.contains, key) is True:
+                ok = True
+                continue
+            got = self._call(i, f"write of {key[:16]}", t.store.put, key, layers)
+            if got is _FAILED:
+                with self._lock:
+                    self.stats.write_errors += 1
+            ok = ok or got is True
+        if ok:
+            with self._lock:
+                self.stats.bytes_written += sum(kv_bytes(k, v) for k, v in layers)
+        return ok
+
+    def get_layer(self, key: str, layer: int, device: torch.device | str | None = None) -> KV | None:
+        return self.get_layers([key], layer, device)[0]
+
+    def get_layers(self, keys: Sequence[str], layer: int, device: torch.device | str | None = None) -> list[KV | None]:
+        """``layer`` of every chunk in ``keys`` (None where no tier has it), each tier asked once
+        for the chunks the tiers above it lacked: one round trip to a tier with ``get_layers``."""
+        keys = list(keys)
+        out: list[KV | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        for i, t in enumerate(self.tiers):
+            if not todo:
+                break
+            if not self._healthy(i):
+                continue
+            asked = [keys[j] for j in todo]
+            what = f"read of {asked[0][:16]}/{layer}" + (f" and {len(asked) - 1} more chunks" if len(asked) > 1 else "")
+            got = self._call(i, what, read_layers, t.store, asked, layer, device, timed=True)
+            if got is _FAILED:
+                continue
+            left = []
+            for j, kv in zip(todo, got):
+                if kv is None:
+                    left.append(j)
+                    continue
+                out[j] = kv
+                with self._lock:
+                    self.stats.hits += 1
+                    self.stats.bytes_read += kv_bytes(*kv)
+                    self.stats.tier_hits[t.name] += 1
+                if self.promote and i > 0:
+                    self._promote(i, keys[j], layer, *kv)
+            todo = left
+        with self._lock:
+            self.stats.misses += len(todo)
+        return out
+
+    def _promote(self, src: int, key: str, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        uppers = [j for j in range(src) if hasattr(self.tiers[j].store, "put_layer") and self._healthy(j)]
+        if not uppers:
+            return
+        num_layers = next((n for j in uppers if (n := getattr(self.tiers[j].store, "num_layers_of", lambda _: None)(key))), None)
+        if num_layers is None:
+            meta = self._call(src, f"lookup of {key[:16]}", self.tiers[src].store.meta, key)
+            if meta is _FAILED or meta is None:
+                return
+            num_layers = meta.num_layers
+        for j in uppers:
+            if self._call(j, f"promotion of {key[:16]}", self.tiers[j].store.put_layer, key, layer, k, v, num_layers) is not _FAILED:
+                with self._lock:
+                    self.stats.promotions += 1
+
+    def discard(self, key: str) -> None:
+        """Drop the chunk from every healthy tier. A benched tier keeps its copy: it was slow or
+        unreachable, not wrong (a store that finds a corrupt record drops it itself)."""
+        for i, t in enumerate(self.tiers):
+            if self._healthy(i):
+                self._call(i, f"discard of {key[:16]}", t.store.discard, key)
+
+    def volume(self) -> int:
+        total = 0
+        for i, t in enumerate(self.tiers):
+            got = self._call(i, "volume", t.store.volume)
+            total += got if isinstance(got, int) else 0
+        return total
+
+    def clear(self) -> None:
+        for i, t in enumerate(self.tiers):
+            if hasattr(t.store, "clear"):
+                self._call(i, "clear", t.store.clear)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for pool in self._pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
+        for i, t in enumerate(self.tiers):
+            self._call(i, "close", t.store.close)
+
+    @property
+    def directory(self):
+        """The first tier's directory that has one (the disk store's), for tools that print it."""
+        for t in self.tiers:
+            if hasattr(t.store, "directory"):
+                return t.store.directory
+        return None
+
+    def __enter__(self) -> "TieredStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return "TieredStore(" + ", ".join(f"{t.name}={t.store!r}" for t in self.tiers) + ")"
+
+
+_FAILED = object()  # sentinel: the tier raised or timed out

@@ -1,0 +1,160 @@
+"""The planner on hand-made layouts and store contents: no model, no store object."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cacheblend_rag import BlendConfig
+from cacheblend_rag.planner import COMPUTE, PREFIX, STORE, context_attention, guide, plan_fusion, plan_prefix
+from cacheblend_rag.prompt import PromptLayout, Segment
+from cacheblend_rag.store.keys import chunk_key
+
+FP = "planner-test-model"
+PREFIX_IDS = (1, 2, 3)
+CHUNKS = ((10, 11, 12, 13), (20, 21, 22), (30, 31, 32, 33, 34))
+QUESTION = (40, 41)
+
+
+def _layout(chunks=CHUNKS, prefix=PREFIX_IDS) -> PromptLayout:
+    return PromptLayout(
+        (Segment("prefix", prefix, reusable=False),)
+        + tuple(Segment(f"chunk {i}", c, reusable=True) for i, c in enumerate(chunks))
+        + (Segment("question", QUESTION, reusable=False),)
+    )
+
+
+def _plain_key(chunk) -> str:
+    return chunk_key(FP, PREFIX_IDS, chunk)
+
+
+def _prefix_key() -> str:
+    return chunk_key(FP, (), PREFIX_IDS)
+
+
+def _fusion(layout, stored, mode="cacheblend", config=None, **kw):
+    return plan_fusion(
+        layout, mode, config or BlendConfig(strategy="hkvd"), fingerprint=FP, prefix_ids=PREFIX_IDS,
+        contains=stored.__contains__, num_layers=4, **kw,
+    )
+
+
+# ------------------------------------------------------------------ prefix caching
+
+
+def _prefix_keys(layout) -> list[str]:
+    ids = layout.token_ids
+    return [chunk_key(FP, ids[:off], seg.token_ids) for seg, off in zip(layout.segments[:-1], layout.offsets())]
+
+
+def test_prefix_plan_loads_every_cached_segment_and_prefills_the_question():
+    layout = _layout()
+    req = plan_prefix(layout, FP, set(_prefix_keys(layout)).__contains__)
+    assert [(s.start, s.length, s.delta) for s in req.loads] == [(0, 3, 0), (3, 4, 0), (7, 3, 0), (10, 5, 0)]
+    assert req.reused == layout.offsets()[-1] and req.writebacks == []
+    assert (req.hits, req.misses) == (3, 0)
+
+
+def test_prefix_plan_stops_at_the_first_miss_and_writes_back_the_rest():
+    layout = _layout()
+    keys = _prefix_keys(layout)
+    stored = {keys[0], keys[1], keys[3]}  # chunk 1 missing: chunk 2 is cached but no longer a prefix
+    req = plan_prefix(layout, FP, stored.__contains__)
+    assert [s.key for s in req.loads] == keys[:2] and req.reused == 7
+    assert req.writebacks == [(keys[2], 7, 3), (keys[3], 10, 5)]
+    assert (req.hits, req.misses) == (1, 2)
+
+
+def test_prefix_plan_never_loads_a_key_lost_earlier():
+    layout = _layout()
+    keys = _prefix_keys(layout)
+    req = plan_prefix(layout, FP, set(keys).__contains__, avoid={keys[0]})
+    assert req.loads == [] and req.reused == 0 and len(req.writebacks) == 4
+
+
+# ------------------------------------------------------------------ fused modes
+
+
+def test_fusion_plan_marks_exact_candidate_and_always_positions():
+    layout = _layout()
+    stored = {_prefix_key(), *map(_plain_key, CHUNKS)}
+    req = _fusion(layout, stored)
+    plan = req.plan
+    assert plan.input_ids.tolist() == layout.token_ids
+    assert [(l.spec.start, l.spec.length, l.spec.delta, l.source) for l in req.loads] == [
+        (0, 3, 0, STORE), (3, 4, 0, STORE), (7, 3, 4, STORE), (10, 5, 7, STORE),
+    ]
+    # The first chunk sits behind exactly the prefix it was cached behind: reused as is.
+    assert plan.candidate.nonzero().flatten().tolist() == list(range(7, 15))
+    assert plan.always.nonzero().flatten().tolist() == [15, 16]  # the question
+    assert not plan.forced.any() and plan.num_query == 2
+    assert (req.hits, req.misses, req.neighbour_hits) == (3, 0, 0)
+
+
+def test_fusion_plan_computes_misses_and_uses_the_process_prefix_when_the_store_lacks_it():
+    layout = _layout()
+    stored = {_plain_key(CHUNKS[0])}
+    req = _fusion(layout, stored, avoid={_plain_key(CHUNKS[0])})  # lost during an earlier attempt
+    assert [l.source for l in req.loads] == [PREFIX, COMPUTE, COMPUTE, COMPUTE]
+    assert (req.hits, req.misses) == (0, 3)
+    req = _fusion(layout, stored)
+    assert [l.source for l in req.loads] == [PREFIX, STORE, COMPUTE, COMPUTE]
+
+
+def test_fusion_plan_reads_neighbour_aware_caches_except_for_the_first_chunk():
+    layout = _layout()
+    nb = {_plain_key(c): f"nb-{i}" for i, c in enumerate(CHUNKS)}
+    stored = {_prefix_key(), *map(_plain_key, CHUNKS), "nb-0", "nb-1"}  # chunk 2's is gone
+    req = _fusion(layout, stored, neighbour_keys=nb)
+    assert [l.spec.key for l in req.loads[1:]] == [_plain_key(CHUNKS[0]), "nb-1", _plain_key(CHUNKS[2])]
+    assert req.neighbour_hits == 1 and req.hits == 3
+    off = _fusion(layout, stored, config=BlendConfig(strategy="hkvd", neighbour_caches=False), neighbour_keys=nb)
+    assert off.neighbour_hits == 0 and [l.spec.key for l in off.loads[1:]] == list(map(_plain_key, CHUNKS))
+
+
+def test_hkvd_plans_checks_and_boundary_tokens():
+    layout = _layout()
+    config = BlendConfig(strategy="hkvd", recompute_ratio=0.5, filter_layers=2, boundary_tokens=1)
+    plan = _fusion(layout, set(), config=config).plan
+    assert plan.recompute_first_layer
+    assert plan.forced.nonzero().flatten().tolist() == [7, 10]  # first token of each non-exact chunk
+    # 12 context tokens, 2 forced: keep ceil(frac * 12) - 2 after each check layer.
+    assert plan.checks == {1: 7, 2: 4}
+    reuse = _fusion(layout, set(), mode="full_reuse", config=config).plan
+    assert not reuse.recompute_first_layer and reuse.checks == {}
+
+
+def test_checks_past_the_last_layer_are_dropped():
+    config = BlendConfig(strategy="hkvd", schedule=((1, 0.5), (6, 0.2)))
+    assert list(_fusion(_layout(), set(), config=config).plan.checks) == [1]
+
+
+def test_a_prompt_without_the_cached_prefix_recomputes_its_head():
+    layout = _layout(prefix=(9, 9, 9))
+    req = _fusion(layout, {_prefix_key()})
+    assert req.plan.always[:3].all() and [l.spec.start for l in req.loads] == [3, 7, 10]
+    assert req.plan.candidate[3:7].all()  # no chunk is exact behind another prefix
+
+
+# ------------------------------------------------------------------ question guidance
+
+
+@pytest.mark.parametrize("strategy", ["question", "chunk"])
+def test_guide_forces_what_the_question_reads_most_within_the_budget(strategy):
+    layout = _layout()
+    plan = _fusion(layout, set(), mode="cacheblend", config=BlendConfig(strategy=strategy)).plan
+    scores = torch.zeros(len(layout))
+    scores[[8, 9, 12]] = torch.tensor([0.5, 0.4, 0.8])  # chunk 1 holds two hot tokens (0.9 in all), chunk 2 the hottest
+    config = BlendConfig(strategy=strategy, recompute_ratio=0.25)  # 3 of 12 context tokens
+    guided = guide(plan, layout, config, scores)
+    picked = guided.forced.nonzero().flatten().tolist()
+    assert picked == ([8, 9, 12] if strategy == "question" else [7, 8, 9])  # tokens, or the chunk read most
+    assert not guided.recompute_first_layer and guided.checks == {}
+    assert torch.equal(guided.candidate, plan.candidate) and torch.equal(guided.always, plan.always)
+
+
+def test_context_attention_spans_the_chunks_only_when_reweighting():
+    layout = _layout()
+    assert context_attention(layout, BlendConfig()) is None
+    spec = context_attention(layout, BlendConfig(context_temperature=0.9, context_scale=0.9))
+    assert (spec.start, spec.end) == (3, 15)
