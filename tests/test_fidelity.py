@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cacheblend_rag.bench.fidelity import (
-    FidelityConfig, agreement_f1, bootstrap_mean_ci, run_fidelity, summarize, teacher_forced_loglik,
+    FidelityConfig, agreement_f1, first_token_margin, bootstrap_mean_ci, run_fidelity, summarize, teacher_forced_loglik,
 )
 from cacheblend_rag.bench.methods import parse_methods
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION
@@ -30,6 +30,13 @@ def test_teacher_forced_loglik_equals_a_full_forward_over_prompt_and_answer(engi
     engine.model(input_ids=torch.tensor([[7, 8]]), position_ids=torch.tensor([[len(layout), len(layout) + 1]]),
                  use_cache=True, cache=pre.cache)
     assert teacher_forced_loglik(engine, pre.cache, pre.logits, len(layout), target) == pytest.approx(expected, abs=1e-4)
+
+
+def test_first_token_margin_is_the_log_probability_gap_of_the_top_two():
+    logits = torch.tensor([0.0, 2.0, 1.0, -1.0])
+    logp = torch.log_softmax(logits, -1)
+    assert first_token_margin(logits) == pytest.approx(float(logp[1] - logp[2]))
+    assert first_token_margin(torch.tensor([3.0, 3.0])) == 0.0
 
 
 def test_agreement_and_bootstrap():
@@ -78,6 +85,13 @@ def test_fidelity_run_scores_an_exact_method_as_agreeing(tmp_path):
     summary = {e["method"]: e for e in summarize(rows) if e["dataset"] == "all"}
     assert summary["full_reuse"]["kl_vs_reuse"] == pytest.approx(1.0)
     assert summary["question@1"]["kl_worse_than_reuse"] == 0.0
+    # Agreement on the questions where full prefill's first token clearly led its runner-up.
+    margins = {r["qid"]: r["margin_full"] for r in rows}
+    assert all(m >= 0 for m in margins.values())
+    confident = [r for r in rows if r["method"] == "full_reuse" and r["margin_full"] >= math.log(2)]
+    assert summary["full_reuse"]["n_confident"] == len(confident)
+    if confident:
+        assert summary["full_reuse"]["agree_confident"] == pytest.approx(sum(r["agree"] for r in confident) / len(confident))
     saved = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert {e["method"] for e in saved["summary"]} == set(by)
     assert {(c["a"], c["b"]) for c in saved["comparisons"]} == {("full_reuse", "question@1"), ("full_reuse", "question@0.2/nb"),

@@ -111,6 +111,18 @@ def answer_once(engine, method: Method, question: str, chunks: list[str], budget
     return {"result": res, "prefill": pre}
 
 
+# Full prefill's first answer token at least twice as likely as its runner-up: below that, a
+# perturbation far smaller than any reuse error (a KL of 0.01) can swap the two and with them the
+# whole greedy answer, so exact agreement there says more about the reader than about the cache.
+CONFIDENT_MARGIN = math.log(2.0)
+
+
+def first_token_margin(logits: torch.Tensor) -> float:
+    """Log-probability gap between the two most likely next tokens (``logits``: [vocab])."""
+    top = torch.log_softmax(logits.float(), -1).topk(2).values
+    return float(top[0] - top[1])
+
+
 def agreement_f1(answer: str, reference: str) -> float:
     """Token F1 between two answers; 1.0 when both normalise to the same (also when both are empty)."""
     if normalize_answer(answer) == normalize_answer(reference):
@@ -175,6 +187,7 @@ def _run(cfg: FidelityConfig, engine, methods: list[Method], full: Method, todo,
                 "prompt_tokens": start, "num_chunks": len(chunks), "answer_hint": engine.prompts.answer_hint, "answer_full": ref_res.text.strip(),
                 "f1_full": qa_f1(ref_res.text, ex.answers), "ttft_full_s": ref_res.ttft_s,
                 "tf_loglik_full": teacher_forced_loglik(engine, ref_pre.cache, ref_pre.logits, start, target),
+                "margin_full": first_token_margin(ref_pre.logits),
             }
             for m in methods:
                 if (cfg.model, ex.dataset, ex.qid, m.name) in done:
@@ -256,6 +269,10 @@ def summarize(rows: list[dict]) -> list[dict]:
                     "ttft_speedup_ci": _ratio_ci([r["ttft_full_s"] for r in rs], [r["ttft_s"] for r in rs]),
                     "recompute_fraction": _mean([r["recompute_fraction"] or 0.0 for r in rs]),
                 }
+                # Rows from before the margin was recorded count in neither group.
+                confident = [r for r in rs if r.get("margin_full") is not None and r["margin_full"] >= CONFIDENT_MARGIN]
+                entry["n_confident"] = len(confident)
+                entry["agree_confident"] = _mean([float(r["agree"]) for r in confident])
                 if all(x is not None for x in reuse):
                     kl_reuse = _mean([x["kl"] for x in reuse])
                     entry["kl_vs_reuse"] = entry["kl"] / kl_reuse if kl_reuse else float("nan")
@@ -293,7 +310,7 @@ def compare(rows: list[dict], a: str, b: str, metric: str = "agree_f1", dataset:
             "sign_p": sign_test(wins, losses)}
 
 
-COLUMNS = ("dataset", "method", "n", "agree", "agree_ci", "agree_f1", "agree_f1_ci", "f1", "f1_diff", "f1_diff_ci", "kl", "kl_vs_reuse",
+COLUMNS = ("dataset", "method", "n", "agree", "agree_ci", "agree_confident", "n_confident", "agree_f1", "agree_f1_ci", "f1", "f1_diff", "f1_diff_ci", "kl", "kl_vs_reuse",
            "kl_worse_than_reuse", "tf_loglik", "tf_loglik_full", "ttft_speedup", "ttft_speedup_ci", "recompute_fraction")
 
 
