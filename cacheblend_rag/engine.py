@@ -63,8 +63,8 @@ class CacheBlendEngine:
     ``model`` is a transformers causal LM with rotary position embeddings (Llama, Mistral, Qwen2,
     Qwen3, ...), ``store`` the chunk KV store (a fresh temporary one when omitted).
     ``instruction`` is the system instruction that every chunk is cached behind; ``answer_hint`` a
-    line after the question restating the answer format (None: ``prompt.DEFAULT_ANSWER_HINT`` with
-    the default instruction, none with a custom one; "" turns it off).
+    line after the question restating the answer format (default none; e.g.
+    ``prompt.SHORT_ANSWER_HINT``). Chunk caches do not depend on it.
     """
 
     def __init__(
@@ -75,7 +75,7 @@ class CacheBlendEngine:
         store: ChunkStore | None = None,
         config: BlendConfig | None = None,
         instruction: str = DEFAULT_INSTRUCTION,
-        answer_hint: str | None = None,
+        answer_hint: str = "",
         model_id: str = "custom",
         fingerprint: str | None = None,
         pipelined: bool | None = None,

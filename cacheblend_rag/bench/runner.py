@@ -79,6 +79,7 @@ class BenchConfig:
     device: str = "cpu"
     report_only: bool = False  # rebuild summary and plots from results.jsonl; run nothing
     repeats: int = 1  # timing rounds of the KV methods per case; TTFT/latency are their medians
+    answer_hint: str = ""  # a line after each question (CacheBlendEngine(answer_hint=...)); "" none
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -108,14 +109,13 @@ def load_engine(cfg: BenchConfig):
     store = str(Path(cfg.out_dir) / "kv")
     if cfg.model == "tiny":
         return tiny_engine(store)
-    if cfg.model in ("smollm2", "default", ""):
-        return CacheBlendEngine.from_pretrained(None, device=cfg.device, store_dir=store, store_size_limit=2 * 2**30)
+    model = None if cfg.model in ("smollm2", "default", "") else cfg.model
     from .qwen import MODELS, qwen_gguf_path
 
-    if cfg.model in MODELS:
-        path = qwen_gguf_path(model=MODELS[cfg.model])
-        return CacheBlendEngine.from_pretrained(str(path), device=cfg.device, store_dir=store, store_size_limit=2 * 2**30)
-    return CacheBlendEngine.from_pretrained(cfg.model, device=cfg.device, store_dir=store, store_size_limit=2 * 2**30)
+    if model in MODELS:
+        model = str(qwen_gguf_path(model=MODELS[model]))
+    return CacheBlendEngine.from_pretrained(model, device=cfg.device, store_dir=store, store_size_limit=2 * 2**30,
+                                            answer_hint=cfg.answer_hint)
 
 
 _rouge = None
