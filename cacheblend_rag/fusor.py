@@ -11,6 +11,11 @@ are all refreshed and scored), then the full layer over the kept ones. On the la
 last position's output is ever read (the next-token logits), so the other selected tokens get a
 capture pass for their K/V and the last position alone runs attention and the MLP.
 
+A plan that recomputes every position from some start on (``planner.causal_plan``) is an exact
+prefill of that suffix over the loaded K/V before it: the baselines ``full_recompute_saved`` (start
+0, SDPA's own causal path) and ``prefix_caching`` (row blocks) run that way, with the same
+last-layer saving.
+
 Question-guided strategies (``question_pass``) first run the question alone over the reused K/V
 through every layer, reading its attention to each context token; the fusor then recomputes the
 chosen tokens on every layer (``FusionPlan.forced``, no checks).
@@ -198,7 +203,9 @@ def question_pass(backbone: "Backbone", plan: FusionPlan, load: LayerLoader, *, 
 
 
 @torch.inference_mode()
-def fuse(backbone: "Backbone", plan: FusionPlan, load: LayerLoader, criterion: Criterion) -> FusionOutput:
+def fuse(backbone: "Backbone", plan: FusionPlan, load: LayerLoader, criterion: Criterion | None = None) -> FusionOutput:
+    """Prefill ``plan`` layer by layer over ``load(i)``'s K/V; ``criterion`` ranks candidates on
+    check layers (a plan without checks needs none)."""
     layers = backbone.layers
     length = plan.input_ids.numel()
     device = plan.input_ids.device
@@ -214,8 +221,16 @@ def fuse(backbone: "Backbone", plan: FusionPlan, load: LayerLoader, criterion: C
     hidden = backbone.embed(plan.input_ids[sel])[None]
     dtype = hidden.dtype
 
+    # No check layer nor reweighted rows reads a mask: then a selection of every position, in
+    # order, is a plain prefill and runs SDPA's own causal path (is_causal, no mask), as the
+    # model's forward does (full_recompute_saved, prefix caching with nothing loaded).
+    plain_causal = not plan.checks and plan.context_attention is None
+
     def selection_inputs(hidden: torch.Tensor, sel: torch.Tensor):
-        return causal_mask(sel, length, dtype), backbone.rotary_emb(hidden, sel[None]), row_groups(sel, plan.attention_groups)
+        rope = backbone.rotary_emb(hidden, sel[None])
+        if plain_causal and sel.numel() == length:
+            return None, rope, None
+        return causal_mask(sel, length, dtype), rope, row_groups(sel, plan.attention_groups)
 
     def context_rows(sel: torch.Tensor) -> ContextAttention | None:
         # The selected rows past the chunks (the question) read the chunks reweighted.
@@ -246,6 +261,7 @@ def fuse(backbone: "Backbone", plan: FusionPlan, load: LayerLoader, criterion: C
             assert dev is not None
             if wants_attention and probe.weights is not None:
                 dev.question_attention = probe.weights[sel[cand_rows]]
+            assert criterion is not None, "a plan with check layers needs a criterion"
             keep = top_k(criterion(dev), plan.checks[i]) if cand_rows.numel() else cand_rows
             rows = plan.always[sel] | plan.forced[sel]
             rows[cand_rows[keep]] = True

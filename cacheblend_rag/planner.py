@@ -5,7 +5,9 @@ so a plan can be built and checked in a unit test. The engine then runs the plan
 computes the misses, the loader assembles the loads and the fusor recomputes the selected tokens.
 
 * ``plan_prefix``: prefix caching, the longest run of segments cached behind exactly what precedes
-  them (exact reuse, nothing fused);
+  them (exact reuse), the rest an exact causal prefill through the fusor (``causal_plan``);
+* ``plan_full``: ``full_recompute_saved``, the full prefill with the fusor's last-layer saving (a
+  ``causal_plan`` from position 0, nothing loaded);
 * ``plan_fusion``: the fused modes (``full_reuse``, ``cacheblend``): every reusable chunk is loaded
   (or computed, on a miss) and its positions marked as candidates for recompute;
 * ``guide``: a question-guided strategy's plan, once the question's attention has scored the
@@ -20,7 +22,7 @@ from typing import Callable, Collection, Mapping, Sequence
 
 import torch
 
-from .attention import ContextAttention
+from .attention import MAX_BLOCK_ROWS, ContextAttention, row_groups
 from .config import BlendConfig
 from .fusor import FusionPlan
 from .prompt import PromptLayout, Segment
@@ -28,7 +30,10 @@ from .selector import pick_chunks, pick_tokens
 from .store.keys import chunk_key
 from .store.loader import LoadSpec
 
-__all__ = ["FusedRequest", "Load", "PrefixRequest", "context_attention", "guide", "plan_fusion", "plan_prefix"]
+__all__ = [
+    "FusedRequest", "Load", "PrefixRequest", "causal_plan", "context_attention", "guide", "plan_full", "plan_fusion",
+    "plan_prefix", "suffix_groups",
+]
 
 Contains = Callable[[str], bool]  # the store's contents: is every layer of this chunk there?
 
@@ -47,10 +52,16 @@ class Load:
     source: str = STORE
 
 
+# Fewest rows per attention block prefix caching runs its suffix in: below that, the many small
+# attention calls cost more than the prefix saves, and the whole prompt is recomputed instead.
+MIN_BLOCK_ROWS = 32
+
+
 @dataclass
 class PrefixRequest:
     """Prefix caching: load ``loads`` (a true prefix of ``reused`` tokens), prefill the rest."""
 
+    plan: FusionPlan  # positions [reused, prompt) computed on every layer, causally
     loads: list[LoadSpec]
     reused: int  # prompt positions [0, reused) come from the store
     writebacks: list[tuple[str, int, int]]  # (key, offset, length) of each segment computed here
@@ -68,9 +79,14 @@ class FusedRequest:
     hkvd: bool = False  # HKVD's checks select the tokens; otherwise the question's attention does
 
 
-def plan_prefix(layout: PromptLayout, fingerprint: str, contains: Contains, avoid: Collection[str] = ()) -> PrefixRequest:
+def plan_prefix(
+    layout: PromptLayout, fingerprint: str, contains: Contains, avoid: Collection[str] = (), device: torch.device | str = "cpu",
+) -> PrefixRequest:
     """Each segment is keyed by everything before it, so only a true prefix ever matches; the
-    segments after the first miss are prefilled and written back for the next request."""
+    segments after the first miss are prefilled and written back for the next request.
+
+    The suffix runs in row blocks (``suffix_groups``) that together read no more keys than a
+    causal prefill of the whole prompt; a cached prefix too short for that is not loaded."""
     token_ids = layout.token_ids
     loads: list[LoadSpec] = []
     writebacks: list[tuple[str, int, int]] = []
@@ -84,7 +100,49 @@ def plan_prefix(layout: PromptLayout, fingerprint: str, contains: Contains, avoi
         else:
             writebacks.append((key, off, len(seg)))
             misses += seg.reusable
-    return PrefixRequest(loads, reused, writebacks, hits, misses)
+    groups = suffix_groups(reused, len(layout))
+    if groups is None:  # recompute the stored prefix too (it stays stored: no write-back)
+        loads, reused, misses, hits, groups = [], 0, misses + hits, 0, 1
+    return PrefixRequest(causal_plan(layout, reused, device, groups), loads, reused, writebacks, hits, misses)
+
+
+def plan_full(layout: PromptLayout, device: torch.device | str = "cpu") -> PrefixRequest:
+    """``full_recompute_saved``: every position computed, as in full prefill; nothing is loaded
+    or written back."""
+    return PrefixRequest(causal_plan(layout, 0, device), loads=[], reused=0, writebacks=[], hits=0, misses=0)
+
+
+def suffix_groups(reused: int, length: int) -> int | None:
+    """Row blocks for prompt positions [reused, length) over keys [0, length), or None.
+
+    A block of rows reads every key up to its last row (``attention.row_groups``), so blocks pay
+    for part of the causal triangle they cover; a causal prefill of the whole prompt reads
+    length * (length + 1) / 2 keys in all. The fewest blocks (of at most ``MAX_BLOCK_ROWS`` rows)
+    whose key reads stay within that; None when even ``MIN_BLOCK_ROWS``-row blocks read more (the
+    cached prefix is too short to pay). 1 when nothing is reused: the fusor's causal path.
+    """
+    rows = length - reused
+    if reused == 0 or rows <= 0:
+        return 1
+    whole = length * (length + 1) // 2
+    positions = torch.arange(reused, length)  # [rows]
+    for groups in range(-(-rows // MAX_BLOCK_ROWS), -(-rows // MIN_BLOCK_ROWS) + 1):
+        if sum((b - a) * keys for a, b, keys in row_groups(positions, groups)) <= whole:
+            return groups
+    return None
+
+
+def causal_plan(layout: PromptLayout, start: int, device: torch.device | str = "cpu", groups: int = 1) -> FusionPlan:
+    """Positions [start, prompt) recomputed on every layer over the loaded K/V of [0, start):
+    exact, like the model's own prefill; ``groups`` row blocks for their attention."""
+    length = len(layout)
+    always = torch.zeros(length, dtype=torch.bool, device=device)  # [length]
+    always[start:] = True
+    none = torch.zeros_like(always)
+    return FusionPlan(
+        input_ids=torch.tensor(layout.token_ids, dtype=torch.long, device=device),
+        always=always, candidate=none, forced=none, recompute_first_layer=False, attention_groups=groups,
+    )
 
 
 def plan_fusion(
