@@ -135,3 +135,20 @@ def test_prefix_caching_writes_back_on_the_writer_thread(engine, monkeypatch):
     second = engine.prefill(layout, "prefix_caching")
     _assert_same(second, first, engine.num_layers)
     assert second.stats["chunk_hits"] == len(CHUNKS)
+
+
+def test_bench_runs_the_saved_full_prefill_and_reports_the_ratio_to_it():
+    from cacheblend_rag.bench.methods import parse_methods
+    from cacheblend_rag.bench.summary import markdown_table, summarize
+
+    (m,) = parse_methods(["full_recompute_saved"])
+    assert (m.name, m.kind, m.mode) == ("full_recompute_saved", "kv", "full_recompute_saved")
+
+    def row(method, ttft):
+        return {"dataset": "d", "top_k": 6, "method": method, "qid": "a", "ttft_s": ttft, "total_s": ttft,
+                "quality": 0.0, "metric": "f1", "answer": "x"}
+
+    summary = summarize([row("full_recompute", 3.0), row("full_recompute_saved", 2.0), row("cacheblend@0.15", 1.0)])
+    by = {s["method"]: s for s in summary}
+    assert by["cacheblend@0.15"]["speedup_vs_full_recompute_saved"] == pytest.approx(2.0)
+    assert "| cacheblend@0.15 | 1 | f1 0.000 | 3.00x | 2.00x |" in markdown_table(summary, "d", 6)
