@@ -152,3 +152,23 @@ def test_bench_runs_the_saved_full_prefill_and_reports_the_ratio_to_it():
     by = {s["method"]: s for s in summary}
     assert by["cacheblend@0.15"]["speedup_vs_full_recompute_saved"] == pytest.approx(2.0)
     assert "| cacheblend@0.15 | 1 | f1 0.000 | 3.00x | 2.00x |" in markdown_table(summary, "d", 6)
+
+
+def test_prefix_caching_recomputes_a_segment_lost_during_the_load(engine, monkeypatch):
+    layout = engine.build_layout(Q, CHUNKS)
+    ref = engine.prefill(layout, "full_recompute")
+    engine.prefill(layout, "prefix_caching")
+    engine.flush()
+    lost = engine.chunk_key(engine.prompts.chunk_segment(CHUNKS[0]))  # cached behind the instruction
+    get_layer = engine.store.get_layer
+    asked: list[str] = []
+
+    def failing(key, layer, **kw):
+        asked.append(key)
+        return None if key == lost else get_layer(key, layer, **kw)
+
+    monkeypatch.setattr(engine.store, "get_layer", failing)
+    res = engine.prefill(layout, "prefix_caching")
+    _assert_same(res, ref, engine.num_layers)
+    assert lost in asked
+    assert res.stats["reused_prefix_tokens"] in (0, len(layout.segments[0]))  # the instruction at most
