@@ -22,7 +22,7 @@ from typing import Callable, Collection, Mapping, Sequence
 
 import torch
 
-from .attention import MAX_BLOCK_ROWS, ContextAttention, row_groups
+from .attention import ContextAttention, row_groups
 from .config import BlendConfig
 from .fusor import FusionPlan
 from .prompt import PromptLayout, Segment
@@ -32,7 +32,7 @@ from .store.loader import LoadSpec
 
 __all__ = [
     "FusedRequest", "Load", "PrefixRequest", "causal_plan", "context_attention", "guide", "plan_full", "plan_fusion",
-    "plan_prefix", "suffix_groups",
+    "plan_prefix", "suffix_blocks_pay",
 ]
 
 Contains = Callable[[str], bool]  # the store's contents: is every layer of this chunk there?
@@ -52,10 +52,9 @@ class Load:
     source: str = STORE
 
 
-# Fewest rows per attention block prefix caching runs its suffix in: below that, the many small
-# attention calls cost more than the prefix saves, and the whole prompt is recomputed instead.
-MIN_BLOCK_ROWS = 32
-
+# How much more a key read costs in a masked attention call than in SDPA's causal kernel on CPU
+# (a scratch measurement on the shared dev machine put it near 2; re-measure on a quiet one).
+MASKED_KEY_COST = 2
 
 @dataclass
 class PrefixRequest:
@@ -85,8 +84,8 @@ def plan_prefix(
     """Each segment is keyed by everything before it, so only a true prefix ever matches; the
     segments after the first miss are prefilled and written back for the next request.
 
-    The suffix runs in row blocks (``suffix_groups``) that together read no more keys than a
-    causal prefill of the whole prompt; a cached prefix too short for that is not loaded."""
+    The suffix's attention never reads more keys than a causal prefill of the whole prompt
+    (``causal_plan``)."""
     token_ids = layout.token_ids
     loads: list[LoadSpec] = []
     writebacks: list[tuple[str, int, int]] = []
@@ -100,10 +99,7 @@ def plan_prefix(
         else:
             writebacks.append((key, off, len(seg)))
             misses += seg.reusable
-    groups = suffix_groups(reused, len(layout))
-    if groups is None:  # recompute the stored prefix too (it stays stored: no write-back)
-        loads, reused, misses, hits, groups = [], 0, misses + hits, 0, 1
-    return PrefixRequest(causal_plan(layout, reused, device, groups), loads, reused, writebacks, hits, misses)
+    return PrefixRequest(causal_plan(layout, reused, device), loads, reused, writebacks, hits, misses)
 
 
 def plan_full(layout: PromptLayout, device: torch.device | str = "cpu") -> PrefixRequest:
@@ -112,36 +108,34 @@ def plan_full(layout: PromptLayout, device: torch.device | str = "cpu") -> Prefi
     return PrefixRequest(causal_plan(layout, 0, device), loads=[], reused=0, writebacks=[], hits=0, misses=0)
 
 
-def suffix_groups(reused: int, length: int) -> int | None:
-    """Row blocks for prompt positions [reused, length) over keys [0, length), or None.
+def suffix_blocks_pay(reused: int, length: int) -> bool:
+    """Whether prompt positions [reused, length) should attend over keys [0, length) in masked row
+    blocks (``attention.row_groups``, each reading keys up to its last row) rather than through
+    SDPA's causal kernel with the query padded in front (``attention._padded_causal``).
 
-    A block of rows reads every key up to its last row (``attention.row_groups``), so blocks pay
-    for part of the causal triangle they cover; a causal prefill of the whole prompt reads
-    length * (length + 1) / 2 keys in all. The fewest blocks (of at most ``MAX_BLOCK_ROWS`` rows)
-    whose key reads stay within that; None when even ``MIN_BLOCK_ROWS``-row blocks read more (the
-    cached prefix is too short to pay). 1 when nothing is reused: the fusor's causal path.
+    The padded path reads what a causal prefill of the whole prompt reads, length * (length + 1)
+    / 2 keys per head, in the same kernel: never more attention work than full prefill. Blocks
+    read fewer keys, but at ``MASKED_KEY_COST`` times the cost each, so they pay only for a suffix
+    short next to the prefix (the question after a cached prompt), never for long suffixes.
     """
-    rows = length - reused
-    if reused == 0 or rows <= 0:
-        return 1
-    whole = length * (length + 1) // 2
-    positions = torch.arange(reused, length)  # [rows]
-    for groups in range(-(-rows // MAX_BLOCK_ROWS), -(-rows // MIN_BLOCK_ROWS) + 1):
-        if sum((b - a) * keys for a, b, keys in row_groups(positions, groups)) <= whole:
-            return groups
-    return None
+    if reused <= 0 or length - reused <= 0:
+        return False
+    blocks = row_groups(torch.arange(reused, length), 1)
+    return MASKED_KEY_COST * sum((b - a) * keys for a, b, keys in blocks) <= length * (length + 1) // 2
 
 
-def causal_plan(layout: PromptLayout, start: int, device: torch.device | str = "cpu", groups: int = 1) -> FusionPlan:
+def causal_plan(layout: PromptLayout, start: int, device: torch.device | str = "cpu") -> FusionPlan:
     """Positions [start, prompt) recomputed on every layer over the loaded K/V of [0, start):
-    exact, like the model's own prefill; ``groups`` row blocks for their attention."""
+    exact, like the model's own prefill; their attention in row blocks or through the causal
+    kernel, whichever is cheaper (``suffix_blocks_pay``)."""
     length = len(layout)
     always = torch.zeros(length, dtype=torch.bool, device=device)  # [length]
     always[start:] = True
     none = torch.zeros_like(always)
     return FusionPlan(
         input_ids=torch.tensor(layout.token_ids, dtype=torch.long, device=device),
-        always=always, candidate=none, forced=none, recompute_first_layer=False, attention_groups=groups,
+        always=always, candidate=none, forced=none, recompute_first_layer=False,
+        causal_suffix=not suffix_blocks_pay(start, length),
     )
 
 

@@ -1,6 +1,6 @@
 """The baselines CacheBlend is measured against, made as fast as they can be without changing a bit
-of their output: prefix caching (cached prefix adopted, suffix in row blocks, write-back off the
-answer's path) and full prefill with the fused modes' last-layer saving (``full_recompute_saved``).
+of their output: prefix caching (cached prefix adopted, suffix through the causal kernel, write-back
+off the answer's path) and full prefill with the fused modes' last-layer saving (``full_recompute_saved``).
 
 Attention work is counted as the score elements SDPA is asked for: query rows x keys per head,
 and for a causal call (``is_causal``, no mask) the causal triangle alone, which is what the full

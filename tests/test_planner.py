@@ -7,7 +7,9 @@ import torch
 
 from cacheblend_rag import BlendConfig
 from cacheblend_rag.attention import row_groups
-from cacheblend_rag.planner import COMPUTE, PREFIX, STORE, context_attention, guide, plan_fusion, plan_prefix, suffix_groups
+from cacheblend_rag.planner import (
+    COMPUTE, MASKED_KEY_COST, PREFIX, STORE, causal_plan, context_attention, guide, plan_fusion, plan_prefix, suffix_blocks_pay,
+)
 from cacheblend_rag.prompt import PromptLayout, Segment
 from cacheblend_rag.store.keys import chunk_key
 
@@ -56,41 +58,27 @@ def test_prefix_plan_loads_every_cached_segment_and_prefills_the_question():
     assert (req.hits, req.misses) == (3, 0)
 
 
-LONG_PREFIX = tuple(range(100, 140))  # long enough for its reuse to pay (suffix_groups)
-
-
 def test_prefix_plan_stops_at_the_first_miss_and_writes_back_the_rest():
-    layout = _layout(prefix=LONG_PREFIX)
+    layout = _layout()
     keys = _prefix_keys(layout)
     stored = {keys[0], keys[1], keys[3]}  # chunk 1 missing: chunk 2 is cached but no longer a prefix
     req = plan_prefix(layout, FP, stored.__contains__)
-    assert [s.key for s in req.loads] == keys[:2] and req.reused == 44
-    assert req.writebacks == [(keys[2], 44, 3), (keys[3], 47, 5)]
+    assert [s.key for s in req.loads] == keys[:2] and req.reused == 7
+    assert req.writebacks == [(keys[2], 7, 3), (keys[3], 10, 5)]
     assert (req.hits, req.misses) == (1, 2)
-    assert req.plan.always.nonzero().flatten().tolist() == list(range(44, len(layout)))
+    assert req.plan.always.nonzero().flatten().tolist() == list(range(7, len(layout)))
 
 
-def test_prefix_plan_recomputes_a_prefix_too_short_to_pay():
-    # 7 cached of 17 positions: blocks of >= MIN_BLOCK_ROWS rows over the 10 others would read
-    # more keys (10 x 17) than a causal prefill of all 17 (153), so nothing is loaded.
-    layout = _layout()
-    keys = _prefix_keys(layout)
-    req = plan_prefix(layout, FP, {keys[0], keys[1], keys[3]}.__contains__)
-    assert req.loads == [] and req.reused == 0 and bool(req.plan.always.all())
-    assert req.writebacks == [(keys[2], 7, 3), (keys[3], 10, 5)]  # the stored prefix is not rewritten
-    assert (req.hits, req.misses) == (0, 3)
-
-
-@pytest.mark.parametrize("reused,length", [(553, 3072), (90, 105), (44, 54), (200, 210), (1, 3000), (0, 50)])
-def test_suffix_blocks_read_no_more_keys_than_a_causal_prefill(reused, length):
-    groups = suffix_groups(reused, length)
-    if groups is None:
-        assert reused > 0
-        return
-    blocks = row_groups(torch.arange(reused, length), groups)
-    assert blocks[0][0] == 0 and blocks[-1][1] == length - reused
-    if reused:
-        assert sum((b - a) * keys for a, b, keys in blocks) <= length * (length + 1) // 2
+@pytest.mark.parametrize("reused,length,blocks", [(553, 3072, False), (7, 17, False), (90, 105, True), (3000, 3050, True),
+                                                  (1, 3000, False), (0, 50, False)])
+def test_a_suffix_uses_masked_blocks_only_where_they_read_far_fewer_keys(reused, length, blocks):
+    assert suffix_blocks_pay(reused, length) is blocks
+    if blocks:  # never more key reads than a causal prefill of the whole prompt, even at MASKED_KEY_COST
+        reads = sum((b - a) * keys for a, b, keys in row_groups(torch.arange(reused, length), 1))
+        assert MASKED_KEY_COST * reads <= length * (length + 1) // 2
+    segments = (Segment("prefix", tuple(range(reused)), reusable=False), Segment("question", (5,) * (length - reused), reusable=False))
+    layout = PromptLayout(segments)
+    assert causal_plan(layout, reused).causal_suffix is not blocks
 
 
 def test_prefix_plan_never_loads_a_key_lost_earlier():
