@@ -17,6 +17,7 @@ ATTN_IMPLEMENTATION = "cacheblend_sdpa"
 PROBE_KWARG = "cacheblend_probe"
 GROUPS_KWARG = "cacheblend_row_groups"
 APE_KWARG = "cacheblend_context_attention"
+PAD_KWARG = "cacheblend_causal_pad"
 
 
 MAX_BLOCK_ROWS = 512  # layers 0-2 recompute long runs of rows: more blocks skip more masked keys
@@ -134,9 +135,21 @@ def _masked_sdpa(module, query, key, value, attention_mask, **kwargs):
     return out.transpose(1, 2).contiguous(), None
 
 
+def _padded_causal(module, query, key, value, pad: int, **kwargs):
+    """The last ``query.shape[2]`` rows of a causal prefill over every key, through SDPA's own
+    causal kernel: ``is_causal`` aligns rows top-left (row i sees keys 0..i), so the query
+    [b, heads, rows, d] is padded in front with ``pad`` zero rows to the keys' length and the
+    padded rows' output dropped. The kernel and the kept rows' result are the full prefill's; a
+    masked call reads each key about twice as slowly on CPU (``planner.suffix_blocks_pay``)."""
+    padded = torch.cat([query.new_zeros(*query.shape[:2], pad, query.shape[-1]), query], dim=2)
+    out, _ = _masked_sdpa(module, padded, key, value, None, **kwargs)  # [b, keys, heads, d]
+    return out[:, pad:], None
+
+
 def blend_attention_forward(module, query, key, value, attention_mask, **kwargs):
     probe = kwargs.pop(PROBE_KWARG, None)
     groups = kwargs.pop(GROUPS_KWARG, None)
+    pad = kwargs.pop(PAD_KWARG, 0)
     context: ContextAttention | None = kwargs.pop(APE_KWARG, None)
     if probe is not None:
         probe.observe(module, query, key, attention_mask, kwargs.get("scaling"))
@@ -152,6 +165,8 @@ def blend_attention_forward(module, query, key, value, attention_mask, **kwargs)
         head_groups = [(a, min(b, query.shape[2] - n), e) for a, b, e in (groups or []) if a < query.shape[2] - n]
         head = blend_attention_forward(module, query[:, :, :-n], key, value, head_mask, **kwargs, **{GROUPS_KWARG: head_groups or None})[0]
         return torch.cat([head, tail], dim=1), None
+    if pad:
+        return _padded_causal(module, query, key, value, pad, **kwargs)
     if groups is None or len(groups) < 2 or attention_mask is None:
         return _masked_sdpa(module, query, key, value, attention_mask, **kwargs)
     # Exact: each row block reads only keys 0..its last position (row_groups); SDPA's output is

@@ -158,6 +158,17 @@ class ChunkCache:
         """Store a chunk computed during a request, in the background (the answer does not wait)."""
         self._writer.submit(store.put, key, kv)
 
+    def write_back_spans(self, store: ChunkStore, spans: Sequence[tuple[str, int, int]], kv: Sequence[KV]) -> None:
+        """Store segments of a prompt's K/V, ``spans`` (key, offset, length), in the background:
+        the slicing copies too run off the request's path. ``kv`` is [layers](K, V) [1, kv_heads,
+        prompt, head_dim]; nothing writes into it in place afterwards (decoding appends into new
+        tensors), so the writer reads the very values the answer used."""
+        def put(key: str, off: int, n: int) -> None:
+            store.put(key, [(k[0, :, off : off + n].contiguous(), v[0, :, off : off + n].contiguous()) for k, v in kv])
+
+        for span in spans:
+            self._writer.submit(put, *span)
+
     def flush(self) -> None:
         """Wait for background write-backs to finish."""
         self._writer.submit(lambda: None).result()

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from . import __version__
+from .config import MODES
 from .paths import DataFileError
 
 # Subcommand modules; each defines ``register(subparsers)``.
@@ -164,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ask.add_argument("--json", action="store_true", help="print one JSON object (answer, chunks used, stats) instead of streaming")
     ask.add_argument("--model", default=None, help="model dir, .gguf file or hub id (default: bundled SmolLM2-135M-Instruct)")
-    ask.add_argument("--mode", default="cacheblend", choices=["full_recompute", "prefix_caching", "full_reuse", "cacheblend"])
+    ask.add_argument("--mode", default="cacheblend", choices=list(MODES))
     ask.add_argument("--ratio", type=float, default=None, help="recompute ratio (default 0.15)")
     ask.add_argument("--chunk-tokens", type=int, default=256, help="max tokens per chunk when splitting text files")
     ask.add_argument("--max-new-tokens", type=int, default=64)

@@ -7,7 +7,9 @@ import numbers
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence, Union
 
-MODES = ("full_recompute", "prefix_caching", "full_reuse", "cacheblend")
+# full_recompute is the model's own forward; full_recompute_saved the same exact prefill with the
+# last-layer saving the fused modes get (only the last position runs attention and the MLP there).
+MODES = ("full_recompute", "full_recompute_saved", "prefix_caching", "full_reuse", "cacheblend")
 # How the cacheblend mode picks the context tokens it recomputes (BlendConfig.strategy).
 STRATEGIES = ("hkvd", "question", "chunk")
 

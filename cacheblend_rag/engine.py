@@ -1,4 +1,4 @@
-"""CacheBlendEngine: the four prefill modes and generation behind one ``generate``.
+"""CacheBlendEngine: the prefill modes (``config.MODES``) and generation behind one ``generate``.
 
 A façade: the adapter (``backbone``) runs the model, the planner (``planner``) decides what each
 prompt position loads, computes or reuses, the chunk cache (``chunk_cache``) computes and writes
@@ -18,11 +18,12 @@ from transformers import DynamicCache
 
 from . import planner
 from .attention import APE_KWARG
-from .backbone import Backbone, cache_from, cache_layers
+from .backbone import Backbone, cache_from
 from .chunk_cache import ChunkCache
 from .config import BlendConfig, SamplingParams, check_mode
 from .fusor import FusionStats, fuse, question_pass
 from .generation import DecodeState, decode
+from .planner import PrefixRequest
 from .prompt import DEFAULT_INSTRUCTION, PromptBuilder, PromptLayout, Segment, check_texts, check_unicode, named_chunks
 from .selector import resolve_criterion
 from .store.disk import KVStore
@@ -247,6 +248,8 @@ class CacheBlendEngine:
             stats = self._stats(mode, layout, hits=0, misses=0, recomputed=[len(layout)] * self.num_layers)
             stats["prefill_s"] = time.perf_counter() - t0
             return PrefillResult(cache, logits, layout, stats)
+        if mode == "full_recompute_saved":
+            return self._causal_prefill(layout, mode, planner.plan_full(layout, self.device), store, t0)
         lost_keys: set[str] = set()
         for attempt in range(len(layout.segments) + 1):
             try:
@@ -269,28 +272,29 @@ class CacheBlendEngine:
 
     def _prefix_prefill(self, layout: PromptLayout, store: ChunkStore, t0: float, avoid: set[str]) -> PrefillResult:
         """Exact reuse of the longest prefix of segments cached behind exactly what precedes them
-        (``planner.plan_prefix``); the rest is a normal transformers prefill on top of the loaded
-        cache. Segments computed here are written back (in the background) for the next request
-        with the same prefix."""
-        req = planner.plan_prefix(layout, self.fingerprint, store.contains, avoid)
-        t_load = time.perf_counter()
-        cache = DynamicCache()
-        if req.loads:
-            loader = LayerAssembler(
-                store, req.loads, req.reused, self.kv_shape, self.dtype, self.device, self.backbone.rotary_emb, self.num_layers,
-            )
-            cache = cache_from([loader(i) for i in range(self.num_layers)])
-        load_s = time.perf_counter() - t_load
-        rest = torch.tensor(layout.token_ids[req.reused :], dtype=torch.long, device=self.device)
-        cache, logits = self.backbone.forward(rest, start=req.reused, cache=cache)
-        for key, off, n in req.writebacks:
-            # [layers](K, V) [1, kv_heads, prompt, head_dim] -> the segment's [kv_heads, n, head_dim]
-            kv = [(k[0, :, off : off + n].contiguous(), v[0, :, off : off + n].contiguous()) for k, v in cache_layers(cache)]
-            self.chunk_cache.write_back(store, key, kv)
-        stats = self._stats("prefix_caching", layout, req.hits, req.misses, [len(layout) - req.reused] * self.num_layers)
-        stats.update(load_s=load_s, reused_prefix_tokens=req.reused, prefill_s=time.perf_counter() - t0,
+        (``planner.plan_prefix``); the rest is an exact causal prefill over the loaded K/V."""
+        req = planner.plan_prefix(layout, self.fingerprint, store.contains, avoid, device=self.device)
+        return self._causal_prefill(layout, "prefix_caching", req, store, t0)
+
+    def _causal_prefill(self, layout: PromptLayout, mode: str, req: PrefixRequest, store: ChunkStore, t0: float) -> PrefillResult:
+        """Load ``req.loads`` straight into prompt-length K/V buffers and prefill the other
+        positions through the fusor, which writes their K/V into the same buffers and on the last
+        layer runs attention and the MLP for the last position only; the cache adopts the buffers.
+        Segments computed here are written back in the background for the next request with the
+        same prefix (the answer does not wait for the copies either)."""
+        loader = LayerAssembler(
+            store, req.loads, len(layout), self.kv_shape, self.dtype, self.device, self.backbone.rotary_emb, self.num_layers,
+        )
+        try:
+            out = fuse(self.backbone, req.plan, loader)
+        finally:
+            loader.close()
+        kv = list(zip(out.keys, out.values))  # [layers](K, V) [1, kv_heads, prompt, head_dim]
+        self.chunk_cache.write_back_spans(store, req.writebacks, kv)
+        stats = self._stats(mode, layout, req.hits, req.misses, out.stats.recomputed_per_layer, out.stats.computed_per_layer)
+        stats.update(load_s=sum(loader.load_s_per_layer), reused_prefix_tokens=req.reused, prefill_s=time.perf_counter() - t0,
                      writeback_keys=[key for key, _, _ in req.writebacks])
-        return PrefillResult(cache, logits, layout, stats)
+        return PrefillResult(cache_from(kv, adopt=True), out.logits, layout, stats)
 
     def _fused_prefill(
         self, layout: PromptLayout, mode: str, config: BlendConfig, store: ChunkStore, pipelined: bool | None, t0: float,

@@ -11,6 +11,11 @@ are all refreshed and scored), then the full layer over the kept ones. On the la
 last position's output is ever read (the next-token logits), so the other selected tokens get a
 capture pass for their K/V and the last position alone runs attention and the MLP.
 
+A plan that recomputes every position from some start on (``planner.causal_plan``) is an exact
+prefill of that suffix over the loaded K/V before it: the baselines ``full_recompute_saved`` (start
+0, SDPA's own causal path) and ``prefix_caching`` (the same path with its query padded in front,
+or row blocks for a short suffix) run that way, with the same last-layer saving.
+
 Question-guided strategies (``question_pass``) first run the question alone over the reused K/V
 through every layer, reading its attention to each context token; the fusor then recomputes the
 chosen tokens on every layer (``FusionPlan.forced``, no checks).
@@ -24,7 +29,9 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .attention import APE_KWARG, GROUPS_KWARG, PROBE_KWARG, AttentionProbe, ContextAttention, StopAfterProjection, row_groups
+from .attention import (
+    APE_KWARG, GROUPS_KWARG, PAD_KWARG, PROBE_KWARG, AttentionProbe, ContextAttention, StopAfterProjection, row_groups,
+)
 from .selector import Criterion, Deviation, top_k
 
 if TYPE_CHECKING:
@@ -53,6 +60,9 @@ class FusionPlan:
     checks: dict[int, int] = field(default_factory=dict)
     num_query: int = 0
     attention_groups: int = 1  # row blocks for the selected tokens' attention (attention.row_groups)
+    # Every position from the first selected on runs SDPA's causal kernel over all keys, its query
+    # padded in front (attention._padded_causal) instead of masked row blocks (planner.causal_plan).
+    causal_suffix: bool = False
     context_attention: ContextAttention | None = None  # APE reweighting of the question's rows
 
     def initial_selection(self) -> torch.Tensor:
@@ -119,8 +129,9 @@ def causal_mask(positions: torch.Tensor, length: int, dtype: torch.dtype) -> tor
     return mask[None, None]
 
 
-def _run_layer(layer, hidden, sel, kv, cache_kw, rope, mask, groups, probe=None, context=None) -> torch.Tensor:
-    extra = {PROBE_KWARG: probe} if probe is not None else {GROUPS_KWARG: groups}
+def _run_layer(layer, hidden, sel, kv, cache_kw, rope, mask, blocks: dict, probe=None, context=None) -> torch.Tensor:
+    # blocks: how attention splits its rows ({GROUPS_KWARG: row blocks} or {PAD_KWARG: padding rows})
+    extra = {PROBE_KWARG: probe} if probe is not None else dict(blocks)
     if context is not None:
         extra[APE_KWARG] = context
     out = layer(
@@ -138,7 +149,7 @@ def _run_layer(layer, hidden, sel, kv, cache_kw, rope, mask, groups, probe=None,
 def _capture(layer, hidden, sel, kv, cache_kw, rope, mask, probe: AttentionProbe) -> None:
     """Run ``layer`` only up to its K/V projections: ``kv`` gets the fresh K/V of ``sel``."""
     try:
-        _run_layer(layer, hidden, sel, kv, cache_kw, rope, mask, None, probe)
+        _run_layer(layer, hidden, sel, kv, cache_kw, rope, mask, {}, probe)
     except StopAfterProjection:
         return
     raise RuntimeError(
@@ -184,7 +195,7 @@ def question_pass(backbone: "Backbone", plan: FusionPlan, load: LayerLoader, *, 
         kv = ScatterKV(k_full, v_full, sel, None)
         probe = AttentionProbe(plan.num_query, stop=i == last)  # the last layer's output feeds nothing
         try:
-            hidden = _run_layer(layer, hidden, sel, kv, cache_kw, rope, mask, None, probe)
+            hidden = _run_layer(layer, hidden, sel, kv, cache_kw, rope, mask, {}, probe)
         except StopAfterProjection:
             pass
         assert probe.group_weights is not None
@@ -198,7 +209,9 @@ def question_pass(backbone: "Backbone", plan: FusionPlan, load: LayerLoader, *, 
 
 
 @torch.inference_mode()
-def fuse(backbone: "Backbone", plan: FusionPlan, load: LayerLoader, criterion: Criterion) -> FusionOutput:
+def fuse(backbone: "Backbone", plan: FusionPlan, load: LayerLoader, criterion: Criterion | None = None) -> FusionOutput:
+    """Prefill ``plan`` layer by layer over ``load(i)``'s K/V; ``criterion`` ranks candidates on
+    check layers (a plan without checks needs none)."""
     layers = backbone.layers
     length = plan.input_ids.numel()
     device = plan.input_ids.device
@@ -214,17 +227,27 @@ def fuse(backbone: "Backbone", plan: FusionPlan, load: LayerLoader, criterion: C
     hidden = backbone.embed(plan.input_ids[sel])[None]
     dtype = hidden.dtype
 
+    # No check layer nor reweighted rows reads a mask: then a selection of every position, in
+    # order, is a plain prefill and runs SDPA's own causal path (is_causal, no mask), as the
+    # model's forward does (full_recompute_saved, prefix caching with nothing loaded); so does a
+    # plan's causal suffix, its query padded in front to the keys' length.
+    plain_causal = not plan.checks and plan.context_attention is None
+
     def selection_inputs(hidden: torch.Tensor, sel: torch.Tensor):
-        return causal_mask(sel, length, dtype), backbone.rotary_emb(hidden, sel[None]), row_groups(sel, plan.attention_groups)
+        rope = backbone.rotary_emb(hidden, sel[None])
+        n = sel.numel()
+        if plain_causal and (n == length or (plan.causal_suffix and n > 1 and int(sel[0]) == length - n)):
+            return None, rope, ({PAD_KWARG: length - n} if n < length else {})
+        return causal_mask(sel, length, dtype), rope, {GROUPS_KWARG: row_groups(sel, plan.attention_groups)}
 
     def context_rows(sel: torch.Tensor) -> ContextAttention | None:
         # The selected rows past the chunks (the question) read the chunks reweighted.
         spec = plan.context_attention
         return None if spec is None else spec.with_rows(int((sel >= spec.end).sum()))
 
-    # Mask, rotary embeddings and row blocks depend only on the selection, which changes on check
-    # layers and the last layer alone.
-    mask, rope, groups = selection_inputs(hidden, sel)
+    # Mask, rotary embeddings and row blocks (or padding) depend only on the selection, which
+    # changes on check layers and the last layer alone.
+    mask, rope, blocks = selection_inputs(hidden, sel)
     context = context_rows(sel)
     for i, layer in enumerate(layers):
         t0 = time.perf_counter()
@@ -246,12 +269,13 @@ def fuse(backbone: "Backbone", plan: FusionPlan, load: LayerLoader, criterion: C
             assert dev is not None
             if wants_attention and probe.weights is not None:
                 dev.question_attention = probe.weights[sel[cand_rows]]
+            assert criterion is not None, "a plan with check layers needs a criterion"
             keep = top_k(criterion(dev), plan.checks[i]) if cand_rows.numel() else cand_rows
             rows = plan.always[sel] | plan.forced[sel]
             rows[cand_rows[keep]] = True
             hidden = hidden[:, rows]
             sel = sel[rows]
-            mask, rope, groups = selection_inputs(hidden, sel)
+            mask, rope, blocks = selection_inputs(hidden, sel)
             context = context_rows(sel)
         if i == last_layer and sel.numel() > 1:
             # Past the last layer only the last position's output is read (the next-token logits);
@@ -260,10 +284,10 @@ def fuse(backbone: "Backbone", plan: FusionPlan, load: LayerLoader, criterion: C
             if i not in plan.checks:  # a check's capture pass has already refreshed the kept rows
                 _capture(layer, hidden, sel, ScatterKV(k_full, v_full, sel, None), cache_kw, rope, mask, AttentionProbe(0, stop=True))
             hidden, sel = hidden[:, -1:], sel[-1:]
-            mask, rope, groups = selection_inputs(hidden, sel)
+            mask, rope, blocks = selection_inputs(hidden, sel)
             context = context_rows(sel)
         kv = ScatterKV(k_full, v_full, sel, None)
-        hidden = _run_layer(layer, hidden, sel, kv, cache_kw, rope, mask, groups, context=context)
+        hidden = _run_layer(layer, hidden, sel, kv, cache_kw, rope, mask, blocks, context=context)
         keys_out.append(kv.keys)
         values_out.append(kv.values)
         stats.computed_per_layer.append(int(sel.numel()))

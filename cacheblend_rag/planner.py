@@ -5,7 +5,9 @@ so a plan can be built and checked in a unit test. The engine then runs the plan
 computes the misses, the loader assembles the loads and the fusor recomputes the selected tokens.
 
 * ``plan_prefix``: prefix caching, the longest run of segments cached behind exactly what precedes
-  them (exact reuse, nothing fused);
+  them (exact reuse), the rest an exact causal prefill through the fusor (``causal_plan``);
+* ``plan_full``: ``full_recompute_saved``, the full prefill with the fusor's last-layer saving (a
+  ``causal_plan`` from position 0, nothing loaded);
 * ``plan_fusion``: the fused modes (``full_reuse``, ``cacheblend``): every reusable chunk is loaded
   (or computed, on a miss) and its positions marked as candidates for recompute;
 * ``guide``: a question-guided strategy's plan, once the question's attention has scored the
@@ -20,7 +22,7 @@ from typing import Callable, Collection, Mapping, Sequence
 
 import torch
 
-from .attention import ContextAttention
+from .attention import ContextAttention, row_groups
 from .config import BlendConfig
 from .fusor import FusionPlan
 from .prompt import PromptLayout, Segment
@@ -28,7 +30,10 @@ from .selector import pick_chunks, pick_tokens
 from .store.keys import chunk_key
 from .store.loader import LoadSpec
 
-__all__ = ["FusedRequest", "Load", "PrefixRequest", "context_attention", "guide", "plan_fusion", "plan_prefix"]
+__all__ = [
+    "FusedRequest", "Load", "PrefixRequest", "causal_plan", "context_attention", "guide", "plan_full", "plan_fusion",
+    "plan_prefix", "suffix_blocks_pay",
+]
 
 Contains = Callable[[str], bool]  # the store's contents: is every layer of this chunk there?
 
@@ -47,10 +52,15 @@ class Load:
     source: str = STORE
 
 
+# How much more a key read costs in a masked attention call than in SDPA's causal kernel on CPU
+# (a scratch measurement on the shared dev machine put it near 2; re-measure on a quiet one).
+MASKED_KEY_COST = 2
+
 @dataclass
 class PrefixRequest:
     """Prefix caching: load ``loads`` (a true prefix of ``reused`` tokens), prefill the rest."""
 
+    plan: FusionPlan  # positions [reused, prompt) computed on every layer, causally
     loads: list[LoadSpec]
     reused: int  # prompt positions [0, reused) come from the store
     writebacks: list[tuple[str, int, int]]  # (key, offset, length) of each segment computed here
@@ -68,9 +78,14 @@ class FusedRequest:
     hkvd: bool = False  # HKVD's checks select the tokens; otherwise the question's attention does
 
 
-def plan_prefix(layout: PromptLayout, fingerprint: str, contains: Contains, avoid: Collection[str] = ()) -> PrefixRequest:
+def plan_prefix(
+    layout: PromptLayout, fingerprint: str, contains: Contains, avoid: Collection[str] = (), device: torch.device | str = "cpu",
+) -> PrefixRequest:
     """Each segment is keyed by everything before it, so only a true prefix ever matches; the
-    segments after the first miss are prefilled and written back for the next request."""
+    segments after the first miss are prefilled and written back for the next request.
+
+    The suffix's attention never reads more keys than a causal prefill of the whole prompt
+    (``causal_plan``)."""
     token_ids = layout.token_ids
     loads: list[LoadSpec] = []
     writebacks: list[tuple[str, int, int]] = []
@@ -84,7 +99,44 @@ def plan_prefix(layout: PromptLayout, fingerprint: str, contains: Contains, avoi
         else:
             writebacks.append((key, off, len(seg)))
             misses += seg.reusable
-    return PrefixRequest(loads, reused, writebacks, hits, misses)
+    return PrefixRequest(causal_plan(layout, reused, device), loads, reused, writebacks, hits, misses)
+
+
+def plan_full(layout: PromptLayout, device: torch.device | str = "cpu") -> PrefixRequest:
+    """``full_recompute_saved``: every position computed, as in full prefill; nothing is loaded
+    or written back."""
+    return PrefixRequest(causal_plan(layout, 0, device), loads=[], reused=0, writebacks=[], hits=0, misses=0)
+
+
+def suffix_blocks_pay(reused: int, length: int) -> bool:
+    """Whether prompt positions [reused, length) should attend over keys [0, length) in masked row
+    blocks (``attention.row_groups``, each reading keys up to its last row) rather than through
+    SDPA's causal kernel with the query padded in front (``attention._padded_causal``).
+
+    The padded path reads what a causal prefill of the whole prompt reads, length * (length + 1)
+    / 2 keys per head, in the same kernel: never more attention work than full prefill. Blocks
+    read fewer keys, but at ``MASKED_KEY_COST`` times the cost each, so they pay only for a suffix
+    short next to the prefix (the question after a cached prompt), never for long suffixes.
+    """
+    if reused <= 0 or length - reused <= 0:
+        return False
+    blocks = row_groups(torch.arange(reused, length), 1)
+    return MASKED_KEY_COST * sum((b - a) * keys for a, b, keys in blocks) <= length * (length + 1) // 2
+
+
+def causal_plan(layout: PromptLayout, start: int, device: torch.device | str = "cpu") -> FusionPlan:
+    """Positions [start, prompt) recomputed on every layer over the loaded K/V of [0, start):
+    exact, like the model's own prefill; their attention in row blocks or through the causal
+    kernel, whichever is cheaper (``suffix_blocks_pay``)."""
+    length = len(layout)
+    always = torch.zeros(length, dtype=torch.bool, device=device)  # [length]
+    always[start:] = True
+    none = torch.zeros_like(always)
+    return FusionPlan(
+        input_ids=torch.tensor(layout.token_ids, dtype=torch.long, device=device),
+        always=always, candidate=none, forced=none, recompute_first_layer=False,
+        causal_suffix=not suffix_blocks_pay(start, length),
+    )
 
 
 def plan_fusion(

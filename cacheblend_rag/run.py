@@ -154,9 +154,9 @@ def cached_chunk_tokens(engine, stream) -> int:
     """Tokens of the chunks whose KV the coming prefill reads from the store instead of computing.
 
     Checked under the engine lock after the pending write-backs finished, so it sees exactly the
-    store the prefill will see. ``full_recompute`` reads nothing.
+    store the prefill will see. ``full_recompute`` (and its saved variant) reads nothing.
     """
-    if stream.mode == "full_recompute":
+    if stream.mode in ("full_recompute", "full_recompute_saved"):
         return 0
     engine.flush()
     store = engine.store if stream.store is None else stream.store

@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from cacheblend_rag import BlendConfig
-from cacheblend_rag.planner import COMPUTE, PREFIX, STORE, context_attention, guide, plan_fusion, plan_prefix
+from cacheblend_rag.attention import row_groups
+from cacheblend_rag.planner import (
+    COMPUTE, MASKED_KEY_COST, PREFIX, STORE, causal_plan, context_attention, guide, plan_fusion, plan_prefix, suffix_blocks_pay,
+)
 from cacheblend_rag.prompt import PromptLayout, Segment
 from cacheblend_rag.store.keys import chunk_key
 
@@ -63,6 +66,19 @@ def test_prefix_plan_stops_at_the_first_miss_and_writes_back_the_rest():
     assert [s.key for s in req.loads] == keys[:2] and req.reused == 7
     assert req.writebacks == [(keys[2], 7, 3), (keys[3], 10, 5)]
     assert (req.hits, req.misses) == (1, 2)
+    assert req.plan.always.nonzero().flatten().tolist() == list(range(7, len(layout)))
+
+
+@pytest.mark.parametrize("reused,length,blocks", [(553, 3072, False), (7, 17, False), (90, 105, True), (3000, 3050, True),
+                                                  (1, 3000, False), (0, 50, False)])
+def test_a_suffix_uses_masked_blocks_only_where_they_read_far_fewer_keys(reused, length, blocks):
+    assert suffix_blocks_pay(reused, length) is blocks
+    if blocks:  # never more key reads than a causal prefill of the whole prompt, even at MASKED_KEY_COST
+        reads = sum((b - a) * keys for a, b, keys in row_groups(torch.arange(reused, length), 1))
+        assert MASKED_KEY_COST * reads <= length * (length + 1) // 2
+    segments = (Segment("prefix", tuple(range(reused)), reusable=False), Segment("question", (5,) * (length - reused), reusable=False))
+    layout = PromptLayout(segments)
+    assert causal_plan(layout, reused).causal_suffix is not blocks
 
 
 def test_prefix_plan_never_loads_a_key_lost_earlier():

@@ -1,7 +1,9 @@
 """The compared methods, named as on the command line, and how each answers one question.
 
-Names: ``full_recompute``, ``prefix_caching``, ``full_reuse``, ``cacheblend@R`` (recompute ratio
-R; plain ``cacheblend`` expands to the configured ratio sweep), optionally ``cacheblend@R:CRIT``
+Names: ``full_recompute`` (the model's own forward), ``full_recompute_saved`` (the same exact
+prefill with the last-layer saving the fused modes get), ``prefix_caching``, ``full_reuse``,
+``cacheblend@R`` (recompute ratio R; plain ``cacheblend`` expands to the configured ratio sweep),
+optionally ``cacheblend@R:CRIT``
 with a selection criterion of ``cacheblend_rag.selector.CRITERIA``, and LangChain's
 ``map_reduce`` and ``map_rerank`` QA chains.
 """
@@ -113,7 +115,7 @@ def parse_method(spec: str, ratios: Sequence[float] = DEFAULT_RATIOS) -> list[Me
             out.append(Method(name + "".join("/" + o for o in opts), "kv", "cacheblend", r, criterion, options))
         return out
     raise ValueError(
-        f"unknown method {spec!r}: choose from full_recompute, prefix_caching, full_reuse, "
+        f"unknown method {spec!r}: choose from full_recompute, full_recompute_saved, prefix_caching, full_reuse, "
         "cacheblend[@RATIO][:CRITERION], question@RATIO, chunk@RATIO (each with /options), map_reduce, map_rerank"
     )
 

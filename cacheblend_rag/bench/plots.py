@@ -10,7 +10,7 @@ matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt  # noqa: E402
 
 COLORS = {
-    "full_recompute": "tab:red", "prefix_caching": "tab:orange", "full_reuse": "tab:gray",
+    "full_recompute": "tab:red", "full_recompute_saved": "tab:pink", "prefix_caching": "tab:orange", "full_reuse": "tab:gray",
     "map_reduce": "tab:purple", "map_rerank": "tab:brown",
 }
 

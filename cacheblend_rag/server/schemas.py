@@ -22,7 +22,8 @@ class CacheBlendOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     mode: Literal[MODES] = "cacheblend"  # type: ignore[valid-type]
-    """One of cacheblend, full_recompute (the exact full prefill), prefix_caching, full_reuse."""
+    """One of cacheblend, full_recompute (the exact full prefill), full_recompute_saved (the same with the
+    fused modes' last-layer saving), prefix_caching, full_reuse."""
     recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
     """Fraction of chunk tokens recomputed per layer (None: the engine's configured one)."""
     top_k: int = Field(default=0, ge=0)
