@@ -54,6 +54,7 @@ def register(subparsers) -> None:
     p.add_argument("--report-only", action="store_true", help="rebuild summary and plots from --out's results.jsonl; run nothing")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--answer-hint", default="", help="a line after each question, e.g. 'Answer with the answer only, no other words.' (default none)")
     load = p.add_argument_group("throughput under concurrent load (--load)")
     load.add_argument("--load", action="store_true",
                       help="serve requests from concurrent clients through the batcher instead (default methods: "
@@ -100,7 +101,7 @@ def _bench(args: argparse.Namespace) -> int:
             top_ks=args.top_k, chunk_tokens=args.chunk_tokens, max_new_tokens=args.max_new_tokens,
             summary_max_new_tokens=args.summary_max_new_tokens,
             chain_max_new_tokens=args.chain_max_new_tokens, out_dir=args.out, musique=args.musique,
-            hotpotqa=args.hotpotqa, aclsum=args.aclsum, seed=args.seed, fidelity=not args.no_fidelity, repeats=args.repeats,
+            hotpotqa=args.hotpotqa, aclsum=args.aclsum, seed=args.seed, fidelity=not args.no_fidelity, repeats=args.repeats, answer_hint=args.answer_hint,
             plots=not args.no_plots, report_only=args.report_only, progress=not args.quiet, device=args.device,
         )
         rows = run_benchmark(cfg)
