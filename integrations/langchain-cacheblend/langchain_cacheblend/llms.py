@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Iterator, Mapping
+from typing import Any, AsyncIterator, Iterable, Iterator, Mapping
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseLLM, LanguageModelInput
@@ -10,6 +10,7 @@ from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from langchain_core.prompt_values import PromptValue
 
 from cacheblend_rag.aio import iterate_in_thread
+from cacheblend_rag.run import Run
 
 from ._base import CacheBlendParams
 from .inputs import RAGPromptValue
@@ -73,9 +74,13 @@ class CacheBlendLLM(CacheBlendParams, BaseLLM):
         **kwargs: Any,
     ) -> LLMResult:
         generations = []
-        # Every run is started before any is read: with max_batch > 1 they are then decoded
-        # together; without, starting only validates and the runs go one after another.
-        runs = [self._start(self._request_from_text(prompt), stop, kwargs) for prompt in prompts]
+        # With a batcher every run is submitted before any is read, so they are decoded together.
+        # Without one each run starts when the previous has finished: a run's clock starts when it
+        # is created, and its time to first token must not include the runs before it.
+        if self.batcher is not None:
+            runs: Iterable[Run] = [self._start(self._request_from_text(p), stop, kwargs) for p in prompts]
+        else:
+            runs = (self._start(self._request_from_text(p), stop, kwargs) for p in prompts)
         for run in runs:
             for delta in run:
                 if run_manager is not None:
