@@ -75,10 +75,10 @@ class DecodeBatch:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def start(self, cache: DynamicCache, first_logits: torch.Tensor, length: int, params: SamplingParams, sink: AnswerSink) -> Decoder:
+    def start(self, cache: DynamicCache, first_logits: torch.Tensor, length: int, params: SamplingParams, sink: AnswerSink) -> None:
         """Choose the answer's first token from its prefill's ``first_logits`` ([vocab]); unless
         that ends the answer, the prefill ``cache`` (``length`` positions, batch 1, handed over)
-        joins the batch. Returns the row's decoder (``done`` when the answer already ended)."""
+        joins the batch."""
         decoder = Decoder(self.tokenizer, self.eos, params, first_logits.device)
         token = decoder.choose(first_logits)
         sink.first_token()
@@ -87,7 +87,7 @@ class DecodeBatch:
             sink.delta(text)
         if decoder.done:
             sink.done(decoder.state())
-            return decoder
+            return
         keys, values = _layer_kv(cache)
         keys = [k[..., :length, :] for k in keys]  # [1, kv_heads, length, head_dim]
         values = [v[..., :length, :] for v in values]
@@ -101,7 +101,6 @@ class DecodeBatch:
             self.values = [torch.cat([_pad_left(a, width), _pad_left(b, width)]) for a, b in zip(self.values, values)]
             self.mask = torch.cat([_pad_left(self.mask, width), _pad_left(mask, width)])
         self.rows.append(_Row(decoder, sink, token, length))
-        return decoder
 
     @torch.inference_mode()
     def step(self) -> None:
