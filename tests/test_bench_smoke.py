@@ -308,7 +308,27 @@ def test_summary_pairs_questions_for_ratios():
     assert by["cacheblend@0.15"]["n_paired_full"] == 3
     table = markdown_table(summarize(rows), "d", 6)
     assert "| map_reduce | 1/3 | f1 0.250 (full 0.500) | 0.25x |" in table
-    assert "| cacheblend@0.15 | 3 | f1 0.000 | 2.00x |" in table
+    assert "| cacheblend@0.15 | 3 | f1 0.000 | 2.00x [2.00, 2.00] |" in table
+    blend = by["cacheblend@0.15"]
+    assert blend["quality_diff_vs_full"] == pytest.approx(-0.5 / 3)
+    assert (blend["quality_wins"], blend["quality_losses"]) == (0, 1)
+    assert blend["quality_sign_p"] == pytest.approx(1.0)
+    assert "-0.167 [-0.500, +0.000] (0/1) |" in table
+
+
+def test_summary_speedup_spread():
+    """Intervals are the bootstrap over questions; ``--repeats`` rounds give one ratio each."""
+    def row(method, qid, rounds):
+        return {"dataset": "d", "top_k": 6, "method": method, "qid": qid, "ttft_s": sorted(rounds)[1],
+                "ttft_rounds_s": rounds, "total_s": 1.0, "quality": 0.0, "metric": "f1", "answer": "x"}
+
+    rows = [row("full_recompute", q, [4.0, 4.0, 4.0]) for q in "abcd"]
+    rows += [row("cacheblend@0.15", q, [1.0, 2.0, 2.0 if q in "ab" else 1.0]) for q in "abcd"]
+    s = next(s for s in summarize(rows) if s["method"] == "cacheblend@0.15")
+    assert s["speedup_vs_full_recompute_rounds"] == pytest.approx([4.0, 2.0, 16 / 6])
+    lo, hi = s["speedup_vs_full_recompute_ci"]
+    assert lo < s["speedup_vs_full_recompute"] < hi  # medians 2, 2, 1, 1 -> ratio 16/6
+    assert 2.0 <= lo < hi <= 4.0
 
 
 def _greedy_plain(engine, prompt: str, max_new_tokens: int) -> str:

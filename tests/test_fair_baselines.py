@@ -148,9 +148,13 @@ def test_bench_runs_the_saved_full_prefill_and_reports_the_ratio_to_it():
         return {"dataset": "d", "top_k": 6, "method": method, "qid": "a", "ttft_s": ttft, "total_s": ttft,
                 "quality": 0.0, "metric": "f1", "answer": "x"}
 
-    summary = summarize([row("full_recompute", 3.0), row("full_recompute_saved", 2.0), row("cacheblend@0.15", 1.0)])
+    blend = dict(row("cacheblend@0.15", 1.0), compute_fraction=0.25)
+    saved = dict(row("full_recompute_saved", 2.0), compute_fraction=1.0)
+    summary = summarize([row("full_recompute", 3.0), saved, blend])
     by = {s["method"]: s for s in summary}
     assert by["cacheblend@0.15"]["speedup_vs_full_recompute_saved"] == pytest.approx(2.0)
+    # 1 s for a quarter of the saved full prefill's 2 s of work: twice its share.
+    assert by["cacheblend@0.15"]["overhead"] == pytest.approx(2.0)
     assert "| cacheblend@0.15 | 1 | f1 0.000 | 3.00x | 2.00x |" in markdown_table(summary, "d", 6)
 
 

@@ -36,7 +36,9 @@ def register(subparsers) -> None:
                    help="run map_reduce/map_rerank only on the first N of those questions (default: all --n); "
                    "their TTFT ratios are then over the questions both methods ran")
     p.add_argument("--methods", type=_csv, default=None,
-                   help="comma list; cacheblend expands over --ratios, cacheblend@R[:CRITERION] runs one (default: all)")
+                   help="comma list; cacheblend expands over --ratios, cacheblend@R[:CRITERION] runs one; "
+                        "also question@R, chunk@R, full_recompute_saved, generate, llama_cpp[:QUANT], llama_cpp_prefix[:QUANT] "
+                        "(default: full_recompute,prefix_caching,full_reuse,cacheblend,map_reduce,map_rerank)")
     p.add_argument("--ratios", type=_floats, default=DEFAULT_RATIOS, help="recompute ratios for 'cacheblend' (default 0.05,0.15,0.3,0.5)")
     p.add_argument("--top-k", type=_ints, default=(6,), help="retrieved chunks; a comma list sweeps it (default 6)")
     p.add_argument("--chunk-tokens", type=int, default=512, help="chunk size in tokens (default 512)")

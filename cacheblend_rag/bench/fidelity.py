@@ -38,6 +38,7 @@ from ..metrics import next_token_kl, normalize_answer, qa_f1, token_f1
 from . import datasets as ds
 from .methods import Method, parse_methods, settle
 from .runner import BenchConfig, load_engine, read_results
+from .stats import bootstrap_mean_ci, ratio_ci, sign_test
 
 DEFAULT_FIDELITY_METHODS = (
     "full_reuse", "full_reuse/nb", "cacheblend@0.15", "question@0.15", "question@0.15/nb", "chunk@0.15",
@@ -217,26 +218,6 @@ def _run(cfg: FidelityConfig, engine, methods: list[Method], full: Method, todo,
     return new_rows
 
 
-# ----------------------------------------------------------------------------- statistics
-def bootstrap_mean_ci(values: Sequence[float], reps: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """Percentile bootstrap 95% interval of the mean (paired data: pass the differences)."""
-    v = torch.tensor([x for x in values if not math.isnan(x)], dtype=torch.float64)
-    if v.numel() < 2:
-        return (float("nan"), float("nan"))
-    g = torch.Generator().manual_seed(seed)
-    means = v[torch.randint(v.numel(), (reps, v.numel()), generator=g)].mean(1)
-    return float(means.quantile(0.025)), float(means.quantile(0.975))
-
-
-def _ratio_ci(num: Sequence[float], den: Sequence[float], reps: int = 2000, seed: int = 0) -> tuple[float, float]:
-    a, b = torch.tensor(num, dtype=torch.float64), torch.tensor(den, dtype=torch.float64)
-    if a.numel() < 2:
-        return (float("nan"), float("nan"))
-    idx = torch.randint(a.numel(), (reps, a.numel()), generator=torch.Generator().manual_seed(seed))
-    r = a[idx].sum(1) / b[idx].sum(1)
-    return float(r.quantile(0.025)), float(r.quantile(0.975))
-
-
 def _mean(xs: Sequence[float]) -> float:
     xs = [x for x in xs if x is not None and not math.isnan(x)]
     return sum(xs) / len(xs) if xs else float("nan")
@@ -272,7 +253,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                     "tf_loglik": _mean([r["tf_loglik"] for r in rs]),
                     "tf_loglik_full": _mean([r["tf_loglik_full"] for r in rs]),
                     "ttft_speedup": sum(r["ttft_full_s"] for r in rs) / sum(r["ttft_s"] for r in rs),
-                    "ttft_speedup_ci": _ratio_ci([r["ttft_full_s"] for r in rs], [r["ttft_s"] for r in rs]),
+                    "ttft_speedup_ci": ratio_ci([r["ttft_full_s"] for r in rs], [r["ttft_s"] for r in rs]),
                     "recompute_fraction": _mean([r["recompute_fraction"] or 0.0 for r in rs]),
                 }
                 # Rows from before the margin was recorded count in neither group.
@@ -282,22 +263,13 @@ def summarize(rows: list[dict]) -> list[dict]:
                 if all(x is not None for x in reuse):
                     kl_reuse = _mean([x["kl"] for x in reuse])
                     entry["kl_vs_reuse"] = entry["kl"] / kl_reuse if kl_reuse else float("nan")
-                    entry["kl_vs_reuse_ci"] = _ratio_ci([r["kl"] for r in rs], [x["kl"] for x in reuse])
+                    entry["kl_vs_reuse_ci"] = ratio_ci([r["kl"] for r in rs], [x["kl"] for x in reuse])
                     entry["kl_worse_than_reuse"] = _mean([float(r["kl"] > x["kl"] + 1e-9) for r, x in zip(rs, reuse)])
                 out.append(entry)
     return out
 
 
 LOWER_IS_BETTER = frozenset({"kl"})
-
-
-def sign_test(wins: int, losses: int) -> float:
-    """Two-sided exact sign test (ties dropped): the chance of a split at least this uneven
-    between two methods that are in truth equally good."""
-    n, k = wins + losses, min(wins, losses)
-    if n == 0:
-        return 1.0
-    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n)
 
 
 def compare(rows: list[dict], a: str, b: str, metric: str = "agree_f1", dataset: str = "all") -> dict[str, Any]:

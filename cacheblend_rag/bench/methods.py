@@ -4,8 +4,10 @@ Names: ``full_recompute`` (the model's own forward), ``full_recompute_saved`` (t
 prefill with the last-layer saving the fused modes get), ``prefix_caching``, ``full_reuse``,
 ``cacheblend@R`` (recompute ratio R; plain ``cacheblend`` expands to the configured ratio sweep),
 optionally ``cacheblend@R:CRIT``
-with a selection criterion of ``cacheblend_rag.selector.CRITERIA``, and LangChain's
-``map_reduce`` and ``map_rerank`` QA chains.
+with a selection criterion of ``cacheblend_rag.selector.CRITERIA``, LangChain's
+``map_reduce`` and ``map_rerank`` QA chains, and the baselines outside the engine
+(``bench.baselines``): ``generate`` (transformers' ``model.generate()``), ``llama_cpp[:QUANT]``
+and ``llama_cpp_prefix[:QUANT]`` (llama.cpp on the model's GGUF, optionally requantised).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ..config import MODES, BlendConfig
+from .baselines import KINDS as BASELINES
+from .baselines import QUANTS
 
 if TYPE_CHECKING:
     import torch
@@ -37,15 +41,20 @@ OPTIONS: dict[str, dict[str, Any]] = {
 @dataclass(frozen=True)
 class Method:
     name: str
-    kind: str  # "kv" (one engine prefill mode) or a chain name
+    kind: str  # "kv" (one engine prefill mode), a chain name or a baseline name (bench.baselines)
     mode: str | None = None
     ratio: float | None = None
     criterion: str | None = None
     options: tuple[tuple[str, Any], ...] = ()  # BlendConfig fields set by "/" suffixes
+    quant: str | None = None  # llama_cpp: the GGUF requantised to this type (None: as shipped)
 
     @property
     def is_kv(self) -> bool:
         return self.kind == "kv"
+
+    @property
+    def is_chain(self) -> bool:
+        return self.kind in CHAINS
 
     def blend_config(self, base: BlendConfig) -> BlendConfig | None:
         """The config of this method's prefill. Benchmarks compare chunk caches explicitly:
@@ -83,8 +92,13 @@ def parse_method(spec: str, ratios: Sequence[float] = DEFAULT_RATIOS) -> list[Me
     ``w<N>`` (selection window), ``nb`` (neighbour-aware chunk caches), ``ape`` (APE's attention
     temperature and scale, 0.9 each); ``nb`` and ``ape`` apply to full_reuse too."""
     spec = spec.strip()
-    if spec in CHAINS:
+    if spec in CHAINS or spec == "generate":
         return [Method(spec, spec)]
+    head, _, quant = spec.partition(":")
+    if head in BASELINES[1:]:
+        if quant and quant not in QUANTS:
+            raise ValueError(f"method {spec!r}: unknown llama.cpp quantisation {quant!r}; choose from {', '.join(QUANTS)}")
+        return [Method(spec, head, quant=quant or None)]
     head, *opts = spec.split("/")
     options = _options(spec, opts)
     if head in MODES and head != "cacheblend":
@@ -116,7 +130,8 @@ def parse_method(spec: str, ratios: Sequence[float] = DEFAULT_RATIOS) -> list[Me
         return out
     raise ValueError(
         f"unknown method {spec!r}: choose from full_recompute, full_recompute_saved, prefix_caching, full_reuse, "
-        "cacheblend[@RATIO][:CRITERION], question@RATIO, chunk@RATIO (each with /options), map_reduce, map_rerank"
+        "cacheblend[@RATIO][:CRITERION], question@RATIO, chunk@RATIO (each with /options), map_reduce, map_rerank, "
+        "generate, llama_cpp[:QUANT], llama_cpp_prefix[:QUANT]"
     )
 
 

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from ..metrics import next_token_kl, qa_f1
 from . import datasets as ds
+from .baselines import make_baseline
 from .methods import DEFAULT_METHODS, DEFAULT_RATIOS, Method, parse_methods, run_kv
 from .summary import summarize, write_summary
 
@@ -42,7 +43,7 @@ class BenchConfig:
     datasets: any of musique, hotpotqa, aclsum, crosschunk.
     n: questions per dataset (the first n of each file; crosschunk generates n).
     chain_n: run the LangChain chains (map_reduce, map_rerank) only on the first ``chain_n`` of
-        those questions (None: all n); the KV methods still run on all n. The summary's TTFT ratios
+        those questions (None: all n); the other methods still run on all n. The summary's TTFT ratios
         pair questions, so a chain's ratio covers only the questions it ran.
     methods: method specs (see bench.methods); "cacheblend" expands over ``ratios``.
     top_ks: numbers of retrieved chunks; several values give the chunks sweep (paper: 6).
@@ -154,13 +155,15 @@ def _support_recall(example: ds.Example, chunks: Sequence[str]) -> float | None:
     return sum(any(s in c for c in chunks) for s in example.supports) / len(example.supports)
 
 
-def _warm_up(engine, methods: list[Method], llm: Any) -> None:
+def _warm_up(engine, methods: list[Method], llm: Any, baselines: dict[str, Any]) -> None:
     """One untimed call per method, so first-call allocations do not land in a measured case."""
     chunks = ["Warm-up text about a quiet town.", "Another short warm-up passage."]
     engine.precompute(chunks, progress=False)
     for m in methods:
         if m.is_kv:
             run_kv(engine, m, "Which town?", chunks, 2)
+    for b in baselines.values():
+        b.answer(engine, "Which town?", chunks, 2)
     if llm is not None:
         llm.invoke("Say hello.", max_new_tokens=2)
     engine.flush()
@@ -206,7 +209,7 @@ def run_benchmark(
     chain_n = cfg.n if cfg.chain_n is None else cfg.chain_n
     if chain_n < 0:
         raise ValueError(f"chain_n={chain_n} must be >= 0 (None: the same as n)")
-    kv_methods = [m for m in methods if m.is_kv]
+    unchained = [m for m in methods if not m.is_chain]
     rows = read_results(results_path)
     done = {r["key"] for r in rows}
 
@@ -218,7 +221,7 @@ def run_benchmark(
     # Round-robin over datasets, so a run stopped early has covered every dataset about equally.
     # i: the question's index in its dataset; the chains run on the first chain_n only.
     examples = [(ex, i) for i, group in enumerate(zip_longest(*per_dataset)) for ex in group if ex is not None]
-    cases = [(ex, k, methods if i < chain_n else kv_methods) for ex, i in examples for k in cfg.top_ks]
+    cases = [(ex, k, methods if i < chain_n else unchained) for ex, i in examples for k in cfg.top_ks]
     cases = [c for c in cases if c[2]]
     model_name = cfg.model
     todo = []  # (example, top-k, its unfinished methods)
@@ -227,7 +230,7 @@ def run_benchmark(
         if pending:
             todo.append((ex, k, pending))
     if todo and not cfg.report_only:
-        if any(not m.is_kv for _, _, ms in todo for m in ms):
+        if any(m.is_chain for _, _, ms in todo for m in ms):
             from .lc import cacheblend_llm_class
 
             cacheblend_llm_class()  # a missing langchain_cacheblend fails here, before the model loads
@@ -258,7 +261,9 @@ def _run_cases(cfg, engine, retriever, methods, todo, results_path: Path, total:
             engine.model, engine.tokenizer, store=engine.store, config=engine.config,
             instruction=SUMMARY_INSTRUCTION, model_id=engine.model_id, fingerprint=engine.fingerprint,
         )
-    chains = list({m.kind: m for _, _, ms in todo for m in ms if not m.is_kv}.values())
+    chains = list({m.kind: m for _, _, ms in todo for m in ms if m.is_chain}.values())
+    baselines = {m.name: make_baseline(m.kind, m.quant, engine, cfg.model)
+                 for m in {m.name: m for _, _, ms in todo for m in ms if not m.is_kv and not m.is_chain}.values()}
     llm, built = None, {}
     if chains:
         from .lc import make_chain, make_llm, run_chain
@@ -268,7 +273,7 @@ def _run_cases(cfg, engine, retriever, methods, todo, results_path: Path, total:
         # prompt past any token_max (its window is TINY_CONTEXT instead).
         token_max = 10**7 if cfg.model == "tiny" else 3000
         built = {m.kind: make_chain(m.kind, llm, token_max) for m in chains}
-    _warm_up(engine, methods, llm)
+    _warm_up(engine, methods, llm, baselines)
     new_rows: list[dict] = []
     bar = tqdm(todo, desc="bench", unit="case", disable=not cfg.progress, initial=total - len(todo), total=total)
     with results_path.open("a", encoding="utf-8") as sink:
@@ -300,6 +305,13 @@ def _run_cases(cfg, engine, retriever, methods, todo, results_path: Path, total:
                         ref_logits = logits
                     if ref_logits is not None:
                         res["kl"] = next_token_kl(ref_logits, logits)
+                elif m.name in baselines:
+                    bar.set_postfix_str(f"{ex.dataset} {m.name}")
+                    a = baselines[m.name].answer(eng, ex.question, chunks, budget)
+                    res = {"answer": a.text, "ttft_s": a.ttft_s, "total_s": a.total_s, "prompt_tokens": a.prompt_tokens,
+                           "generated_tokens": a.generated_tokens}
+                    if ref_logits is not None:
+                        res["kl"] = next_token_kl(ref_logits, a.logits)
                 else:
                     bar.set_postfix_str(f"{ex.dataset} {m.name}")
                     llm.max_new_tokens = max(budget, cfg.chain_max_new_tokens)
@@ -314,9 +326,10 @@ def _run_cases(cfg, engine, retriever, methods, todo, results_path: Path, total:
                 sink.write(json.dumps(row) + "\n")
                 sink.flush()
                 new_rows.append(row)
-    eng_list = [e for e in (summary_engine,) if e is not None]
-    for e in eng_list:
-        e.close(close_store=False)  # its store is the main engine's, closed by the caller
+    for b in baselines.values():
+        b.close()
+    if summary_engine is not None:
+        summary_engine.close(close_store=False)  # its store is the main engine's, closed by the caller
     return new_rows
 
 

@@ -13,12 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from ..metrics import normalize_answer
+from .stats import bootstrap_mean_ci, ratio_ci, sign_test
 
 FIELDS = [
     "dataset", "top_k", "method", "n", "metric", "quality", "ttft_mean_s", "ttft_median_s",
     "latency_mean_s", "throughput_qps", "speedup_vs_full_recompute", "speedup_vs_full_recompute_saved",
-    "speedup_vs_prefix_caching",
-    "n_paired_full", "full_quality_paired", "kl_mean", "agreement", "recompute_fraction",
+    "speedup_vs_prefix_caching", "speedup_vs_full_recompute_ci", "speedup_vs_full_recompute_saved_ci",
+    "speedup_vs_prefix_caching_ci", "speedup_vs_full_recompute_rounds", "overhead",
+    "n_paired_full", "quality_diff_vs_full", "quality_diff_ci", "quality_wins", "quality_losses", "quality_sign_p", "full_quality_paired", "kl_mean", "agreement", "recompute_fraction",
     "prompt_tokens_mean", "support_recall",
 ]
 
@@ -43,6 +45,41 @@ def _speedup(rows: list[dict], ref: list[dict]) -> float | None:
     return sum(p[0]["ttft_s"] for p in pairs) / den if den > 0 else None
 
 
+def _speedup_ci(rows: list[dict], ref: list[dict]) -> tuple[float, float] | None:
+    """Bootstrap 95% interval of :func:`_speedup` over the paired questions (their spread)."""
+    pairs = _pairs(rows, ref)
+    return ratio_ci([p[0]["ttft_s"] for p in pairs], [p[1]["ttft_s"] for p in pairs]) if len(pairs) > 1 else None
+
+
+def _speedup_rounds(rows: list[dict], ref: list[dict]) -> list[float] | None:
+    """The speed-up of each timing round alone (``--repeats``): the spread over repeats."""
+    pairs = [(f["ttft_rounds_s"], r["ttft_rounds_s"]) for f, r in _pairs(rows, ref) if "ttft_rounds_s" in f and "ttft_rounds_s" in r]
+    if not pairs:
+        return None
+    rounds = min(min(len(a), len(b)) for a, b in pairs)
+    return [sum(a[i] for a, _ in pairs) / sum(b[i] for _, b in pairs) for i in range(rounds)]
+
+
+def _overhead(rows: list[dict], saved: list[dict]) -> float | None:
+    """TTFT over (its token-layers computed / the saved full prefill's x that prefill's TTFT), summed
+    over the paired questions: 1.0 would mean a fused prefill costs exactly its share of a full
+    prefill."""
+    pairs = [(f, r) for f, r in _pairs(rows, saved) if r.get("compute_fraction") is not None]
+    den = sum(r["compute_fraction"] / (f.get("compute_fraction") or 1.0) * f["ttft_s"] for f, r in pairs)
+    return sum(r["ttft_s"] for _, r in pairs) / den if pairs and den > 0 else None
+
+
+def _quality_vs_full(paired: list[tuple[dict, dict]]) -> dict[str, Any]:
+    """Quality minus full prefill's on the same questions: mean, bootstrap 95% interval, and the
+    sign test over questions (a difference whose interval holds 0 is a tie)."""
+    diffs = [r["quality"] - f["quality"] for f, r in paired]
+    wins, losses = sum(d > 1e-12 for d in diffs), sum(d < -1e-12 for d in diffs)
+    return {
+        "quality_diff_vs_full": _mean(diffs), "quality_diff_ci": bootstrap_mean_ci(diffs) if len(diffs) > 1 else None,
+        "quality_wins": wins, "quality_losses": losses, "quality_sign_p": sign_test(wins, losses),
+    }
+
+
 def summarize(rows: list[dict]) -> list[dict]:
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
@@ -52,11 +89,13 @@ def summarize(rows: list[dict]) -> list[dict]:
         full = groups.get((dataset, k, "full_recompute"), [])
         saved = groups.get((dataset, k, "full_recompute_saved"), [])  # full prefill, last-layer saving
         prefix = groups.get((dataset, k, "prefix_caching"), [])
-        full_answers = {r["qid"]: normalize_answer(r["answer"]) for r in full}
+        # Answers and quality compare with either exact full prefill (the same up to rounding).
+        exact = full or saved
+        full_answers = {r["qid"]: normalize_answer(r["answer"]) for r in exact}
         agree = [normalize_answer(r["answer"]) == full_answers[r["qid"]] for r in rs if r["qid"] in full_answers]
         total = sum(r["total_s"] for r in rs)
         is_kv = "kl" in rs[0] or rs[0].get("recompute_fraction") is not None
-        paired = _pairs(rs, full)
+        paired = _pairs(rs, exact)
         out.append({
             "dataset": dataset,
             "top_k": k,
@@ -71,6 +110,12 @@ def summarize(rows: list[dict]) -> list[dict]:
             "speedup_vs_full_recompute": _speedup(rs, full),
             "speedup_vs_full_recompute_saved": _speedup(rs, saved),
             "speedup_vs_prefix_caching": _speedup(rs, prefix),
+            "speedup_vs_full_recompute_ci": _speedup_ci(rs, full),
+            "speedup_vs_full_recompute_saved_ci": _speedup_ci(rs, saved),
+            "speedup_vs_prefix_caching_ci": _speedup_ci(rs, prefix),
+            "speedup_vs_full_recompute_rounds": _speedup_rounds(rs, full),
+            "overhead": _overhead(rs, saved) if rs[0].get("compute_fraction") is not None else None,
+            **_quality_vs_full(paired),
             # The questions the full-prefill ratio is over, and full prefill's quality on them.
             "n_paired_full": len(paired),
             "full_quality_paired": _mean([f["quality"] for f, _ in paired]),
@@ -84,15 +129,19 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 
 def _order(method: str) -> tuple:
-    base = ["full_recompute", "full_recompute_saved", "prefix_caching", "full_reuse"]
+    """Table order: full prefills, the reuse baselines, fused modes by ratio, llama.cpp, chains."""
+    base = ["full_recompute", "full_recompute_saved", "generate", "prefix_caching", "full_reuse"]
     if method in base:
         return (base.index(method), 0.0, method)
-    if method.startswith("cacheblend@"):
+    head, _, rest = method.partition("@")
+    if rest:
         try:
-            return (3, float(method.split("@")[1].split(":")[0]), method)
+            return (len(base), float(rest.split(":")[0].split("/")[0]), method)
         except ValueError:
             pass
-    return (4, 0.0, method)
+    if method.startswith("llama_cpp"):
+        return (len(base) + 1, 0.0, method)
+    return (len(base) + 2, 0.0, method)
 
 
 def machine() -> dict[str, Any]:
@@ -120,18 +169,33 @@ def write_summary(summary: list[dict], out: Path, cfg: Any = None) -> None:
 
 def markdown_table(summary: list[dict], dataset: str, top_k: int | None = None) -> str:
     """A table for docs: quality, TTFT speedups (against the plain and the saved full prefill and
-    prefix caching; "–" where that baseline did not run), fidelity.
+    prefix caching; "–" where that baseline did not run) with their bootstrap 95% intervals over
+    questions in brackets, fidelity, and the quality difference to full prefill on the same
+    questions with its interval and the questions won/lost.
 
     A method that ran on fewer questions than full prefill (``--chain-n``) shows them as "n/N"
     and full prefill's quality on those questions in brackets; its TTFT ratios are over them too.
     """
     lines = [
-        "| method | n | quality | TTFT vs full | TTFT vs saved full | TTFT vs prefix | latency (s) | answers/s | KL | agree |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| method | n | quality | TTFT vs full | TTFT vs saved full | TTFT vs prefix | latency (s) | answers/s | KL | agree "
+        "| quality − full [95% CI] (won/lost) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(x, fmt):
         return "–" if x is None else format(x, fmt)
+
+    def ratio(r, name):
+        x, ci = r.get(f"speedup_vs_{name}"), r.get(f"speedup_vs_{name}_ci")
+        if x is None:
+            return "–"
+        return f"{x:.2f}x" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
+
+    def diff(r):
+        d, ci = r.get("quality_diff_vs_full"), r.get("quality_diff_ci")
+        if d is None or r["method"] == "full_recompute":
+            return "–"
+        return f"{d:+.3f}" + (f" [{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "") + f" ({r['quality_wins']}/{r['quality_losses']})"
 
     full_n = {(r["dataset"], r["top_k"]): r["n"] for r in summary if r["method"] == "full_recompute"}
     for r in summary:
@@ -143,10 +207,9 @@ def markdown_table(summary: list[dict], dataset: str, top_k: int | None = None) 
             n = f"{r['n']}/{of}"
             quality += f" (full {f(r.get('full_quality_paired'), '.3f')})"
         lines.append(
-            f"| {r['method']} | {n} | {quality} | "
-            f"{f(r['speedup_vs_full_recompute'], '.2f')}x | {f(r['speedup_vs_full_recompute_saved'], '.2f')}x | "
-            f"{f(r['speedup_vs_prefix_caching'], '.2f')}x | "
+            f"| {r['method']} | {n} | {quality} | {ratio(r, 'full_recompute')} | {ratio(r, 'full_recompute_saved')} | "
+            f"{ratio(r, 'prefix_caching')} | "
             f"{f(r['latency_mean_s'], '.2f')} | {f(r['throughput_qps'], '.2f')} | {f(r['kl_mean'], '.3f')} | "
-            f"{f(r['agreement'], '.2f')} |"
+            f"{f(r['agreement'], '.2f')} | {diff(r)} |"
         )
     return "\n".join(lines)

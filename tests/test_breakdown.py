@@ -1,0 +1,37 @@
+"""``bench.breakdown``: where a prefill's time goes, on the tiny engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from cacheblend_rag.bench.breakdown import CATEGORIES, category, report, run, summarize
+from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_engine
+
+
+def test_operators_fall_into_their_category():
+    assert category("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
+    assert category("aten::bmm") == "attention"
+    assert category("aten::addmm") == category("aten::linear") == "gemm"
+    assert category("aten::rms_norm") == category("aten::index_select") == "other_ops"
+
+
+def test_breakdown_accounts_for_the_whole_prefill():
+    engine = make_engine("llama")
+    try:
+        rows = run(engine, [(SAMPLE_QUESTION, list(SAMPLE_CHUNKS))], ["full_recompute_saved", "cacheblend"], rounds=2)
+    finally:
+        engine.close()
+    assert [(r["round"], r["mode"]) for r in rows] == [(0, "full_recompute_saved"), (0, "cacheblend"),
+                                                       (1, "full_recompute_saved"), (1, "cacheblend")]
+    for r in rows:
+        # Categories partition the profiled wall time (Python is the remainder, never negative).
+        assert sum(r[c] for c in CATEGORIES) == pytest.approx(r["profiled_s"], rel=0.05)
+        assert r["gemm"] > 0 and r["attention"] > 0 and r["wall_s"] > 0
+    s = summarize(rows)
+    saved = s["full_recompute_saved"]
+    # The last-layer saving: the last of 4 layers computes one position.
+    assert saved["compute_fraction"] == pytest.approx(0.75, abs=0.01)
+    assert saved["overhead"] == pytest.approx(1.0)  # its own reference
+    assert 0 < s["cacheblend"]["compute_fraction"] < 1
+    assert sum(s["cacheblend"][f"{c}_share"] for c in CATEGORIES) == pytest.approx(1.0, rel=0.05)
+    assert "| cacheblend |" in report(s)
