@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = load_engine(BenchConfig(model=args.model, out_dir=args.store_dir))
     examples = ds.load_dataset(args.dataset, args.offset + args.n, chunk_tokens=args.chunk_tokens)[args.offset:]
     count, retriever = ds.token_counter(engine.tokenizer), ds.Retriever()
-    prompts = [(ex.question, retriever.top_k(ex.question, ds.chunk_documents(ex.documents, count, args.chunk_tokens), args.top_k))
+    prompts = [(ex.question, ds.retrieve(ex, retriever, count, args.chunk_tokens, args.top_k))
                for ex in examples]
     try:
         rows = run(engine, prompts, args.modes.split(","), args.rounds)

@@ -40,7 +40,7 @@ def bundled_sample(engine, n: int, offset: int, top_k: int = 6, chunk_tokens: in
     retriever = ds.Retriever()
     count = ds.token_counter(engine.tokenizer)
     return [
-        (ex.question, retriever.top_k(ex.question, ds.chunk_documents(ex.documents, count, chunk_tokens), top_k))
+        (ex.question, ds.retrieve(ex, retriever, count, chunk_tokens, top_k))
         for ex in ds.load_dataset("hotpotqa", n, hotpotqa=hotpotqa, offset=offset)
     ]
 

@@ -404,6 +404,12 @@ def minilm_dir() -> Path:
     return found.parent
 
 
+def retrieve(example: Example, retriever, count: Callable[[str], int], chunk_tokens: int, k: int) -> list[str]:
+    """The ``k`` chunks of ``example``'s documents (packed to ``chunk_tokens``) that ``retriever``
+    ranks highest for its question, best first: every benchmark's prompt context."""
+    return retriever.top_k(example.question, chunk_documents(example.documents, count, chunk_tokens), k)
+
+
 class Retriever:
     """Top-k chunks by cosine similarity of all-MiniLM-L6-v2 embeddings, best first."""
 

@@ -178,7 +178,7 @@ def _run(cfg: FidelityConfig, engine, methods: list[Method], full: Method, todo,
     bar = tqdm(todo, desc=f"fidelity {cfg.model}", unit="question", disable=not cfg.progress)
     with results_path.open("a", encoding="utf-8") as sink:
         for ex in bar:
-            chunks = retriever.top_k(ex.question, ds.chunk_documents(ex.documents, count, cfg.chunk_tokens), cfg.top_k)
+            chunks = ds.retrieve(ex, retriever, count, cfg.chunk_tokens, cfg.top_k)
             bar.set_postfix_str(f"{ex.dataset} precompute")
             # Deployment-time work, not timed. Neighbours are chosen among this question's
             # retrieved chunks (docs/quality.md says what that assumes).

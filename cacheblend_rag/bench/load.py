@@ -168,7 +168,7 @@ def run_load(cfg: LoadConfig, *, engine=None) -> list[dict]:
     try:
         examples = ds.load_dataset(cfg.dataset, cfg.n, musique=cfg.musique, hotpotqa=cfg.hotpotqa, chunk_tokens=cfg.chunk_tokens)
         retriever, count = ds.Retriever(), ds.token_counter(engine.tokenizer)
-        items = [(ex.question, retriever.top_k(ex.question, ds.chunk_documents(ex.documents, count, cfg.chunk_tokens), cfg.top_k))
+        items = [(ex.question, ds.retrieve(ex, retriever, count, cfg.chunk_tokens, cfg.top_k))
                  for ex in examples]
         engine.precompute([c for _, chunks in items for c in chunks], progress=cfg.progress)
         engine.flush()

@@ -16,7 +16,6 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ..config import MODES, BlendConfig
-from .baselines import KINDS as BASELINES
 from .baselines import QUANTS
 
 if TYPE_CHECKING:
@@ -95,7 +94,7 @@ def parse_method(spec: str, ratios: Sequence[float] = DEFAULT_RATIOS) -> list[Me
     if spec in CHAINS or spec == "generate":
         return [Method(spec, spec)]
     head, _, quant = spec.partition(":")
-    if head in BASELINES[1:]:
+    if head in ("llama_cpp", "llama_cpp_prefix"):
         if quant and quant not in QUANTS:
             raise ValueError(f"method {spec!r}: unknown llama.cpp quantisation {quant!r}; choose from {', '.join(QUANTS)}")
         return [Method(spec, head, quant=quant or None)]

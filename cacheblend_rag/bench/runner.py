@@ -280,7 +280,7 @@ def _run_cases(cfg, engine, retriever, methods, todo, results_path: Path, total:
         for ex, k, pending in bar:
             eng = summary_engine if ex.task == "summary" else engine
             budget = cfg.summary_max_new_tokens if ex.task == "summary" else cfg.max_new_tokens
-            chunks = retriever.top_k(ex.question, ds.chunk_documents(ex.documents, count, cfg.chunk_tokens), k)
+            chunks = ds.retrieve(ex, retriever, count, cfg.chunk_tokens, k)
             if any(m.is_kv for m in pending):
                 eng.precompute(chunks, progress=False)  # deployment-time work, not part of TTFT
                 eng.flush()

@@ -114,7 +114,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             "speedup_vs_full_recompute_saved_ci": _speedup_ci(rs, saved),
             "speedup_vs_prefix_caching_ci": _speedup_ci(rs, prefix),
             "speedup_vs_full_recompute_rounds": _speedup_rounds(rs, full),
-            "overhead": _overhead(rs, saved) if rs[0].get("compute_fraction") is not None else None,
+            "overhead": _overhead(rs, saved),
             **_quality_vs_full(paired),
             # The questions the full-prefill ratio is over, and full prefill's quality on them.
             "n_paired_full": len(paired),
