@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from types import MappingProxyType
 from typing import Callable, Mapping, Sequence
@@ -26,6 +25,7 @@ from .rope import shift_keys
 from .store.keys import chunk_key
 from .store.loader import LoadSpec
 from .store.protocol import KV, ChunkStore
+from .threads import helper_pool
 
 __all__ = ["ChunkCache"]
 
@@ -39,7 +39,7 @@ class ChunkCache:
         # stored caches again, so a changed corpus points a chunk at a new cache, never an old one.
         self._neighbour_keys: dict[str, str] = {}
         self._lock = threading.Lock()
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="cacheblend-writeback")
+        self._writer = helper_pool("cacheblend-writeback")
 
     # ------------------------------------------------------------------ keys
     def key(self, segment: Segment, context_ids: Sequence[int] | None = None) -> str:

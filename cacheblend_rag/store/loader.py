@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from ..rope import apply_rotation, rotation
+from ..threads import helper_pool
 from .protocol import KV, batched_reader
 
 log = logging.getLogger("cacheblend_rag.loader")
@@ -77,7 +78,7 @@ class LayerAssembler:
             self._start_pool(0)
 
     def _start_pool(self, first: int) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="cacheblend-load")
+        self._pool = helper_pool("cacheblend-load")
         self._submitted = first
         self._submit_upto(first + self.depth - 1)
 

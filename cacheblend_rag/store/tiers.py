@@ -31,6 +31,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..threads import helper_pool
 from .disk import KVStore
 from .dtypes import dtype_name, resolve_dtype
 from .meta import ChunkMeta
@@ -243,7 +244,7 @@ class TieredStore:
         for i, t in enumerate(self.tiers):
             if t.read_timeout_s is not None:
                 # Two workers: one abandoned (timed-out) read cannot block the next attempt.
-                self._pools[i] = ThreadPoolExecutor(2, thread_name_prefix=f"cacheblend-tier-{t.name}")
+                self._pools[i] = helper_pool(f"cacheblend-tier-{t.name}", 2)
         self._closed = False
 
     @classmethod

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from cacheblend_rag import CacheBlendEngine
 from cacheblend_rag.matching import ChunkRegistry
 from cacheblend_rag.run import engine_lock
+from cacheblend_rag.threads import helper_pool
 
 from ._base import CacheBlendParams
 
@@ -44,7 +45,8 @@ class CacheBlendRetriever(BaseRetriever):
     * ``"sync"``: compute missing chunk KV before returning the documents (the following model
       call then only has cache hits);
     * ``"background"``: compute it in a worker thread; useful when retrieval happens well before
-      generation. ``wait()`` blocks until it is done.
+      generation. ``wait()`` blocks until it is done. The worker runs single-threaded, so it
+      never slows the model's own thread (``cacheblend_rag.threads``).
 
     ``neighbours`` > 0 (with ``precompute``) also caches each retrieved chunk prefilled behind
     its ``neighbours`` most similar chunks of the same retrieval (``CacheBlendEngine.precompute``):
@@ -109,7 +111,7 @@ class CacheBlendRetriever(BaseRetriever):
             _precompute(engine, texts, self.neighbours)
             return
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="cacheblend-precompute")
+            self._pool = helper_pool("cacheblend-precompute")
         self._pending = [f for f in self._pending if not f.done()]
         self._pending.append(self._pool.submit(_precompute_logged, engine, texts, self.neighbours))
 

@@ -1,0 +1,67 @@
+"""Does a helper thread slow the model's thread? ``python -m cacheblend_rag.bench.threads``
+
+Times a small parallel torch operator (the kind a fused prefill and a decode step are made of) on
+the main thread, then lets a helper thread copy one prompt's worth of K/V and stay alive, as the
+engine's write-back thread does, and times the operator again. Each helper kind runs in a fresh
+process, since an OpenMP team lasts as long as its thread. Prints the time per operator before and
+after and their ratio, median of ``--repeats`` processes per kind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+
+def _op_us(x, n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        x.add(1.0)
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def _child(kind: str, n: int) -> dict:
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from ..threads import helper_pool
+
+    x = torch.randn(300_000)  # ~10 grain sizes: torch runs it on every thread
+    _op_us(x, n)  # warm-up; the main thread's own team exists from here on
+    before = _op_us(x, n)
+    pool = helper_pool("bench-helper") if kind == "helper_pool" else ThreadPoolExecutor(1)
+    # One prompt's K/V for one layer (3k tokens, 3 K/V heads x 64 x 30): the write-back's copy.
+    pool.submit(lambda: torch.randn(3, 3000, 64 * 30)[:, 100:2900].contiguous()).result()
+    after = _op_us(x, n)
+    pool.shutdown()
+    return {"kind": kind, "before_us": before, "after_us": after, "torch_threads": torch.get_num_threads(),
+            "os_threads_alive": threading.active_count()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=3, help="processes per helper kind")
+    p.add_argument("--ops", type=int, default=3000, help="operators timed per measurement")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        print(json.dumps(_child(args.child, args.ops)))
+        return
+    for kind in ("ThreadPoolExecutor", "helper_pool"):
+        runs = [json.loads(subprocess.run([sys.executable, "-m", "cacheblend_rag.bench.threads", "--child", kind, "--ops", str(args.ops)],
+                                          check=True, capture_output=True, text=True).stdout)
+                for _ in range(args.repeats)]
+        before = statistics.median(r["before_us"] for r in runs)
+        after = statistics.median(r["after_us"] for r in runs)
+        print(f"helper thread from {kind:18s}: small operator {before:6.1f} us before, {after:6.1f} us after "
+              f"({after / before:.2f}x; torch threads {runs[0]['torch_threads']}, {args.repeats} processes)")
+
+
+if __name__ == "__main__":
+    main()
