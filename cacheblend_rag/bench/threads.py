@@ -14,7 +14,6 @@ import json
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
 
@@ -40,8 +39,7 @@ def _child(kind: str, n: int) -> dict:
     pool.submit(lambda: torch.randn(3, 3000, 64 * 30)[:, 100:2900].contiguous()).result()
     after = _op_us(x, n)
     pool.shutdown()
-    return {"kind": kind, "before_us": before, "after_us": after, "torch_threads": torch.get_num_threads(),
-            "os_threads_alive": threading.active_count()}
+    return {"kind": kind, "before_us": before, "after_us": after, "torch_threads": torch.get_num_threads()}
 
 
 def main(argv: list[str] | None = None) -> None:
