@@ -6,6 +6,8 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Iterator, TypeVar
 
+from .threads import release_team
+
 T = TypeVar("T")
 _DONE = object()
 
@@ -19,6 +21,7 @@ async def iterate_in_thread(it: Iterator[T]) -> AsyncIterator[T]:
     still running, so a generator holding the engine's lock releases it as soon as it can.
     """
     loop = asyncio.get_running_loop()
+    release_team()  # the loop's OpenMP team (if it ran torch) would slow every step on the worker
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheblend-aio")
     try:
         while True:

@@ -29,6 +29,7 @@ from .backbone import cache_kwarg
 from .config import SamplingParams
 from .generation import DecodeState, Decoder, decode, eos_token_ids
 from .run import cache_read_tokens, cached_chunk_tokens, engine_lock
+from .threads import release_team
 
 if TYPE_CHECKING:
     from .engine import CacheBlendEngine, GenerationResult, GenerationStream
@@ -236,6 +237,11 @@ class Batcher:
     Time to first token counts from ``submit``, so it includes the wait for the worker. Each
     prefill and each step holds the engine's lock (``run.engine_lock``), so precompute and answers
     served outside the batcher interleave with it safely.
+
+    Only one thread at a time should keep an OpenMP team (:mod:`~cacheblend_rag.threads`): the
+    thread that creates the batcher and each thread that submits to it release theirs, and the
+    worker releases its own whenever it goes idle. A thread that keeps running torch work while
+    the worker computes (say, embedding queries) slows it until that thread next submits.
     """
 
     def __init__(self, engine: "CacheBlendEngine", max_batch: int = 8):
@@ -248,6 +254,7 @@ class Batcher:
         self.steps = 0  # batched decode steps run
         self.rows_stepped = 0  # answers advanced by them (rows_stepped / steps: mean batch size)
         self._thread = threading.Thread(target=self._run, name="cacheblend-batcher", daemon=True)
+        release_team()
         self._thread.start()
 
     def submit(self, question: str, chunks: Sequence[str], **kwargs: Any) -> Ticket:
@@ -258,6 +265,7 @@ class Batcher:
                 raise RuntimeError("the batcher is closed: create a new Batcher")
             self._waiting.append(ticket)
             self._cond.notify()
+        release_team()
         return ticket
 
     def generate(self, question: str, chunks: Sequence[str], **kwargs: Any) -> "GenerationResult":
@@ -282,6 +290,7 @@ class Batcher:
         while True:
             with self._cond:
                 while not self._waiting and not len(batch) and not self._closed:
+                    release_team()  # idle: only the thread that runs the model next keeps a team
                     self._cond.wait()
                 if self._closed and not self._waiting and not len(batch):
                     return

@@ -8,6 +8,12 @@ took 3.6-4.6x as long once the write-back thread had copied one prompt's K/V, an
 prefill and decode step slowed with it (docs/benchmarks.md, "One team of threads";
 ``python -m cacheblend_rag.bench.threads``). A helper that only copies or reads tensors gains
 nothing from a team, so it runs single-threaded and creates none.
+
+The same holds between threads that run the model: the batcher's thread, the server's worker
+or an async step is slowed as much by the team of the thread that loaded the model and
+precomputed the chunks, and that thread in turn by theirs. So one thread at a time keeps a team:
+a thread that hands the model over, and a model thread that goes idle, releases its own
+(:func:`release_team`); it gets a new one the next time it runs a parallel operator.
 """
 
 from __future__ import annotations
@@ -48,6 +54,20 @@ def single_threaded() -> None:
     omp = _openmp()
     if omp is not None:
         omp.omp_set_num_threads(1)
+
+
+def release_team() -> None:
+    """End the calling thread's OpenMP team, so that a thread this one hands the model to is the
+    only one with a team (a small operator there: 70-100 us with the caller's team alive, 20 us
+    without; ``python -m cacheblend_rag.bench.threads``).
+
+    ``omp_pause_resource_all(omp_pause_soft)`` (OpenMP 5.0) frees the caller's idle worker threads
+    and nothing else; a team running on another thread is untouched. Costs nothing when the caller
+    has no team.
+    """
+    omp = _openmp()
+    if omp is not None and hasattr(omp, "omp_pause_resource_all"):
+        omp.omp_pause_resource_all(1)  # 1: omp_pause_soft
 
 
 def helper_pool(name: str, workers: int = 1) -> ThreadPoolExecutor:

@@ -1,4 +1,5 @@
-"""Helper threads must not start an OpenMP team of their own (cacheblend_rag.threads)."""
+"""Only the thread that runs the model keeps an OpenMP team (cacheblend_rag.threads): helper
+threads start none, and a thread that hands the model over releases its own."""
 
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -6,7 +7,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from cacheblend_rag.threads import helper_pool
+from cacheblend_rag.batching import Batcher
+from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_engine
+from cacheblend_rag.threads import helper_pool, release_team
 
 pytestmark = pytest.mark.skipif(
     not os.path.isdir("/proc/self/task") or torch.get_num_threads() < 2,
@@ -51,9 +54,129 @@ def test_helper_thread_count_is_thread_local():
         assert later.submit(torch.get_num_threads).result() == n
 
 
-def test_bench_threads_reports_both_kinds(capsys):
-    from cacheblend_rag.bench.threads import main
+def _on_new_thread(fn):
+    """``fn()`` run on a fresh thread (no OpenMP team yet), its result returned."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(fn).result()
+
+
+def test_release_team_ends_the_callers_workers_only():
+    workers = torch.get_num_threads() - 1
+
+    def run() -> tuple[int, int, int]:
+        _copy()
+        with_team = _threads()
+        release_team()
+        released = _threads()
+        release_team()  # nothing left to free
+        again = _threads()
+        _copy()  # a parallel operator afterwards brings a new team
+        return with_team - released, released - again, _threads() - released
+
+    assert _on_new_thread(run) == (workers, 0, workers)
+
+
+def test_batcher_leaves_only_its_worker_with_a_team(tmp_path):
+    # The thread that loaded the model (it ran torch) creates the batcher and submits to it; its
+    # team would slow every operator on the batcher's thread, so both calls release it.
+    workers = torch.get_num_threads() - 1
+
+    def run() -> tuple[int, int]:
+        engine = make_engine(store_dir=str(tmp_path))
+        engine.precompute(SAMPLE_CHUNKS, progress=False)
+        _copy()
+        with_team = _threads()
+        with Batcher(engine) as batcher:
+            after_create = _threads()  # the caller's workers gone, the batcher's thread started
+            _copy()
+            batcher.submit(SAMPLE_QUESTION, SAMPLE_CHUNKS, max_new_tokens=3).result(timeout=120)
+            before = _threads()
+            release_team()
+            left_by_submit = before - _threads()
+        engine.close()
+        return with_team - after_create, left_by_submit
+
+    assert _on_new_thread(run) == (workers - 1, 0)
+
+
+@pytest.mark.parametrize("hand_over", ["aio", "server worker"])
+def test_async_hand_overs_release_the_loops_team(hand_over):
+    # The event loop's thread ran torch (it loaded the model); stepping the model on a worker
+    # thread (the async wrappers, the HTTP server's worker) first releases the loop's team.
+    import asyncio
+
+    from cacheblend_rag.aio import iterate_in_thread
+    from cacheblend_rag.server.worker import EngineWorker
+
+    def produce():
+        yield 1
+
+    async def serve() -> None:
+        if hand_over == "aio":
+            assert [i async for i in iterate_in_thread(produce())] == [1]
+        else:
+            worker = EngineWorker()
+            assert [i async for i in worker.submit(produce)] == [1]
+            worker.close()
+
+    def run() -> tuple[int, int]:
+        _copy()
+        before = _threads()
+        release_team()
+        control = before - _threads()
+        _copy()
+        asyncio.run(serve())
+        before = _threads()
+        release_team()
+        return control, before - _threads()
+
+    assert _on_new_thread(run) == (torch.get_num_threads() - 1, 0)
+
+
+def test_model_threads_release_their_team_when_idle(monkeypatch, tmp_path):
+    # A thread that has run the model and waits for more work keeps no team, so a thread that runs
+    # torch meanwhile (the main thread answering in process, say) is the only one with a team.
+    import asyncio
+    import threading
+    import time
+
+    from cacheblend_rag import batching
+    from cacheblend_rag.server import worker as server_worker
+
+    released: list[str] = []
+
+    def record() -> None:
+        released.append(threading.current_thread().name)
+
+    monkeypatch.setattr(batching, "release_team", record)
+    monkeypatch.setattr(server_worker, "release_team", record)
+
+    engine = make_engine(store_dir=str(tmp_path))
+    with Batcher(engine) as batcher:
+        batcher.submit(SAMPLE_QUESTION, SAMPLE_CHUNKS, max_new_tokens=3).result(timeout=120)
+        deadline = time.monotonic() + 30
+        while released.count("cacheblend-batcher") < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)  # idle before the request and again after it
+    engine.close()
+    assert released.count("cacheblend-batcher") >= 2
+    assert released.count(threading.current_thread().name) == 2  # creating the batcher, submitting
+
+    def produce():
+        yield 1
+
+    async def serve() -> None:
+        worker = server_worker.EngineWorker()
+        assert [i async for i in worker.submit(produce)] == [1]
+        worker.close()
+
+    released.clear()
+    asyncio.run(serve())
+    assert [name.split("_")[0] for name in released] == ["MainThread", "cacheblend-serve"]
+
+
+def test_bench_threads_reports_every_case(capsys):
+    from cacheblend_rag.bench.threads import CASES, main
 
     main(["--repeats", "1", "--ops", "20"])
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split(":")[0].split()[-1] for line in lines] == ["ThreadPoolExecutor", "helper_pool"]
+    assert [line.split(":")[0].strip() for line in lines] == list(CASES)

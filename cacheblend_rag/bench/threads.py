@@ -1,10 +1,16 @@
-"""Does a helper thread slow the model's thread? ``python -m cacheblend_rag.bench.threads``
+"""Does a second thread slow the model's? ``python -m cacheblend_rag.bench.threads``
 
 Times a small parallel torch operator (the kind a fused prefill and a decode step are made of) on
-the main thread, then lets a helper thread copy one prompt's worth of K/V and stay alive, as the
-engine's write-back thread does, and times the operator again. Each helper kind runs in a fresh
-process, since an OpenMP team lasts as long as its thread. Prints the time per operator before and
-after and their ratio, median of ``--repeats`` processes per kind.
+the main thread. Then, per case:
+
+- helper: a helper thread copies one prompt's worth of K/V and stays alive, as the engine's
+  write-back thread does, and the operator is timed again on the main thread;
+- hand-over: a new thread, as the batcher's or the server's worker, times the operator while the
+  main thread (which ran torch before, as loading the model does) keeps its OpenMP team, or after
+  it released it (``release_team``, as ``Batcher`` and the server do).
+
+Each case runs in a fresh process, since an OpenMP team lasts as long as its thread. Prints the
+time per operator before and after and their ratio, median of ``--repeats`` processes per case.
 """
 
 from __future__ import annotations
@@ -24,20 +30,35 @@ def _op_us(x, n: int) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
+CASES = {
+    "helper from ThreadPoolExecutor": "main thread, after",
+    "helper from helper_pool": "main thread, after",
+    "hand-over, caller keeps its team": "new thread",
+    "hand-over after release_team": "new thread",
+}
+
+
 def _child(kind: str, n: int) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
 
-    from ..threads import helper_pool
+    from ..threads import helper_pool, release_team
 
     x = torch.randn(300_000)  # ~10 grain sizes: torch runs it on every thread
     _op_us(x, n)  # warm-up; the main thread's own team exists from here on
     before = _op_us(x, n)
-    pool = helper_pool("bench-helper") if kind == "helper_pool" else ThreadPoolExecutor(1)
-    # One prompt's K/V for one layer (3k tokens, 3 K/V heads x 64 x 30): the write-back's copy.
-    pool.submit(lambda: torch.randn(3, 3000, 64 * 30)[:, 100:2900].contiguous()).result()
-    after = _op_us(x, n)
+    if kind.startswith("helper"):
+        pool = helper_pool("bench-helper") if kind.endswith("helper_pool") else ThreadPoolExecutor(1)
+        # One prompt's K/V for one layer (3k tokens, 3 K/V heads x 64 x 30): the write-back's copy.
+        pool.submit(lambda: torch.randn(3, 3000, 64 * 30)[:, 100:2900].contiguous()).result()
+        after = _op_us(x, n)
+    else:
+        if kind.endswith("release_team"):
+            release_team()
+        pool = ThreadPoolExecutor(1)
+        pool.submit(_op_us, x, n).result()  # warm-up: the new thread's team
+        after = pool.submit(_op_us, x, n).result()
     pool.shutdown()
     return {"kind": kind, "before_us": before, "after_us": after, "torch_threads": torch.get_num_threads()}
 
@@ -51,13 +72,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         print(json.dumps(_child(args.child, args.ops)))
         return
-    for kind in ("ThreadPoolExecutor", "helper_pool"):
+    for kind, where in CASES.items():
         runs = [json.loads(subprocess.run([sys.executable, "-m", "cacheblend_rag.bench.threads", "--child", kind, "--ops", str(args.ops)],
                                           check=True, capture_output=True, text=True).stdout)
                 for _ in range(args.repeats)]
         before = statistics.median(r["before_us"] for r in runs)
         after = statistics.median(r["after_us"] for r in runs)
-        print(f"helper thread from {kind:18s}: small operator {before:6.1f} us before, {after:6.1f} us after "
+        print(f"{kind:33s}: small operator {before:6.1f} us on the main thread alone, {after:6.1f} us on the {where} "
               f"({after / before:.2f}x; torch threads {runs[0]['torch_threads']}, {args.repeats} processes)")
 
 

@@ -17,6 +17,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable, Generator, Generic, TypeVar
 
+from ..threads import release_team
+
 T = TypeVar("T")
 _END = object()
 
@@ -118,8 +120,16 @@ class EngineWorker:
                 )
             self._admitted += 1
         job: Job[T] = Job(produce, asyncio.get_running_loop())
-        self._pool.submit(job.run).add_done_callback(self._release)
+        release_team()  # the loop's thread loaded the model: its OpenMP team would slow the worker's
+        self._pool.submit(self._run, job).add_done_callback(self._release)
         return job
+
+    @staticmethod
+    def _run(job: Job) -> None:
+        try:
+            job.run()
+        finally:
+            release_team()  # idle now: only the thread that runs the model next keeps a team
 
     def _release(self, _: Future) -> None:
         with self._guard:
