@@ -27,6 +27,7 @@ from transformers import DynamicCache
 
 from .backbone import cache_kwarg
 from .config import SamplingParams
+from .decode_cache import DEFAULT_ROOM, room_cache
 from .generation import DecodeState, Decoder, decode, eos_token_ids
 from .run import cache_read_tokens, cached_chunk_tokens, engine_lock
 from .threads import release_team
@@ -61,16 +62,16 @@ def _layer_kv(cache: DynamicCache) -> tuple[list[torch.Tensor], list[torch.Tenso
 
 
 class DecodeBatch:
-    """The running answers: one cache of ``[rows, kv_heads, length, head_dim]`` per layer, left
-    padded to the longest row, and a ``[rows, length]`` mask (1: a real key, 0: padding)."""
+    """The running answers: one cache (``decode_cache.RoomLayer`` per layer, [rows, kv_heads,
+    length, head_dim], so each step writes its token in place), left padded to the longest row,
+    and a ``[rows, length]`` mask (1: a real key, 0: padding)."""
 
     def __init__(self, model, tokenizer):
         self.model, self.tokenizer = model, tokenizer
         self.eos = eos_token_ids(model, tokenizer)
         self.cache_kw = cache_kwarg(model)
         self.rows: list[_Row] = []
-        self.keys: list[torch.Tensor] = []  # per layer [rows, kv_heads, length, head_dim]
-        self.values: list[torch.Tensor] = []
+        self.cache: DynamicCache | None = None
         self.mask: torch.Tensor | None = None  # [rows, length]
 
     def __len__(self) -> int:
@@ -93,27 +94,28 @@ class DecodeBatch:
         keys = [k[..., :length, :] for k in keys]  # [1, kv_heads, length, head_dim]
         values = [v[..., :length, :] for v in values]
         mask = torch.ones(1, length, dtype=torch.long, device=first_logits.device)
-        if not self.rows:
-            self.keys, self.values, self.mask = keys, values, mask
-        else:
-            assert self.mask is not None
+        if self.rows:
+            assert self.mask is not None and self.cache is not None
             width = max(self.mask.shape[1], length)
-            self.keys = [torch.cat([_pad_left(a, width), _pad_left(b, width)]) for a, b in zip(self.keys, keys)]
-            self.values = [torch.cat([_pad_left(a, width), _pad_left(b, width)]) for a, b in zip(self.values, values)]
-            self.mask = torch.cat([_pad_left(self.mask, width), _pad_left(mask, width)])
+            old_k, old_v = _layer_kv(self.cache)
+            keys = [torch.cat([_pad_left(a, width), _pad_left(b, width)]) for a, b in zip(old_k, keys)]
+            values = [torch.cat([_pad_left(a, width), _pad_left(b, width)]) for a, b in zip(old_v, values)]
+            mask = torch.cat([_pad_left(self.mask, width), _pad_left(mask, width)])
         self.rows.append(_Row(decoder, sink, token, length))
+        self.cache, self.mask = room_cache(keys, values, self._room()), mask
+
+    def _room(self) -> int:
+        # Positions the longest-running answer may still add: the cache need not grow again.
+        left = max(r.decoder.params.max_new_tokens - len(r.decoder.token_ids) for r in self.rows)
+        return min(max(left, 1), DEFAULT_ROOM)
 
     @torch.inference_mode()
     def step(self) -> None:
         """One token for every running answer; finished answers leave the batch."""
         if not self.rows:
             return
-        assert self.mask is not None
+        assert self.mask is not None and self.cache is not None
         device = self.mask.device
-        cache = DynamicCache()
-        for i, (k, v) in enumerate(zip(self.keys, self.values)):
-            cache.update(k[..., :0, :], v[..., :0, :], i)  # initialises layer i, empty
-            cache.layers[i].keys, cache.layers[i].values = k, v
         mask = torch.cat([self.mask, torch.ones(len(self.rows), 1, dtype=self.mask.dtype, device=device)], dim=1)
         out = self.model(
             input_ids=torch.tensor([[r.token] for r in self.rows], device=device),
@@ -121,9 +123,8 @@ class DecodeBatch:
             attention_mask=mask,
             use_cache=True,
             logits_to_keep=1,
-            **{self.cache_kw: cache},
+            **{self.cache_kw: self.cache},
         )
-        self.keys, self.values = _layer_kv(cache)
         self.mask = mask
         keep = []
         for i, row in enumerate(self.rows):
@@ -142,16 +143,16 @@ class DecodeBatch:
     def _keep(self, rows: list[int]) -> None:
         self.rows = [self.rows[i] for i in rows]
         if not self.rows:
-            self.keys, self.values, self.mask = [], [], None
+            self.cache, self.mask = None, None
             return
-        assert self.mask is not None
+        assert self.mask is not None and self.cache is not None
         idx = torch.tensor(rows, device=self.mask.device)
         mask = self.mask[idx]
         # Drop the padding columns no remaining row needs (the finished row was the longest).
         first = int(mask.any(0).nonzero()[0])
         self.mask = mask[:, first:]
-        self.keys = [k[idx, :, first:] for k in self.keys]
-        self.values = [v[idx, :, first:] for v in self.values]
+        keys, values = _layer_kv(self.cache)
+        self.cache = room_cache([k[idx, :, first:] for k in keys], [v[idx, :, first:] for v in values], self._room())
 
 
 def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 
 from .backbone import cache_kwarg
 from .config import SamplingParams
+from .decode_cache import DEFAULT_ROOM, with_room
 
 
 @dataclass
@@ -143,6 +144,8 @@ def decode(
             yield delta
         if decoder.done:
             return decoder.state()
+        if position == start_position:  # after the first token: TTFT does not pay for the copy
+            cache = with_room(cache, min(params.max_new_tokens, DEFAULT_ROOM))
         with torch.inference_mode():
             out = model(
                 input_ids=torch.tensor([[token]], device=device),

@@ -1,0 +1,64 @@
+"""The in-place decode cache (decode_cache.RoomLayer) gives transformers' DynamicCache's logits
+without copying the cache on every step."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from cacheblend_rag.decode_cache import RoomLayer, room_cache, with_room
+from cacheblend_rag.testing import make_model
+
+STEPS = 6
+
+
+@torch.inference_mode()
+def _decode(model, cache, first: torch.Tensor, start: int) -> tuple[list[torch.Tensor], list[int]]:
+    """Greedy ``STEPS`` tokens from ``cache``: every step's logits and the keys' data pointer."""
+    token, logits, pointers = first, [], []
+    for step in range(STEPS):
+        out = model(input_ids=token, position_ids=torch.tensor([[start + step]]), past_key_values=cache, use_cache=True)
+        logits.append(out.logits[:, -1])
+        pointers.append(cache.layers[0].keys.data_ptr())
+        token = out.logits[:, -1:].argmax(-1)
+    return logits, pointers
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("room", [2, 64])
+def test_room_cache_decodes_like_dynamic_cache_and_copies_once_per_room(arch, room):
+    model = make_model(arch)
+    prompt = torch.randint(3, 400, (1, 40))
+    with torch.inference_mode():
+        out = model(input_ids=prompt, use_cache=True)
+    first = out.logits[:, -1:].argmax(-1)
+    plain = out.past_key_values
+    assert isinstance(plain, DynamicCache)
+    roomy = with_room(copy.deepcopy(plain), room)
+    assert all(isinstance(layer, RoomLayer) for layer in roomy.layers)
+    want, plain_ptrs = _decode(model, plain, first, 40)
+    got, room_ptrs = _decode(model, roomy, first, 40)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert roomy.get_seq_length() == plain.get_seq_length() == 40 + STEPS
+    # DynamicCache copies the cache on every step; the room cache only when its room runs out.
+    assert all(a != b for a, b in zip(plain_ptrs, plain_ptrs[1:]))
+    if room >= STEPS:
+        assert len(set(room_ptrs)) == 1
+    else:
+        assert 1 < len(set(room_ptrs)) < STEPS
+
+
+def test_room_layer_survives_a_batch_reorder():
+    # transformers' own cache methods replace the views (here: keep row 1); the next update must
+    # append to what they left, not to the stale buffer.
+    keys, values = torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    cache = room_cache([keys], [values], room=16)
+    cache.layers[0].batch_select_indices(torch.tensor([1]))
+    new_k, new_v = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)
+    k, v = cache.update(new_k, new_v, 0)
+    torch.testing.assert_close(k, torch.cat([keys[1:], new_k], dim=2), rtol=0, atol=0)
+    torch.testing.assert_close(v, torch.cat([values[1:], new_v], dim=2), rtol=0, atol=0)
