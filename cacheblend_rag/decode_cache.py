@@ -49,6 +49,11 @@ class RoomLayer(DynamicLayer):
         )
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized or self.keys is None:  # after reset(): start over
+            self.is_initialized = True
+            self.device = key_states.device
+            self._reserve(key_states, value_states, 0)
+            return self.keys, self.values
         n, m = self.keys.shape[-2], key_states.shape[-2]
         if not self._owns() or n + m > self._keys.shape[-2]:
             self._reserve(self.keys, self.values, m)

@@ -62,3 +62,11 @@ def test_room_layer_survives_a_batch_reorder():
     k, v = cache.update(new_k, new_v, 0)
     torch.testing.assert_close(k, torch.cat([keys[1:], new_k], dim=2), rtol=0, atol=0)
     torch.testing.assert_close(v, torch.cat([values[1:], new_v], dim=2), rtol=0, atol=0)
+
+
+def test_room_layer_starts_over_after_reset():
+    cache = room_cache([torch.randn(1, 2, 5, 8)], [torch.randn(1, 2, 5, 8)], room=4)
+    cache.reset()
+    k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+    got_k, got_v = cache.update(k, v, 0)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v) and cache.get_seq_length() == 3
