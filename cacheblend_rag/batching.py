@@ -27,7 +27,7 @@ from transformers import DynamicCache
 
 from .backbone import cache_kwarg
 from .config import SamplingParams
-from .decode_cache import DEFAULT_ROOM, room_cache
+from .decode_cache import room_cache
 from .generation import DecodeState, Decoder, decode, eos_token_ids
 from .run import cache_read_tokens, cached_chunk_tokens, engine_lock
 from .threads import release_team
@@ -106,8 +106,7 @@ class DecodeBatch:
 
     def _room(self) -> int:
         # Positions the longest-running answer may still add: the cache need not grow again.
-        left = max(r.decoder.params.max_new_tokens - len(r.decoder.token_ids) for r in self.rows)
-        return min(max(left, 1), DEFAULT_ROOM)
+        return max(r.decoder.params.max_new_tokens - len(r.decoder.token_ids) for r in self.rows)
 
     @torch.inference_mode()
     def step(self) -> None:

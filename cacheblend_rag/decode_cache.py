@@ -20,11 +20,14 @@ DEFAULT_ROOM = 256  # spare positions per (re)allocation: a copy every 256 token
 
 class RoomLayer(DynamicLayer):
     """A ``DynamicLayer`` whose ``keys``/``values`` ([batch, kv_heads, length, head_dim]) are the
-    front of buffers with ``room`` spare positions; ``update`` writes into the spare positions."""
+    front of buffers with spare positions; ``update`` writes into the spare positions.
+
+    ``room``: how many tokens the cache may still grow by (an answer's remaining budget); each
+    (re)allocation reserves that many, at most ``DEFAULT_ROOM``."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int = DEFAULT_ROOM):
         super().__init__()
-        self.room = max(1, room)
+        self.room = min(max(1, room), DEFAULT_ROOM)
         self.device = keys.device
         self.is_initialized = True
         self._reserve(keys, values, 0)
@@ -64,7 +67,7 @@ class RoomLayer(DynamicLayer):
 
 
 def room_cache(keys: list[torch.Tensor], values: list[torch.Tensor], room: int = DEFAULT_ROOM) -> DynamicCache:
-    """A ``DynamicCache`` over per-layer ``keys``/``values`` (copied once) with ``room`` spare positions."""
+    """A ``DynamicCache`` over per-layer ``keys``/``values`` (copied once) that may grow by ``room``."""
     cache = DynamicCache()
     for i, (k, v) in enumerate(zip(keys, values)):
         cache.update(k[..., :0, :], v[..., :0, :], i)  # creates layer i

@@ -10,7 +10,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 
 from .backbone import cache_kwarg
 from .config import SamplingParams
-from .decode_cache import DEFAULT_ROOM, with_room
+from .decode_cache import with_room
 
 
 @dataclass
@@ -145,7 +145,7 @@ def decode(
         if decoder.done:
             return decoder.state()
         if position == start_position:  # after the first token: TTFT does not pay for the copy
-            cache = with_room(cache, min(params.max_new_tokens, DEFAULT_ROOM))
+            cache = with_room(cache, params.max_new_tokens)
         with torch.inference_mode():
             out = model(
                 input_ids=torch.tensor([[token]], device=device),
