@@ -169,8 +169,10 @@ def _outside_target(store: Path, victim: Path, how: str) -> tuple[str, Path]:
     planted = outside / "ff" / "0123456789abcdef0123456789ab.val"
     planted.parent.mkdir(parents=True)
     planted.write_bytes(victim.read_bytes())
-    (store / "ee").symlink_to(outside, target_is_directory=True)
-    return os.path.join("ee", "ff", planted.name), planted
+    # diskcache names its folders by random hex pairs: link one it has not created yet.
+    link = next(f"{i:02x}" for i in range(256) if not (store / f"{i:02x}").exists())
+    (store / link).symlink_to(outside, target_is_directory=True)
+    return os.path.join(link, "ff", planted.name), planted
 
 
 @pytest.mark.parametrize("how", ["relative", "absolute", "symlinked-folder"])
