@@ -11,7 +11,7 @@ from typing import Callable, Sequence, Union
 # last-layer saving the fused modes get (only the last position runs attention and the MLP there).
 MODES = ("full_recompute", "full_recompute_saved", "prefix_caching", "full_reuse", "cacheblend")
 # How the cacheblend mode picks the context tokens it recomputes (BlendConfig.strategy).
-STRATEGIES = ("hkvd", "question", "chunk")
+STRATEGIES = ("hkvd", "question", "chunk", "hybrid")
 
 
 @dataclass(frozen=True)
@@ -49,13 +49,18 @@ class BlendConfig:
         (docs/quality.md).
         "chunk": the same scoring pass, then whole chunks with the most question attention are
         recomputed on every layer (at least one; more while they fit in ``recompute_ratio``).
-    question_layers: "question"/"chunk" scoring: average the question's attention over "all"
-        layers (ProphetKV) or read the "last" layer alone (FusionRAG).
-    question_heads: "question"/"chunk" scoring: "mean" attention over all heads, or "max" over
+        "hybrid": the same scoring pass seeds ``hybrid_seed`` times the budget with the tokens
+        the question reads most; layers 0 and 1 recompute the seed, and layer 1's deviation
+        (``criterion``) keeps ``recompute_ratio`` of the context for the remaining layers.
+    question_layers: question-guided scoring ("question", "chunk", "hybrid"): average the
+        question's attention over "all" layers (ProphetKV) or read the "last" layer (FusionRAG).
+    question_heads: question-guided scoring: "mean" attention over all heads, or "max" over
         the K/V head groups of each group's mean (a token one group reads hard is kept).
-    selection_window: "question" only: also recompute up to this many tokens either side of a
+    selection_window: "question" and "hybrid"'s seed: also recompute up to this many tokens either side of a
         high-scoring token (scores are max-pooled over the window before the top-k, so the
         budget holds). 0 picks tokens alone.
+    hybrid_seed: "hybrid" only: the question-guided seed's size as a multiple of the final
+        budget (>= 1; at 1 the check keeps the whole seed, which is "question"'s selection).
     context_temperature, context_scale: APE (arXiv 2502.05431): the question's and each
         generated token's attention logits to the chunks are divided by the temperature and
         shifted by log(scale) (APE's merge of separately encoded contexts: T = S = 0.9 in the
@@ -82,6 +87,7 @@ class BlendConfig:
     question_layers: str = "all"
     question_heads: str = "mean"
     selection_window: int = 0
+    hybrid_seed: float = 2.0
     neighbour_caches: bool = True
     context_temperature: float = 1.0
     context_scale: float = 1.0
@@ -108,6 +114,8 @@ class BlendConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 < value < float("inf"):
                 raise ValueError(f"{name}={value!r} must be a positive finite number (1.0: attention unchanged)")
+        if isinstance(self.hybrid_seed, bool) or not isinstance(self.hybrid_seed, numbers.Real) or not 1.0 <= self.hybrid_seed < float("inf"):
+            raise ValueError(f"hybrid_seed={self.hybrid_seed!r} must be a finite number >= 1 (the seed's size in budgets)")
         if not isinstance(self.selection_window, int) or self.selection_window < 0:
             raise ValueError(f"selection_window={self.selection_window!r} must be an int >= 0")
         if not 0.0 <= self.recompute_ratio <= 1.0:

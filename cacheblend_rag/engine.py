@@ -319,7 +319,7 @@ class CacheBlendEngine:
                 # reused cache, then recompute the chosen tokens (or chunks) on every layer, over the
                 # K/V the scoring pass already read.
                 qp = question_pass(self.backbone, plan, loader, layers=config.question_layers, heads=config.question_heads)
-                plan, scoring_s = planner.guide(plan, layout, config, qp.scores), qp.compute_s
+                plan, scoring_s = planner.guide(plan, layout, config, qp.scores, self.num_layers), qp.compute_s
                 load = list(zip(qp.keys, qp.values)).__getitem__
             else:
                 load = loader

@@ -222,24 +222,33 @@ def plan_fusion(
     return FusedRequest(plan, loads, hits, misses, neighbour_hits, hkvd)
 
 
-def guide(plan: FusionPlan, layout: PromptLayout, config: BlendConfig, scores: torch.Tensor) -> FusionPlan:
+def guide(plan: FusionPlan, layout: PromptLayout, config: BlendConfig, scores: torch.Tensor, num_layers: int) -> FusionPlan:
     """Question-guided selection: force the context tokens (``strategy="question"``) or whole
     chunks (``"chunk"``) the question attends to most, ``scores`` [length], on every layer, within
-    ``config.recompute_ratio`` of the context."""
+    ``config.recompute_ratio`` of the context. ``"hybrid"`` makes the top ``hybrid_seed`` budgets
+    of tokens the only candidates, recomputed on layers 0-1, and layer 1's deviation check keeps
+    one budget of them (the fusor's HKVD check, over a seed instead of the whole context). Layer 1
+    is HKVD's first layer with signal (``BlendConfig.check_points``): a one-layer model has none,
+    so there "hybrid" selects as "question" does."""
     n_forced = int(plan.forced.sum())
     budget = max(0, math.ceil(config.recompute_ratio * layout.num_context_tokens) - n_forced)
     selectable = plan.candidate & ~plan.forced
-    forced = plan.forced.clone()
-    if config.strategy == "question":
+    forced, candidate, checks = plan.forced.clone(), plan.candidate, {}
+    hybrid = config.strategy == "hybrid" and num_layers > 1
+    if config.strategy in ("question", "hybrid") and not hybrid:
         forced[pick_tokens(scores, selectable, budget, config.selection_window)] = True
+    elif hybrid:
+        candidate = plan.forced.clone()
+        candidate[pick_tokens(scores, selectable, math.ceil(config.hybrid_seed * budget), config.selection_window)] = True
+        checks = {1: budget}
     elif budget > 0:
         spans = [(off, off + len(seg)) for seg, off in zip(layout.segments, layout.offsets()) if bool(plan.candidate[off])]
         for i in pick_chunks(scores, spans, budget):
             forced[spans[i][0] : spans[i][1]] = True
     return FusionPlan(
-        input_ids=plan.input_ids, always=plan.always, candidate=plan.candidate, forced=forced,
-        recompute_first_layer=False, num_query=plan.num_query, attention_groups=plan.attention_groups,
-        context_attention=plan.context_attention,
+        input_ids=plan.input_ids, always=plan.always, candidate=candidate, forced=forced,
+        recompute_first_layer=hybrid, checks=checks, num_query=plan.num_query,
+        attention_groups=plan.attention_groups, context_attention=plan.context_attention,
     )
 
 

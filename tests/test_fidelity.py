@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from cacheblend_rag import BlendConfig
 from cacheblend_rag.bench.fidelity import (
     FidelityConfig, agreement_f1, first_token_margin, bootstrap_mean_ci, run_fidelity, summarize, teacher_forced_loglik,
 )
@@ -51,10 +52,10 @@ def test_agreement_and_bootstrap():
 
 
 def test_method_specs_with_strategies_and_options():
-    names = [m.name for m in parse_methods(["question@0.15/last/w2/nb", "chunk@0.3", "full_reuse/nb", "hkvd@0.15"])]
-    assert names == ["question@0.15/last/w2/nb", "chunk@0.3", "full_reuse/nb", "cacheblend@0.15"]
+    names = [m.name for m in parse_methods(["question@0.15/last/w2/nb", "chunk@0.3", "full_reuse/nb", "hkvd@0.15", "hybrid@0.2"])]
+    assert names == ["question@0.15/last/w2/nb", "chunk@0.3", "full_reuse/nb", "cacheblend@0.15", "hybrid@0.2"]
+    assert parse_methods(["hybrid@0.2"])[0].blend_config(BlendConfig()).strategy == "hybrid"
     m = parse_methods(["question@0.15/last/w2/nb"])[0]
-    from cacheblend_rag import BlendConfig
 
     cfg = m.blend_config(BlendConfig())
     assert (cfg.strategy, cfg.question_layers, cfg.selection_window, cfg.neighbour_caches) == ("question", "last", 2, True)

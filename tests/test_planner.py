@@ -162,11 +162,26 @@ def test_guide_forces_what_the_question_reads_most_within_the_budget(strategy):
     scores = torch.zeros(len(layout))
     scores[[8, 9, 12]] = torch.tensor([0.5, 0.4, 0.8])  # chunk 1 holds two hot tokens (0.9 in all), chunk 2 the hottest
     config = BlendConfig(strategy=strategy, recompute_ratio=0.25)  # 3 of 12 context tokens
-    guided = guide(plan, layout, config, scores)
+    guided = guide(plan, layout, config, scores, num_layers=4)
     picked = guided.forced.nonzero().flatten().tolist()
     assert picked == ([8, 9, 12] if strategy == "question" else [7, 8, 9])  # tokens, or the chunk read most
     assert not guided.recompute_first_layer and guided.checks == {}
     assert torch.equal(guided.candidate, plan.candidate) and torch.equal(guided.always, plan.always)
+
+
+@pytest.mark.parametrize("num_layers", [4, 1])
+def test_hybrid_seeds_the_check_with_the_most_read_tokens(num_layers):
+    layout = _layout()
+    plan = _fusion(layout, set(), mode="cacheblend", config=BlendConfig(strategy="hybrid")).plan
+    scores = torch.zeros(len(layout))
+    scores[[4, 8, 9, 10, 12, 13, 14]] = torch.tensor([0.9, 0.5, 0.4, 0.1, 0.8, 0.3, 0.2])  # 4: the exact first chunk
+    config = BlendConfig(strategy="hybrid", recompute_ratio=0.25)  # 3 of 12 context tokens, a seed of 6
+    guided = guide(plan, layout, config, scores, num_layers=num_layers)
+    if num_layers == 1:  # no layer to check on: the question's own top 3
+        assert guided.forced.nonzero().flatten().tolist() == [8, 9, 12] and guided.checks == {}
+        return
+    assert guided.candidate.nonzero().flatten().tolist() == [8, 9, 10, 12, 13, 14]
+    assert guided.recompute_first_layer and guided.checks == {1: 3} and not guided.forced.any()
 
 
 def test_context_attention_spans_the_chunks_only_when_reweighting():

@@ -29,7 +29,7 @@ def qengine(request, tokenizer, tmp_path):
     eng.close()
 
 
-@pytest.mark.parametrize("strategy", ["question", "chunk"])
+@pytest.mark.parametrize("strategy", ["question", "chunk", "hybrid"])
 def test_guided_ratio_one_equals_full_prefill(qengine, strategy):
     layout = qengine.build_layout(Q, CHUNKS)
     full = qengine.prefill(layout, "full_recompute")
@@ -40,7 +40,7 @@ def test_guided_ratio_one_equals_full_prefill(qengine, strategy):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("strategy", ["question", "chunk"])
+@pytest.mark.parametrize("strategy", ["question", "chunk", "hybrid"])
 def test_guided_ratio_zero_equals_full_reuse(qengine, strategy):
     layout = qengine.build_layout(Q, CHUNKS)
     reuse = qengine.prefill(layout, "full_reuse")
@@ -93,6 +93,25 @@ def test_question_selects_the_tokens_with_most_question_attention(qengine, layer
     assert picked.tolist() == sorted(expected.tolist())
     # Selected once, recomputed on every layer.
     assert all(torch.equal(s, res.selected[0]) for s in res.selected[:-1])
+
+
+def test_hybrid_narrows_the_question_seed_on_layer_one(qengine):
+    layout = qengine.build_layout(Q, CHUNKS)
+    q_start = layout.offsets()[-1]
+    k = -(-3 * layout.num_context_tokens // 10)  # ceil(0.3 * context tokens)
+    context = lambda sel: sel[sel < q_start].tolist()
+    seed_ratio = (2 * k - 0.5) / layout.num_context_tokens  # "question" at exactly 2k tokens
+    seed = qengine.prefill(layout, "cacheblend", BlendConfig(recompute_ratio=seed_ratio, strategy="question"))
+    hybrid = qengine.prefill(layout, "cacheblend", BlendConfig(recompute_ratio=0.3, strategy="hybrid", hybrid_seed=2.0))
+    # Layers 0-1 recompute the question's top two budgets; from layer 2 on, k of them remain.
+    assert context(hybrid.selected[0]) == context(hybrid.selected[1]) == context(seed.selected[0])
+    kept = context(hybrid.selected[2])
+    assert len(kept) == k and set(kept) <= set(context(seed.selected[0]))
+    # A seed of one budget leaves the check nothing to drop: "question"'s own prefill.
+    one = qengine.prefill(layout, "cacheblend", BlendConfig(recompute_ratio=0.3, strategy="hybrid", hybrid_seed=1.0))
+    question = qengine.prefill(layout, "cacheblend", BlendConfig(recompute_ratio=0.3, strategy="question"))
+    assert [s.tolist() for s in one.selected] == [s.tolist() for s in question.selected]
+    torch.testing.assert_close(one.logits, question.logits, rtol=1e-5, atol=1e-6)
 
 
 def test_pick_tokens_window_and_chunks_budget():
@@ -175,6 +194,8 @@ def test_bad_strategy_options_are_refused_with_the_choices():
         BlendConfig(question_layers="first")
     with pytest.raises(ValueError, match="schedule= is HKVD's gradual filtering and strategy='question' would ignore it"):
         BlendConfig(schedule=((1, 0.5),), strategy="question")
+    with pytest.raises(ValueError, match="hybrid_seed=0.5 must be a finite number >= 1"):
+        BlendConfig(hybrid_seed=0.5)
     with pytest.raises(ValueError, match="selection_window=-1"):
         BlendConfig(selection_window=-1)
 

@@ -74,7 +74,7 @@ def register(subparsers) -> None:
     p.add_argument("--sample", default=None, help="JSON list of {question, chunks} (default: bundled HotpotQA questions)")
     p.add_argument("--n", type=int, default=20, help="bundled questions to use (default 20)")
     p.add_argument("--offset", type=int, default=0, help="first bundled question (default 0)")
-    p.add_argument("--strategy", default="question", choices=["question", "chunk", "cacheblend"], help="default question")
+    p.add_argument("--strategy", default="question", choices=["question", "chunk", "hybrid", "cacheblend"], help="default question")
     p.add_argument("--ratios", default=",".join(f"{r:g}" for r in DEFAULT_RATIOS), help="comma list of ratios to try")
     p.add_argument("--target", type=float, default=0.9, help="mean answer agreement (token F1 vs full prefill) to reach (default 0.9)")
     p.add_argument("--max-new-tokens", type=int, default=16)

@@ -86,9 +86,9 @@ def _options(spec: str, parts: list[str]) -> tuple[tuple[str, Any], ...]:
 
 def parse_method(spec: str, ratios: Sequence[float] = DEFAULT_RATIOS) -> list[Method]:
     """``cacheblend@0.15`` (the paper's HKVD selection), ``question@0.15`` / ``chunk@0.15``
-    (question-guided tokens / chunks), each optionally with ``:CRITERION`` (hkvd) and "/"
-    options: ``last`` (question attention of the last layer), ``max`` (max over head groups),
-    ``w<N>`` (selection window), ``nb`` (neighbour-aware chunk caches), ``ape`` (APE's attention
+    (question-guided tokens / chunks), ``hybrid@0.15`` (a question-guided seed narrowed by
+    deviation), each optionally with ``:CRITERION`` (hkvd, hybrid) and "/" options: ``last``
+    (question attention of the last layer), ``max`` (max over head groups), ``w<N>`` (selection window), ``nb`` (neighbour-aware chunk caches), ``ape`` (APE's attention
     temperature and scale, 0.9 each); ``nb`` and ``ape`` apply to full_reuse too."""
     spec = spec.strip()
     if spec in CHAINS or spec == "generate":
@@ -102,7 +102,7 @@ def parse_method(spec: str, ratios: Sequence[float] = DEFAULT_RATIOS) -> list[Me
     options = _options(spec, opts)
     if head in MODES and head != "cacheblend":
         return [Method(spec, "kv", head, options=options)]
-    strategy = next((s for s in ("cacheblend", "hkvd", "question", "chunk") if head == s or head.startswith(s + "@") or head.startswith(s + ":")), None)
+    strategy = next((s for s in ("cacheblend", "hkvd", "question", "chunk", "hybrid") if head == s or head.startswith(s + "@") or head.startswith(s + ":")), None)
     if strategy is not None:
         rest = head[len(strategy) :]
         criterion = None
@@ -129,7 +129,7 @@ def parse_method(spec: str, ratios: Sequence[float] = DEFAULT_RATIOS) -> list[Me
         return out
     raise ValueError(
         f"unknown method {spec!r}: choose from full_recompute, full_recompute_saved, prefix_caching, full_reuse, "
-        "cacheblend[@RATIO][:CRITERION], question@RATIO, chunk@RATIO (each with /options), map_reduce, map_rerank, "
+        "cacheblend[@RATIO][:CRITERION], question@RATIO, chunk@RATIO, hybrid@RATIO (each with /options), map_reduce, map_rerank, "
         "generate, llama_cpp[:QUANT], llama_cpp_prefix[:QUANT]"
     )
 
