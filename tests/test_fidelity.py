@@ -98,8 +98,9 @@ def test_fidelity_run_scores_an_exact_method_as_agreeing(tmp_path):
     assert {e["method"] for e in saved["summary"]} == set(by)
     assert {(c["a"], c["b"]) for c in saved["comparisons"]} == {("full_reuse", "question@1"), ("full_reuse", "question@0.2/nb"),
                                                                 ("question@1", "question@0.2/nb")}
-    # Resumable: a second run finds every question finished and loads no model.
-    assert len(run_fidelity(cfg, engine=None)) == len(rows)
+    # Resumable: a second run finds every question finished, loads no model, and can plot.
+    assert len(run_fidelity(replace(cfg, plots=True), engine=None)) == len(rows)
+    assert (tmp_path / "out" / "plots" / "fidelity_tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert {r["answer_hint"] for r in rows} == {""}
     with pytest.raises(ValueError, match="measured with answer_hint='', not 'Be brief.'"):
         run_fidelity(replace(cfg, answer_hint="Be brief."), engine=None)

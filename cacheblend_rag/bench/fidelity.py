@@ -336,28 +336,40 @@ def write_summary(summary: list[dict], out: Path, cfg: FidelityConfig, compariso
 
 
 def plot(summary: list[dict], folder: Path) -> list[Path]:
-    """Agreement with full prefill against TTFT speed-up, one point per method, per model."""
+    """Per model, against TTFT speed-up: agreement with full prefill, and next-token KL to it.
+    Methods that tie on agreement often differ on KL, so both panels share one legend (labels
+    written next to the points overlap where methods cluster)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     folder.mkdir(parents=True, exist_ok=True)
+    markers = "osD^v<>ph*"
     paths = []
     for model in dict.fromkeys(e["model"] for e in summary):
         es = [e for e in summary if e["model"] == model and e["dataset"] == "all"]
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for e in es:
+        fig, (ax_f1, ax_kl) = plt.subplots(1, 2, figsize=(11, 4.5))
+        colors = plt.get_cmap("tab20")
+        for i, e in enumerate(es):
             lo, hi = e["ttft_speedup_ci"]
-            ax.errorbar(e["ttft_speedup"], e["agree_f1"], xerr=[[max(0.0, e["ttft_speedup"] - lo)], [max(0.0, hi - e["ttft_speedup"])]]
-                        if not math.isnan(lo) else None, fmt="o")
-            ax.annotate(e["method"], (e["ttft_speedup"], e["agree_f1"]), fontsize=7, xytext=(4, 3), textcoords="offset points")
-        ax.set_xscale("log")
-        ax.set_xlabel("TTFT speed-up over full prefill (log scale)")
-        ax.set_ylabel("answer agreement with full prefill (token F1)")
-        ax.set_title(f"{model}: fidelity vs speed (n={es[0]['n'] if es else 0})")
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
+            xerr = None if math.isnan(lo) else [[max(0.0, e["ttft_speedup"] - lo)], [max(0.0, hi - e["ttft_speedup"])]]
+            style = dict(fmt=markers[i % len(markers)], color=colors(i % 20), markersize=7, capsize=2)
+            ax_f1.errorbar(e["ttft_speedup"], e["agree_f1"], xerr=xerr, label=e["method"], **style)
+            ax_kl.errorbar(e["ttft_speedup"], e["kl"], xerr=xerr, **style)
+        for ax in (ax_f1, ax_kl):
+            ax.set_xscale("log")
+            ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator([1, 2, 3, 5, 10, 20, 50]))
+            ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}x"))
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            ax.set_xlabel("TTFT speed-up over full prefill (log scale)")
+            ax.grid(alpha=0.3)
+        ax_f1.set_ylabel("answer agreement with full prefill (token F1)")
+        ax_kl.set_ylabel("next-token KL to full prefill (lower is closer)")
+        fig.suptitle(f"{model}: fidelity vs speed (n={es[0]['n'] if es else 0})")
+        fig.legend(loc="center right", fontsize=8)
+        fig.tight_layout(rect=(0, 0, 0.84, 1))
         path = folder / f"fidelity_{model.replace('/', '_')}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
