@@ -52,13 +52,14 @@ class BlendConfig:
         "hybrid": the same scoring pass seeds ``hybrid_seed`` times the budget with the tokens
         the question reads most; layers 0 and 1 recompute the seed, and layer 1's deviation
         (``criterion``) keeps ``recompute_ratio`` of the context for the remaining layers.
+        Measured no closer to full prefill than "question" and slower (docs/quality.md).
     question_layers: question-guided scoring ("question", "chunk", "hybrid"): average the
         question's attention over "all" layers (ProphetKV) or read the "last" layer (FusionRAG).
     question_heads: question-guided scoring: "mean" attention over all heads, or "max" over
         the K/V head groups of each group's mean (a token one group reads hard is kept).
-    selection_window: "question" and "hybrid"'s seed: also recompute up to this many tokens either side of a
-        high-scoring token (scores are max-pooled over the window before the top-k, so the
-        budget holds). 0 picks tokens alone.
+    selection_window: "question" and "hybrid"'s seed: also recompute up to this many tokens
+        either side of a high-scoring token (scores are max-pooled over the window before the
+        top-k, so the budget holds). 0 picks tokens alone.
     hybrid_seed: "hybrid" only: the question-guided seed's size as a multiple of the final
         budget (>= 1; at 1 the check keeps the whole seed, which is "question"'s selection).
     context_temperature, context_scale: APE (arXiv 2502.05431): the question's and each

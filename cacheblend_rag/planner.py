@@ -235,12 +235,12 @@ def guide(plan: FusionPlan, layout: PromptLayout, config: BlendConfig, scores: t
     selectable = plan.candidate & ~plan.forced
     forced, candidate, checks = plan.forced.clone(), plan.candidate, {}
     hybrid = config.strategy == "hybrid" and num_layers > 1
-    if config.strategy in ("question", "hybrid") and not hybrid:
-        forced[pick_tokens(scores, selectable, budget, config.selection_window)] = True
-    elif hybrid:
+    if hybrid:
         candidate = plan.forced.clone()
         candidate[pick_tokens(scores, selectable, math.ceil(config.hybrid_seed * budget), config.selection_window)] = True
         checks = {1: budget}
+    elif config.strategy in ("question", "hybrid"):
+        forced[pick_tokens(scores, selectable, budget, config.selection_window)] = True
     elif budget > 0:
         spans = [(off, off + len(seg)) for seg, off in zip(layout.segments, layout.offsets()) if bool(plan.candidate[off])]
         for i in pick_chunks(scores, spans, budget):

@@ -88,8 +88,9 @@ def parse_method(spec: str, ratios: Sequence[float] = DEFAULT_RATIOS) -> list[Me
     """``cacheblend@0.15`` (the paper's HKVD selection), ``question@0.15`` / ``chunk@0.15``
     (question-guided tokens / chunks), ``hybrid@0.15`` (a question-guided seed narrowed by
     deviation), each optionally with ``:CRITERION`` (hkvd, hybrid) and "/" options: ``last``
-    (question attention of the last layer), ``max`` (max over head groups), ``w<N>`` (selection window), ``nb`` (neighbour-aware chunk caches), ``ape`` (APE's attention
-    temperature and scale, 0.9 each); ``nb`` and ``ape`` apply to full_reuse too."""
+    (question attention of the last layer), ``max`` (max over head groups), ``w<N>`` (selection
+    window), ``nb`` (neighbour-aware chunk caches), ``ape`` (APE's attention temperature and
+    scale, 0.9 each); ``nb`` and ``ape`` apply to full_reuse too."""
     spec = spec.strip()
     if spec in CHAINS or spec == "generate":
         return [Method(spec, spec)]
