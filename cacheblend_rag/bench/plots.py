@@ -15,6 +15,9 @@ COLORS = {
 }
 
 
+MARKERS = "osD^v<>ph*XP"
+
+
 def _color(method: str) -> str:
     return COLORS.get(method, "tab:blue")
 
@@ -41,21 +44,27 @@ def make_plots(summary: list[dict], out: Path, dpi: int = 80) -> list[Path]:
     paths = []
 
     # 1. The paper's main figure: quality against time to first token, one point per method.
+    # Methods that tie on quality sit on top of each other, so each gets its own marker and one
+    # legend serves every panel (labels written next to the points overlapped).
+    methods = list(dict.fromkeys(r["method"] for r in summary if r["top_k"] == main_k))
+    cmap = plt.get_cmap("tab20")
+    style = {m: dict(marker=MARKERS[i % len(MARKERS)], color=cmap(i % 20)) for i, m in enumerate(methods)}
     fig, axes = _grid(len(datasets))
+    handles = {}
     for ax, d in zip(axes[0], datasets):
         rows = [r for r in summary if r["dataset"] == d and r["top_k"] == main_k]
         blend = sorted((r for r in rows if _ratio(r["method"]) is not None), key=lambda r: _ratio(r["method"]))
         if blend:
             ax.plot([r["ttft_mean_s"] for r in blend], [r["quality"] for r in blend], "-", color="tab:blue", alpha=0.4)
         for r in rows:
-            ax.scatter(r["ttft_mean_s"], r["quality"], color=_color(r["method"]), s=30)
-            ax.annotate(r["method"].replace("cacheblend", "CB"), (r["ttft_mean_s"], r["quality"]), fontsize=7,
-                        xytext=(3, 3), textcoords="offset points")
+            handles[r["method"]] = ax.scatter(r["ttft_mean_s"], r["quality"], s=36, **style[r["method"]])
         ax.set_xscale("log")
         ax.set_title(f"{d} (top-{main_k})", fontsize=9)
         ax.set_xlabel("time to first token (s, log)")
         ax.set_ylabel(rows[0]["metric"] if rows else "quality")
-    fig.tight_layout()
+        ax.grid(alpha=0.3)
+    fig.legend([handles[m] for m in methods if m in handles], [m for m in methods if m in handles], loc="center right", fontsize=7)
+    fig.tight_layout(rect=(0, 0, 0.78 if len(datasets) > 1 else 0.65, 1))
     paths.append(out / "quality_vs_ttft.png")
     fig.savefig(paths[-1], dpi=dpi)
     plt.close(fig)
