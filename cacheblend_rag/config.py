@@ -52,7 +52,7 @@ class BlendConfig:
         "hybrid": the same scoring pass seeds ``hybrid_seed`` times the budget with the tokens
         the question reads most; layers 0 and 1 recompute the seed, and layer 1's deviation
         (``criterion``) keeps ``recompute_ratio`` of the context for the remaining layers.
-        Measured no closer to full prefill than "question" and slower (docs/quality.md).
+        Measured no closer to full prefill than "question" (docs/quality.md).
     question_layers: question-guided scoring ("question", "chunk", "hybrid"): average the
         question's attention over "all" layers (ProphetKV) or read the "last" layer (FusionRAG).
     question_heads: question-guided scoring: "mean" attention over all heads, or "max" over

@@ -345,17 +345,18 @@ def plot(summary: list[dict], folder: Path) -> list[Path]:
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
+    from .plots import method_styles
+
     folder.mkdir(parents=True, exist_ok=True)
-    markers = "osD^v<>ph*"
     paths = []
     for model in dict.fromkeys(e["model"] for e in summary):
         es = [e for e in summary if e["model"] == model and e["dataset"] == "all"]
         fig, (ax_f1, ax_kl) = plt.subplots(1, 2, figsize=(11, 4.5))
-        colors = plt.get_cmap("tab20")
-        for i, e in enumerate(es):
+        styles = method_styles([e["method"] for e in es])
+        for e in es:
             lo, hi = e["ttft_speedup_ci"]
             xerr = None if math.isnan(lo) else [[max(0.0, e["ttft_speedup"] - lo)], [max(0.0, hi - e["ttft_speedup"])]]
-            style = dict(fmt=markers[i % len(markers)], color=colors(i % 20), markersize=7, capsize=2)
+            style = dict(fmt=styles[e["method"]]["marker"], color=styles[e["method"]]["color"], markersize=7, capsize=2)
             ax_f1.errorbar(e["ttft_speedup"], e["agree_f1"], xerr=xerr, label=e["method"], **style)
             ax_kl.errorbar(e["ttft_speedup"], e["kl"], xerr=xerr, **style)
         for ax in (ax_f1, ax_kl):

@@ -14,8 +14,14 @@ COLORS = {
     "map_reduce": "tab:purple", "map_rerank": "tab:brown",
 }
 
-
 MARKERS = "osD^v<>ph*XP"
+
+
+def method_styles(methods: list[str]) -> dict[str, dict]:
+    """A marker and colour per method, in order, for plots whose legend names the points (methods
+    that tie sit on top of each other, so labels beside the points overlap)."""
+    cmap = plt.get_cmap("tab20")
+    return {m: dict(marker=MARKERS[i % len(MARKERS)], color=cmap(i % 20)) for i, m in enumerate(methods)}
 
 
 def _color(method: str) -> str:
@@ -44,11 +50,8 @@ def make_plots(summary: list[dict], out: Path, dpi: int = 80) -> list[Path]:
     paths = []
 
     # 1. The paper's main figure: quality against time to first token, one point per method.
-    # Methods that tie on quality sit on top of each other, so each gets its own marker and one
-    # legend serves every panel (labels written next to the points overlapped).
     methods = list(dict.fromkeys(r["method"] for r in summary if r["top_k"] == main_k))
-    cmap = plt.get_cmap("tab20")
-    style = {m: dict(marker=MARKERS[i % len(MARKERS)], color=cmap(i % 20)) for i, m in enumerate(methods)}
+    style = method_styles(methods)
     fig, axes = _grid(len(datasets))
     handles = {}
     for ax, d in zip(axes[0], datasets):
