@@ -106,16 +106,23 @@ class CacheBlendParams(BaseModel):
         """Token ids from the model's own tokenizer (LangChain's default would fetch GPT-2)."""
         return list(self.get_engine().tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def _params(self) -> dict[str, Any]:
+    def _generation_fields(self) -> dict[str, Any]:
+        """The fields every request starts from; per-call overrides go on top."""
         return {
-            "model": self._model_label,
             "mode": self.mode,
             "recompute_ratio": self.recompute_ratio,
             "max_new_tokens": self.max_new_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
+            "seed": self.seed,
         }
+
+    def _params(self) -> dict[str, Any]:
+        # LangChain's LLM cache keys on these, so every field that can change the text is here.
+        # LangChain sets "stop" itself to the call's stop list, hence the field's own name.
+        fields = {"default_stop": self.stop, "match_chunks": self.match_chunks}
+        return {"model": self._model_label, **self._generation_fields(), **fields}
 
     def _ls_fields(self, stop: list[str] | None, kwargs: dict[str, Any], model_type: str) -> dict[str, Any]:
         params: dict[str, Any] = {
@@ -140,16 +147,7 @@ class CacheBlendParams(BaseModel):
             raise TypeError(f"unknown generation arguments {sorted(unknown)}; accepted: {', '.join(CALL_PARAMS)}")
         if "max_tokens" in overrides:
             overrides = dict(overrides, max_new_tokens=overrides.pop("max_tokens"))
-        values = {
-            "mode": self.mode,
-            "recompute_ratio": self.recompute_ratio,
-            "max_new_tokens": self.max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "seed": self.seed,
-        }
-        values.update(overrides)
+        values = {**self._generation_fields(), **overrides}
         values["stop"] = self._stops(stop)
         return values
 

@@ -222,6 +222,20 @@ def test_generation_parameters_and_metadata(tiny_engine, documents):
     assert llm._llm_type == "cacheblend" and ChatCacheBlend(engine=tiny_engine)._llm_type == "cacheblend-chat"
 
 
+def test_llm_cache_keys_on_seed_and_stop(tiny_engine, documents):
+    """LangChain's LLM cache keys on the identifying parameters: an answer cached under one seed or
+    default stop list must not be served for another."""
+    from langchain_core.caches import InMemoryCache
+
+    x = {"question": QUESTION, "context": documents[:2]}
+    sampled = dict(engine=tiny_engine, max_new_tokens=N, temperature=1.0, cache=InMemoryCache())
+    refs = [tiny_engine.generate(QUESTION, texts(documents[:2]), max_new_tokens=N, temperature=1.0, seed=s).text for s in (1, 2)]
+    assert refs[0] != refs[1]
+    assert [CacheBlendLLM(seed=s, **sampled).invoke(x) for s in (1, 2, 1)] == [refs[0], refs[1], refs[0]]
+    stop = refs[0][2:4]
+    assert CacheBlendLLM(seed=1, stop=[stop], **sampled).invoke(x) == refs[0][: refs[0].index(stop)]
+
+
 def test_token_ids_use_the_models_tokenizer(tiny_engine):
     llm = CacheBlendLLM(engine=tiny_engine)
     text = "The Eiffel Tower is in Paris."
