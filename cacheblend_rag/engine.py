@@ -175,6 +175,24 @@ class CacheBlendEngine:
             **kwargs,
         )
 
+    def answer_settings(self) -> dict[str, Any]:
+        """What, besides the request itself, decides this engine's answers: the model (weights,
+        tokenizer and dtype, by fingerprint), the prompt text around the chunks and the blend
+        config. Plain values that are the same in every process, so a cache of answers keyed on
+        them (LangChain's LLM cache) never serves one engine's answer for another's."""
+        config = {
+            name: getattr(value, "__qualname__", repr(value)) if callable(value) else value
+            for name, value in vars(self.config).items()
+        }
+        return {
+            "fingerprint": self.fingerprint,
+            "instruction": self.prompts.instruction,
+            "answer_hint": self.prompts.answer_hint,
+            "config": config,
+            # With a controller, a request without a ratio gets one chosen from the load speed.
+            "controller": type(self.controller).__name__ if self.controller is not None else None,
+        }
+
     # ------------------------------------------------------------------ chunk caches
     def chunk_key(self, segment: Segment, context_ids: Sequence[int] | None = None) -> str:
         return self.chunk_cache.key(segment, context_ids)

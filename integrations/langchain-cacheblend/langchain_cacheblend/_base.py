@@ -119,10 +119,13 @@ class CacheBlendParams(BaseModel):
         }
 
     def _params(self) -> dict[str, Any]:
-        # LangChain's LLM cache keys on these, so every field that can change the text is here.
+        # LangChain's LLM cache keys on these, so everything that can change the text is here:
+        # the fields, and what the engine was loaded with (engine_kwargs such as answer_hint, a
+        # calibrated ratio), which loads the default engine if it is not loaded yet.
         # LangChain sets "stop" itself to the call's stop list, hence the field's own name.
         fields = {"default_stop": self.stop, "match_chunks": self.match_chunks}
-        return {"model": self._model_label, **self._generation_fields(), **fields}
+        engine = self.get_engine().answer_settings()
+        return {"model": self._model_label, **self._generation_fields(), **fields, "engine": engine}
 
     def _ls_fields(self, stop: list[str] | None, kwargs: dict[str, Any], model_type: str) -> dict[str, Any]:
         params: dict[str, Any] = {

@@ -236,6 +236,32 @@ def test_llm_cache_keys_on_seed_and_stop(tiny_engine, documents):
     assert CacheBlendLLM(seed=1, stop=[stop], **sampled).invoke(x) == refs[0][: refs[0].index(stop)]
 
 
+def test_llm_cache_keys_on_the_engines_settings(tiny_engine, tmp_path, documents):
+    """Two LLMs whose engines differ only in what they were loaded with (the answer hint, the
+    blend config) may share one LangChain cache and still get their own answers."""
+    import json
+
+    from langchain_core.caches import InMemoryCache
+
+    from cacheblend_rag import BlendConfig, CacheBlendEngine
+    from cacheblend_rag.store.disk import KVStore
+
+    def engine(name: str, **kwargs) -> CacheBlendEngine:
+        return CacheBlendEngine(tiny_engine.model, tiny_engine.tokenizer, store=KVStore(tmp_path / name), pipelined=False, **kwargs)
+
+    engines = [tiny_engine, engine("hint", answer_hint="Reply with a year only, please."), engine("ratio", config=BlendConfig(recompute_ratio=1.0))]
+    x = {"question": QUESTION, "context": documents[:2]}
+    refs = [e.generate(QUESTION, texts(documents[:2]), max_new_tokens=N).text for e in engines]
+    assert len(set(refs)) == 3
+    cache = InMemoryCache()
+    assert [CacheBlendLLM(engine=e, max_new_tokens=N, cache=cache).invoke(x) for e in [*engines, engines[0]]] == [*refs, refs[0]]
+    # The key is plain data, equal for an engine built the same way (as in another process).
+    same = engine("same")
+    assert json.dumps(same.answer_settings()) == json.dumps(tiny_engine.answer_settings())
+    for e in engines[1:] + [same]:
+        e.close()
+
+
 def test_token_ids_use_the_models_tokenizer(tiny_engine):
     llm = CacheBlendLLM(engine=tiny_engine)
     text = "The Eiffel Tower is in Paris."
