@@ -180,10 +180,7 @@ class CacheBlendEngine:
         tokenizer and dtype, by fingerprint), the prompt text around the chunks and the blend
         config. Plain values that are the same in every process, so a cache of answers keyed on
         them (LangChain's LLM cache) never serves one engine's answer for another's."""
-        config = {
-            name: getattr(value, "__qualname__", repr(value)) if callable(value) else value
-            for name, value in vars(self.config).items()
-        }
+        config = {name: _callable_name(v) if callable(v) else v for name, v in vars(self.config).items()}
         return {
             "fingerprint": self.fingerprint,
             "instruction": self.prompts.instruction,
@@ -521,3 +518,8 @@ def _check_config(config: object) -> BlendConfig | None:
             "build one with cacheblend_rag.BlendConfig(**options)"
         )
     return config
+
+
+def _callable_name(fn: Callable) -> str:
+    """A custom criterion by its import path (an object repr would hold a per-process address)."""
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
