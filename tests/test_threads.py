@@ -76,10 +76,24 @@ def test_release_team_ends_the_callers_workers_only():
     assert _on_new_thread(run) == (workers, 0, workers)
 
 
-def test_batcher_leaves_only_its_worker_with_a_team(tmp_path):
+def test_batcher_leaves_only_its_worker_with_a_team(monkeypatch, tmp_path):
     # The thread that loaded the model (it ran torch) creates the batcher and submits to it; its
     # team would slow every operator on the batcher's thread, so both calls release it.
+    import threading
+
+    from cacheblend_rag import batching
+
     workers = torch.get_num_threads() - 1
+    worker_idle = threading.Semaphore(0)
+
+    def release_and_count() -> None:
+        release_team()
+        if threading.current_thread().name == "cacheblend-batcher":
+            worker_idle.release()
+
+    # The worker releases its own team when it goes idle after the answer; counting the process's
+    # threads before it has done so would credit its workers to the caller.
+    monkeypatch.setattr(batching, "release_team", release_and_count)
 
     def run() -> tuple[int, int]:
         engine = make_engine(store_dir=str(tmp_path))
@@ -87,9 +101,11 @@ def test_batcher_leaves_only_its_worker_with_a_team(tmp_path):
         _copy()
         with_team = _threads()
         with Batcher(engine) as batcher:
+            assert worker_idle.acquire(timeout=30)  # idle before the request
             after_create = _threads()  # the caller's workers gone, the batcher's thread started
             _copy()
             batcher.submit(SAMPLE_QUESTION, SAMPLE_CHUNKS, max_new_tokens=3).result(timeout=120)
+            assert worker_idle.acquire(timeout=30)  # idle again after it
             before = _threads()
             release_team()
             left_by_submit = before - _threads()
