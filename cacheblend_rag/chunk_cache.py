@@ -101,11 +101,12 @@ class ChunkCache:
         *,
         neighbours: int = 0,
         embed: Callable[[list[str]], torch.Tensor] | None = None,
+        corpus: Sequence[str] | None = None,
         progress: bool = True,
     ) -> int:
         """Compute and store every chunk of ``texts`` (distinct, checked) that ``store`` lacks, and
-        with ``neighbours`` > 0 each chunk's cache behind its most similar chunks. Returns how many
-        caches were computed."""
+        with ``neighbours`` > 0 each chunk's cache behind its most similar chunks of ``corpus``
+        (distinct, checked; default ``texts``). Returns how many caches were computed."""
         segments = [self.prompts.chunk_segment(t) for t in texts]
         plen = len(self.prompts.prefix_ids)
         computed = 0
@@ -121,11 +122,13 @@ class ChunkCache:
             return computed
         from .neighbours import nearest
 
-        near = nearest(list(texts), neighbours, embed)
+        pool = list(texts) if corpus is None else list(corpus)
+        near = nearest(list(texts), neighbours, embed, corpus=pool)
+        pool_segments: dict[int, Segment] = {}
         for seg, idx in tqdm(list(zip(segments, near)), desc="precompute neighbour-aware KV", unit="chunk", disable=not progress):
             if not idx:
                 continue
-            behind = [segments[j] for j in idx]
+            behind = [pool_segments.setdefault(j, self.prompts.chunk_segment(pool[j])) for j in idx]
             context = list(self.prompts.prefix_ids) + [t for b in behind for t in b.token_ids]
             self.backbone.check_fits(len(context) + len(seg), f"chunk {seg.text[:40]!r}... behind its {len(idx)} neighbours (use fewer neighbours)")
             nb_key = self.key(seg, context_ids=context)

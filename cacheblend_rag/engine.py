@@ -211,6 +211,7 @@ class CacheBlendEngine:
         *,
         neighbours: int = 0,
         embed: Callable[[list[str]], torch.Tensor] | None = None,
+        corpus: Iterable[str] | None = None,
         progress: bool = True,
         store: ChunkStore | None = None,
     ) -> int:
@@ -222,12 +223,17 @@ class CacheBlendEngine:
             is not first in the prompt (``BlendConfig.neighbour_caches``). It costs about
             ``neighbours + 1`` times the chunk's prefill on top of the plain cache, and holds for
             this corpus: precompute again after the corpus changes.
+        corpus: choose the neighbours among these texts instead of among ``texts``, so that a few
+            chunks (new ones, or the ones served most) get caches that saw the whole corpus. Only
+            ``texts`` are cached; each corpus text is embedded once per call.
         store: fill this store instead of the engine's.
         """
         if not isinstance(neighbours, int) or isinstance(neighbours, bool) or neighbours < 0:
             raise ValueError(f"neighbours={neighbours!r} must be an int >= 0 (0: plain chunk caches only)")
         texts = list(dict.fromkeys(check_texts(texts)))
-        return self.chunk_cache.precompute(self._store(store), texts, neighbours=neighbours, embed=embed, progress=progress)
+        pool = None if corpus is None else list(dict.fromkeys(check_texts(corpus, "corpus")))
+        return self.chunk_cache.precompute(self._store(store), texts, neighbours=neighbours, embed=embed, corpus=pool,
+                                           progress=progress)
 
     def flush(self) -> None:
         """Wait for background write-backs to finish."""

@@ -47,17 +47,31 @@ def bundled_embedder() -> Embedder:
     return _bundled
 
 
-def nearest(texts: Sequence[str], n: int, embed: Embedder | None = None) -> list[list[int]]:
-    """For each text, the indices of its ``n`` most similar other texts, least similar first (so
-    the most similar one sits right in front of the chunk when prefilled in this order)."""
-    n = min(n, len(texts) - 1)
-    if n <= 0:
+def nearest(texts: Sequence[str], n: int, embed: Embedder | None = None,
+            corpus: Sequence[str] | None = None) -> list[list[int]]:
+    """For each text, the indices into ``corpus`` (default: ``texts``) of its ``n`` most similar
+    other texts, least similar first (so the most similar one sits right in front of the chunk when
+    prefilled in this order). A text is never its own neighbour, even when ``corpus`` holds it."""
+    pool = list(texts) if corpus is None else list(corpus)
+    k = min(n, len(pool))
+    if k <= 0 or not texts:
         return [[] for _ in texts]
-    emb = torch.as_tensor((embed or bundled_embedder())(list(texts))).float()
+    union = list(dict.fromkeys([*texts, *pool]))  # each text embedded once
+    row = {t: i for i, t in enumerate(union)}
+    emb = _embedded(embed or bundled_embedder(), union)  # [len(union), dim]
+    sim = emb[[row[t] for t in texts]] @ emb[[row[t] for t in pool]].T  # [len(texts), len(pool)]
+    where = {t: j for j, t in enumerate(pool)}
+    for i, t in enumerate(texts):
+        if t in where:
+            sim[i, where[t]] = -float("inf")
+    top = torch.topk(sim, k, dim=-1)  # most similar first; ties by index
+    return [[j for j, s in zip(reversed(idx), reversed(val)) if s != -float("inf")]
+            for idx, val in zip(top.indices.tolist(), top.values.tolist())]
+
+
+def _embedded(embed: Embedder, texts: list[str]) -> torch.Tensor:
+    """``embed(texts)``, checked and L2-normalised: [len(texts), dim]."""
+    emb = torch.as_tensor(embed(texts)).float()
     if emb.dim() != 2 or emb.shape[0] != len(texts):
         raise ValueError(f"embed returned shape {tuple(emb.shape)}; expected [{len(texts)}, dim]")
-    emb = torch.nn.functional.normalize(emb, dim=-1)
-    sim = emb @ emb.T
-    sim.fill_diagonal_(-float("inf"))
-    order = torch.topk(sim, n, dim=-1).indices  # most similar first; ties by index
-    return [list(reversed(row)) for row in order.tolist()]
+    return torch.nn.functional.normalize(emb, dim=-1)

@@ -98,20 +98,22 @@ def normalize_chunks(chunks: object) -> list[str]:
     return list(seen)
 
 
-def check_texts(texts: object) -> list[str]:
-    """The chunk texts given to ``precompute``: a list of non-empty, valid Unicode strings."""
+def check_texts(texts: object, what: str = "chunk") -> list[str]:
+    """The chunk texts given to ``precompute`` (``what="corpus"``: its ``corpus=``): a list of
+    non-empty, valid Unicode strings."""
+    takes = "precompute" if what == "chunk" else f"precompute's {what}="
     if isinstance(texts, (str, bytes)):
-        raise TypeError(f"precompute takes a list of chunk texts, got a single {type(texts).__name__}; wrap it as [text]")
+        raise TypeError(f"{takes} takes a list of chunk texts, got a single {type(texts).__name__}; wrap it as [text]")
     # A dict would silently iterate its keys; a non-iterable would fail with a bare Python message.
     if isinstance(texts, Mapping) or not isinstance(texts, Iterable):
-        raise TypeError(f"precompute takes a list of chunk texts (str), got {type(texts).__name__}")
+        raise TypeError(f"{takes} takes a list of chunk texts (str), got {type(texts).__name__}")
     out = list(texts)
     for i, t in enumerate(out):
         if not isinstance(t, str):
-            raise TypeError(f"chunk {i} is a {type(t).__name__}, not a str: pass the passage text")
+            raise TypeError(f"{what} {i} is a {type(t).__name__}, not a str: pass the passage text")
         if not t.strip():
-            raise ValueError(f"chunk {i} is empty or whitespace: drop it before precomputing")
-    check_unicode(named_chunks(out))
+            raise ValueError(f"{what} {i} is empty or whitespace: drop it before precomputing")
+    check_unicode((f"{what} {i}", t) for i, t in enumerate(out))
     return out
 
 

@@ -11,7 +11,8 @@ import torch
 
 from cacheblend_rag import BlendConfig
 from cacheblend_rag.bench.fidelity import (
-    FidelityConfig, agreement_f1, first_token_margin, bootstrap_mean_ci, run_fidelity, summarize, teacher_forced_loglik,
+    FidelityConfig, agreement_f1, first_token_margin, bootstrap_mean_ci, neighbours_in_prompt, run_fidelity, summarize,
+    teacher_forced_loglik,
 )
 from cacheblend_rag.bench.methods import parse_methods
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION
@@ -104,6 +105,34 @@ def test_fidelity_run_scores_an_exact_method_as_agreeing(tmp_path):
     assert {r["answer_hint"] for r in rows} == {""}
     with pytest.raises(ValueError, match="measured with answer_hint='', not 'Be brief.'"):
         run_fidelity(replace(cfg, answer_hint="Be brief."), engine=None)
+
+
+def test_neighbours_in_prompt_counts_the_neighbours_that_are_chunks_of_the_prompt():
+    # Toy embedding: a number as an angle, so that cosine similarity falls with the distance.
+    embed = lambda texts: torch.tensor([[math.cos(0.02 * float(t)), math.sin(0.02 * float(t))] for t in texts])  # noqa: E731
+    pool = [str(x) for x in (0, 1, 2, 10, 11, 30)]
+    assert neighbours_in_prompt(["0", "1", "2"], pool, 2, embed) == 1.0  # each one's 2 nearest are the other two
+    # "10" -> 11, 2; "11" -> 10, 2; "30" -> 11, 10: four of the six neighbours are in the prompt.
+    assert neighbours_in_prompt(["10", "11", "30"], pool, 2, embed) == pytest.approx(4 / 6)
+    with pytest.raises(ValueError, match="neighbour_pool='all': choose one of retrieved, corpus"):
+        FidelityConfig(neighbour_pool="all")
+
+
+def test_fidelity_with_corpus_neighbours_records_the_pool_and_keeps_it_apart(tmp_path):
+    from cacheblend_rag.bench.runner import tiny_engine
+
+    engine = tiny_engine(str(tmp_path / "kv"))
+    cfg = FidelityConfig(model="tiny", datasets=("hotpotqa",), n=2, methods=("full_reuse", "full_reuse/nb"), neighbours=1,
+                         neighbour_pool="corpus", max_new_tokens=2, out_dir=str(tmp_path / "out"), progress=False, plots=False)
+    try:
+        rows = run_fidelity(cfg, engine=engine)
+    finally:
+        engine.close()
+    assert len(rows) == 4 and {r["neighbour_pool"] for r in rows} == {"corpus"}
+    assert all(0.0 <= r["neighbours_in_prompt"] <= 1.0 for r in rows)
+    assert all(r["neighbour_hits"] == r["num_chunks"] - 1 for r in rows if r["method"] == "full_reuse/nb")
+    with pytest.raises(ValueError, match="measured with neighbour_pool='corpus', not 'retrieved': pass the same --neighbour-pool"):
+        run_fidelity(replace(cfg, neighbour_pool="retrieved"), engine=None)
 
 
 def test_calibrate_saves_the_cheapest_ratio_that_agrees_and_from_pretrained_uses_it(tmp_path, monkeypatch):

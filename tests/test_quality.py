@@ -137,6 +137,22 @@ def _embed(texts: list[str]) -> torch.Tensor:
     return torch.stack([torch.bincount(torch.tensor([ord(c) % 32 for c in t.lower()]), minlength=32).float() for t in texts])
 
 
+def _assert_cached_behind(eng, cache, layout, j: int, text: str, behind: list[str]) -> None:
+    """Chunk ``j`` (``text``) of ``layout`` holds its K/V prefilled behind the instruction and
+    ``behind`` (a manual prefill), moved to its place in the prompt."""
+    from cacheblend_rag.rope import shift_keys
+
+    seg = eng.prompts.chunk_segment(text)
+    manual = eng.compute_chunk(seg, [eng.prompts.chunk_segment(t) for t in behind])
+    off, plen = layout.offsets()[1 + j], len(eng.prompts.prefix_ids)
+    for layer in (0, eng.num_layers - 1):
+        k, v = _kv(cache, layer)
+        torch.testing.assert_close(v[0, :, off : off + len(seg)], manual[layer][1])
+        torch.testing.assert_close(k[0, :, off : off + len(seg)],
+                                   shift_keys(eng.model.model.rotary_emb, manual[layer][0], off - plen), rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(manual[-1][1], eng.compute_chunk(seg)[-1][1])  # layer 0 sees no context
+
+
 def test_neighbour_caches_are_keyed_apart_and_hold_the_chunk_prefilled_behind_its_neighbours(qengine):
     eng = qengine
     computed = eng.precompute(CHUNKS, neighbours=2, embed=_embed, progress=False)
@@ -150,19 +166,45 @@ def test_neighbour_caches_are_keyed_apart_and_hold_the_chunk_prefilled_behind_it
     from cacheblend_rag.neighbours import nearest
 
     near = nearest(CHUNKS, 2, _embed)
-    segs = [eng.prompts.chunk_segment(c) for c in CHUNKS]
-    plen = len(eng.prompts.prefix_ids)
     for j in range(1, len(CHUNKS)):
-        manual = eng.compute_chunk(segs[j], [segs[i] for i in near[j]])
-        off = layout.offsets()[1 + j]
-        from cacheblend_rag.rope import shift_keys
+        _assert_cached_behind(eng, aware.cache, layout, j, CHUNKS[j], [CHUNKS[i] for i in near[j]])
 
-        for layer in (0, eng.num_layers - 1):
-            k, v = _kv(aware.cache, layer)
-            torch.testing.assert_close(v[0, :, off : off + len(segs[j])], manual[layer][1])
-            torch.testing.assert_close(k[0, :, off : off + len(segs[j])],
-                                       shift_keys(eng.model.model.rotary_emb, manual[layer][0], off - plen), rtol=1e-4, atol=1e-5)
-        assert not torch.allclose(manual[-1][1], eng.compute_chunk(segs[j])[-1][1])  # layer 0 sees no context
+
+def test_nearest_in_a_corpus_matches_brute_force():
+    from cacheblend_rag.neighbours import nearest
+
+    corpus = [*CHUNKS, "Pierre Curie shared the first Nobel prize.", "Warsaw is the capital of Poland."]
+    texts = [CHUNKS[1], CHUNKS[3], "A text that is not in the corpus."]
+    emb = torch.nn.functional.normalize(_embed(corpus + texts[-1:]), dim=-1)
+    for n in (1, 2, len(corpus)):
+        got = nearest(texts, n, _embed, corpus=corpus)
+        for i, t in enumerate(texts):
+            e = emb[len(corpus)] if t not in corpus else emb[corpus.index(t)]
+            others = sorted((j for j in range(len(corpus)) if corpus[j] != t), key=lambda j: (-float(e @ emb[j]), j))
+            assert got[i] == list(reversed(others[:n]))  # most similar last, right in front of the chunk
+    assert nearest(CHUNKS, 2, _embed) == nearest(CHUNKS, 2, _embed, corpus=CHUNKS)
+
+
+def test_precompute_with_a_corpus_caches_only_the_texts_behind_neighbours_from_the_corpus(qengine):
+    from cacheblend_rag.neighbours import nearest
+
+    eng = qengine
+    extra = ["Marie Curie was born in Warsaw in 1867.", "The Sorbonne is a university in Paris."]
+    corpus = [*CHUNKS, *extra]
+    texts = CHUNKS[1:3]
+    assert eng.precompute(texts, neighbours=2, embed=_embed, corpus=corpus, progress=False) == len(texts)
+    assert not any(eng.is_cached(t) for t in extra)
+    near = nearest(texts, 2, _embed, corpus=corpus)
+    assert any(corpus[i] in extra for idx in near for i in idx)  # a neighbour only the corpus holds
+    layout = eng.build_layout(Q, [CHUNKS[0], *texts])
+    aware = eng.prefill(layout, "full_reuse")
+    assert aware.stats["neighbour_hits"] == len(texts)
+    for j, (text, idx) in enumerate(zip(texts, near), start=1):
+        _assert_cached_behind(eng, aware.cache, layout, j, text, [corpus[i] for i in idx])
+    with pytest.raises(TypeError, match=r"precompute's corpus= takes a list of chunk texts, got a single str"):
+        eng.precompute(texts, neighbours=1, corpus="one text")
+    with pytest.raises(ValueError, match="corpus 1 is empty or whitespace"):
+        eng.precompute(texts, neighbours=1, corpus=[CHUNKS[0], " "])
 
 
 def test_a_changed_neighbour_set_is_not_served(tokenizer, tmp_path):

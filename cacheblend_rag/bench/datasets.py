@@ -426,6 +426,13 @@ class Retriever:
                 self._cache[t] = e
         return [self._cache[t] for t in texts]
 
+    def embed(self, texts: Sequence[str]):
+        """Normalised embeddings [len(texts), dim], each text encoded once per retriever (an
+        ``embed=`` for ``precompute``)."""
+        import torch
+
+        return torch.stack(self._embed(texts))
+
     def top_k(self, query: str, chunks: Sequence[str], k: int) -> list[str]:
         import torch
 
@@ -433,6 +440,6 @@ class Retriever:
         if len(self._cache) > 20000:  # bound memory on long runs
             self._cache.clear()
         q = self.model.encode([query], normalize_embeddings=True, convert_to_tensor=True)[0]
-        scores = torch.stack(self._embed(chunks)) @ q
+        scores = self.embed(chunks) @ q
         order = torch.argsort(scores, descending=True, stable=True)[:k]
         return [chunks[int(i)] for i in order]

@@ -35,11 +35,13 @@ import torch
 from tqdm.auto import tqdm
 
 from ..metrics import next_token_kl, normalize_answer, qa_f1, token_f1
+from ..neighbours import nearest
 from . import datasets as ds
 from .methods import Method, parse_methods, settle
 from .runner import BenchConfig, load_engine, read_results
 from .stats import bootstrap_mean_ci, ratio_ci, sign_test
 
+NEIGHBOUR_POOLS = ("retrieved", "corpus")
 DEFAULT_FIDELITY_METHODS = (
     "full_reuse", "full_reuse/nb", "cacheblend@0.15", "question@0.15", "question@0.15/nb", "chunk@0.15",
 )
@@ -51,7 +53,9 @@ class FidelityConfig:
     or a path). offset: first question of each dataset (keep tuning and reporting sets apart); an
     int for every dataset or a {dataset: first question} mapping (missing datasets start at 0).
     neighbours: precompute neighbour-aware caches behind this many neighbours (0: none; methods
-    with "/nb" need it), chosen among the question's retrieved chunks."""
+    with "/nb" need it). neighbour_pool: where the neighbours come from: "retrieved" (the question's
+    other retrieved chunks, the favourable case) or "corpus" (every chunk of the run's questions
+    of that dataset, as ``precompute(..., corpus=...)`` over a whole corpus)."""
 
     model: str = "qwen2.5-coder-0.5b"
     datasets: tuple[str, ...] = ("hotpotqa", "musique")
@@ -62,6 +66,7 @@ class FidelityConfig:
     chunk_tokens: int = 512
     max_new_tokens: int = 16
     neighbours: int = 2
+    neighbour_pool: str = "retrieved"
     answer_hint: str = ""  # a line after each question (CacheBlendEngine(answer_hint=...)); rows record it
     out_dir: str = "fidelity-results"
     musique: str | None = None
@@ -76,6 +81,8 @@ class FidelityConfig:
             raise ValueError("fidelity compares engine prefill modes only; run map_reduce/map_rerank with `bench`")
         if any(dict(m.options).get("neighbour_caches") for m in methods) and self.neighbours < 1:
             raise ValueError("methods with /nb need neighbour-aware caches: pass --neighbours N (N >= 1)")
+        if self.neighbour_pool not in NEIGHBOUR_POOLS:
+            raise ValueError(f"neighbour_pool={self.neighbour_pool!r}: choose one of {', '.join(NEIGHBOUR_POOLS)}")
 
 
 def teacher_forced_loglik(engine, cache, first_logits: torch.Tensor, start: int, target: Sequence[int],
@@ -125,6 +132,13 @@ def first_token_margin(logits: torch.Tensor) -> float:
     return float(top[0] - top[1])
 
 
+def neighbours_in_prompt(chunks: list[str], pool: list[str], n: int, embed) -> float:
+    """Share of the chunks' ``n`` nearest neighbours in ``pool`` that are chunks of this prompt:
+    1.0 means the neighbour-aware caches saw exactly the chunks a full prefill puts in front."""
+    near = [pool[j] for idx in nearest(chunks, n, embed, corpus=pool) for j in idx]
+    return sum(t in chunks for t in near) / len(near) if near else float("nan")
+
+
 def agreement_f1(answer: str, reference: str) -> float:
     """Token F1 between two answers; 1.0 when both normalise to the same (also when both are empty)."""
     if normalize_answer(answer) == normalize_answer(reference):
@@ -139,11 +153,14 @@ def run_fidelity(cfg: FidelityConfig, *, engine=None) -> list[dict]:
     methods = parse_methods(cfg.methods)
     full = parse_methods(["full_recompute"])[0]
     rows = read_results(results_path)
-    other = {r.get("answer_hint", "") for r in rows} - {cfg.answer_hint}
-    if other:
-        # Rows of another prompt would be summarised as if they answered the same one.
-        raise ValueError(f"{results_path} holds rows measured with answer_hint={sorted(other)[0]!r}, not "
-                         f"{cfg.answer_hint!r}: pass the same --answer-hint or another --out")
+    # Rows of another prompt or neighbour pool would be summarised as if they measured the same.
+    # Rows from before the pool was recorded used the retrieved chunks.
+    for key, value, flag in (("answer_hint", cfg.answer_hint, "--answer-hint"),
+                             ("neighbour_pool", cfg.neighbour_pool, "--neighbour-pool")):
+        other = {r.get(key, FidelityConfig.__dataclass_fields__[key].default) for r in rows} - {value}
+        if other:
+            raise ValueError(f"{results_path} holds rows measured with {key}={sorted(other)[0]!r}, not "
+                             f"{value!r}: pass the same {flag} or another --out")
     done = {(r["model"], r["dataset"], r["qid"], r["method"]) for r in rows}
     per_dataset = [
         ds.load_dataset(name, cfg.n, musique=cfg.musique, hotpotqa=cfg.hotpotqa, chunk_tokens=cfg.chunk_tokens,
@@ -158,7 +175,7 @@ def run_fidelity(cfg: FidelityConfig, *, engine=None) -> list[dict]:
         if own:
             engine = load_engine(BenchConfig(model=cfg.model, out_dir=str(out), device=cfg.device, answer_hint=cfg.answer_hint))
         try:
-            rows += _run(cfg, engine, methods, full, todo, results_path, done)
+            rows += _run(cfg, engine, methods, full, todo, results_path, done, examples)
         finally:
             if own:
                 engine.close()
@@ -171,18 +188,26 @@ def run_fidelity(cfg: FidelityConfig, *, engine=None) -> list[dict]:
     return rows
 
 
-def _run(cfg: FidelityConfig, engine, methods: list[Method], full: Method, todo, results_path: Path, done) -> list[dict]:
+def _run(cfg: FidelityConfig, engine, methods: list[Method], full: Method, todo, results_path: Path, done,
+         examples: Sequence[ds.Example]) -> list[dict]:
     retriever = ds.Retriever()
     count = ds.token_counter(engine.tokenizer)
+    pools: dict[str, list[str]] = {}  # dataset -> every chunk of the run's questions ("corpus" pool)
+    if cfg.neighbour_pool == "corpus":
+        for ex in examples:
+            pools.setdefault(ex.dataset, []).extend(ds.chunk_documents(ex.documents, count, cfg.chunk_tokens))
+        pools = {name: list(dict.fromkeys(chunks)) for name, chunks in pools.items()}
     new_rows: list[dict] = []
     bar = tqdm(todo, desc=f"fidelity {cfg.model}", unit="question", disable=not cfg.progress)
     with results_path.open("a", encoding="utf-8") as sink:
         for ex in bar:
             chunks = ds.retrieve(ex, retriever, count, cfg.chunk_tokens, cfg.top_k)
             bar.set_postfix_str(f"{ex.dataset} precompute")
-            # Deployment-time work, not timed. Neighbours are chosen among this question's
-            # retrieved chunks (docs/quality.md says what that assumes).
-            engine.precompute(chunks, neighbours=cfg.neighbours, progress=False)
+            # Deployment-time work, not timed. Neighbours come from this question's retrieved
+            # chunks or from the dataset's whole pool (docs/quality.md says what each assumes).
+            pool = pools.get(ex.dataset)
+            engine.precompute(chunks, neighbours=cfg.neighbours, progress=False,
+                              **({} if pool is None else {"corpus": pool, "embed": retriever.embed}))
             engine.flush()
             bar.set_postfix_str(f"{ex.dataset} full_recompute")
             ref = answer_once(engine, full, ex.question, chunks, cfg.max_new_tokens)
@@ -194,7 +219,8 @@ def _run(cfg: FidelityConfig, engine, methods: list[Method], full: Method, todo,
                 "prompt_tokens": start, "num_chunks": len(chunks), "answer_hint": engine.prompts.answer_hint, "answer_full": ref_res.text.strip(),
                 "f1_full": qa_f1(ref_res.text, ex.answers), "ttft_full_s": ref_res.ttft_s,
                 "tf_loglik_full": teacher_forced_loglik(engine, ref_pre.cache, ref_pre.logits, start, target),
-                "margin_full": first_token_margin(ref_pre.logits),
+                "margin_full": first_token_margin(ref_pre.logits), "neighbour_pool": cfg.neighbour_pool,
+                "neighbours_in_prompt": None if pool is None else neighbours_in_prompt(chunks, pool, cfg.neighbours, retriever.embed),
             }
             for m in methods:
                 if (cfg.model, ex.dataset, ex.qid, m.name) in done:
@@ -407,6 +433,9 @@ def register(subparsers) -> None:
     p.add_argument("--chunk-tokens", type=int, default=512)
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--neighbours", type=int, default=2, help="neighbour-aware caches behind N chunks for /nb methods (0: none)")
+    p.add_argument("--neighbour-pool", choices=NEIGHBOUR_POOLS, default="retrieved",
+                   help="choose /nb neighbours among the question's retrieved chunks (default) or among every chunk "
+                        "of the run's questions of that dataset (corpus)")
     p.add_argument("--answer-hint", default="", help="a line after each question, e.g. 'Answer with the answer only, no other words.' (default none)")
     p.add_argument("--out", default="fidelity-results")
     p.add_argument("--musique", default=None, help="MuSiQue JSON (default $CACHEBLEND_RAG_MUSIQUE)")
@@ -423,7 +452,7 @@ def _main(args: argparse.Namespace) -> int:
     try:
         cfg = FidelityConfig(
             model=args.model, datasets=args.datasets, n=args.n, offset=args.offset, methods=args.methods, top_k=args.top_k,
-            chunk_tokens=args.chunk_tokens, max_new_tokens=args.max_new_tokens, neighbours=args.neighbours, answer_hint=args.answer_hint, out_dir=args.out,
+            chunk_tokens=args.chunk_tokens, max_new_tokens=args.max_new_tokens, neighbours=args.neighbours, neighbour_pool=args.neighbour_pool, answer_hint=args.answer_hint, out_dir=args.out,
             musique=args.musique, hotpotqa=args.hotpotqa, progress=not args.quiet, plots=not args.no_plots, device=args.device,
         )
         rows = run_fidelity(cfg)
