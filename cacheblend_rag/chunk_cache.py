@@ -124,11 +124,14 @@ class ChunkCache:
 
         pool = list(texts) if corpus is None else list(corpus)
         near = nearest(list(texts), neighbours, embed, corpus=pool)
-        pool_segments: dict[int, Segment] = {}
+        pool_segments: dict[int, Segment] = {}  # tokenised once, however many chunks sit behind it
         for seg, idx in tqdm(list(zip(segments, near)), desc="precompute neighbour-aware KV", unit="chunk", disable=not progress):
             if not idx:
                 continue
-            behind = [pool_segments.setdefault(j, self.prompts.chunk_segment(pool[j])) for j in idx]
+            for j in idx:
+                if j not in pool_segments:
+                    pool_segments[j] = self.prompts.chunk_segment(pool[j])
+            behind = [pool_segments[j] for j in idx]
             context = list(self.prompts.prefix_ids) + [t for b in behind for t in b.token_ids]
             self.backbone.check_fits(len(context) + len(seg), f"chunk {seg.text[:40]!r}... behind its {len(idx)} neighbours (use fewer neighbours)")
             nb_key = self.key(seg, context_ids=context)

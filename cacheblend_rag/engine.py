@@ -224,8 +224,8 @@ class CacheBlendEngine:
             ``neighbours + 1`` times the chunk's prefill on top of the plain cache, and holds for
             this corpus: precompute again after the corpus changes.
         corpus: choose the neighbours among these texts instead of among ``texts``, so that a few
-            chunks (new ones, or the ones served most) get caches that saw the whole corpus. Only
-            ``texts`` are cached; each corpus text is embedded once per call.
+            chunks (new ones, or the ones served most) are cached behind their nearest chunks of
+            the whole corpus. Only ``texts`` are cached; each corpus text is embedded once per call.
         store: fill this store instead of the engine's.
         """
         if not isinstance(neighbours, int) or isinstance(neighbours, bool) or neighbours < 0:
