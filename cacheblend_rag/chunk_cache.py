@@ -124,7 +124,8 @@ class ChunkCache:
 
         pool = list(texts) if corpus is None else list(corpus)
         near = nearest(list(texts), neighbours, embed, corpus=pool)
-        pool_segments: dict[int, Segment] = {}  # tokenised once, however many chunks sit behind it
+        # Tokenised once, however many chunks sit behind it; without a corpus, ``segments`` already are.
+        pool_segments: dict[int, Segment] = dict(enumerate(segments)) if corpus is None else {}
         for seg, idx in tqdm(list(zip(segments, near)), desc="precompute neighbour-aware KV", unit="chunk", disable=not progress):
             if not idx:
                 continue

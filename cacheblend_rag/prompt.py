@@ -113,12 +113,12 @@ def check_texts(texts: object, what: str = "chunk") -> list[str]:
             raise TypeError(f"{what} {i} is a {type(t).__name__}, not a str: pass the passage text")
         if not t.strip():
             raise ValueError(f"{what} {i} is empty or whitespace: drop it before precomputing")
-    check_unicode((f"{what} {i}", t) for i, t in enumerate(out))
+    check_unicode(named_chunks(out, what))
     return out
 
 
-def named_chunks(chunks: Sequence[object]) -> Iterator[tuple[str, object]]:
-    return ((f"chunk {i}", c) for i, c in enumerate(chunks))
+def named_chunks(chunks: Sequence[object], what: str = "chunk") -> Iterator[tuple[str, object]]:
+    return ((f"{what} {i}", c) for i, c in enumerate(chunks))
 
 
 def check_unicode(texts: Iterable[tuple[str, object]]) -> None:
