@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -11,6 +15,7 @@ from cacheblend_rag import CacheBlendEngine
 from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_model
 from cacheblend_rag.bench.throttle import ThrottledStore
+from cacheblend_rag.store.loader import LayerAssembler, LoadSpec
 from cacheblend_rag.store.tiers import MemoryTier, Tier, TieredStore
 
 CHUNKS = SAMPLE_CHUNKS
@@ -89,6 +94,52 @@ def test_prefetch_overlaps_compute_and_result_is_bit_identical(tokenizer, tmp_pa
     assert sum(s["load_hidden_s_per_layer"][1:]) > 0
     assert plain.stats["load_hidden_s_per_layer"] == [0.0] * eng.num_layers and plain.stats["load_hidden_s"] == 0.0
     eng.close()
+
+
+def test_stores_say_whether_they_read_from_memory(tmp_path):
+    # The automatic mode reads a memory store inline without timing it: its first read can wait
+    # on the lock of a write-back thread still copying a precomputed chunk, which looks like a
+    # wait on storage.
+    assert MemoryTier().reads_from_memory is True
+    assert TieredStore([Tier(MemoryTier(), "a"), Tier(MemoryTier(), "b")]).reads_from_memory is True
+    assert TieredStore.memory_over_disk(str(tmp_path / "kv")).reads_from_memory is False
+    assert ThrottledStore(MemoryTier(), RATE).reads_from_memory is False  # it sleeps on every read
+    assert getattr(KVStore(tmp_path / "disk"), "reads_from_memory", False) is False
+
+
+class BusyStore:
+    """A store (no ``reads_from_memory``) whose read is pure CPU work for ``seconds``."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def get_layer(self, key, layer, device=None):
+        end = time.thread_time() + self.seconds
+        while time.thread_time() < end:
+            pass
+        return torch.zeros(1, 4, 2), torch.zeros(1, 4, 2)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="needs Linux's run-queue delay")
+def test_a_read_starved_of_cores_by_other_processes_is_still_cpu_work():
+    # With more busy processes than cores, a CPU-bound read spends most of its wall time waiting
+    # for a core. Counted as waiting on storage, it would start a loader thread that only
+    # competes with the prefill for the same cores.
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 1))]
+    try:
+        time.sleep(0.5)
+        loader = LayerAssembler(BusyStore(0.1), [LoadSpec(0, 4, "k", 0)], 4, (1, 2), torch.float32,
+                                torch.device("cpu"), rotary_emb=None, num_layers=2, pipelined=None)
+        t0, c0 = time.perf_counter(), time.thread_time()
+        loader(0)
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+        loader.close()
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    assert cpu < 0.5 * wall, f"the read was not starved (cpu {cpu:.3f} s of {wall:.3f} s): the test measures nothing"
+    assert loader.pipelined is False
 
 
 class LosesOneLayer:

@@ -20,6 +20,8 @@ class ThrottledStore:
     Everything but ``get_layer`` and ``get_layers`` is passed through untouched.
     """
 
+    reads_from_memory = False  # its reads wait, whatever the store behind it (store.protocol)
+
     def __init__(self, inner: Any, bytes_per_s: float, name: str = "throttled") -> None:
         if bytes_per_s <= 0:
             raise ValueError(f"bytes_per_s={bytes_per_s} must be > 0")

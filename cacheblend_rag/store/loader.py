@@ -25,6 +25,22 @@ from .protocol import KV, batched_reader
 log = logging.getLogger("cacheblend_rag.loader")
 
 
+def thread_clock() -> tuple[float, float]:
+    """The calling thread's CPU time and the time it sat runnable waiting for a core, in seconds.
+
+    The wait is Linux's run-queue delay (``/proc/thread-self/schedstat``); where that file is
+    missing it reads 0. Without it, a read that another busy process keeps from the cores would
+    look like a read waiting on storage.
+    """
+    cpu = time.thread_time()
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            queued_ns = int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        queued_ns = 0
+    return cpu, queued_ns / 1e9
+
+
 class ChunkLost(RuntimeError):
     """A chunk's record vanished or failed its checks between lookup and load."""
 
@@ -82,16 +98,24 @@ class LayerAssembler:
         self._submitted = first
         self._submit_upto(first + self.depth - 1)
 
-    def _worth_overlap(self, wall_s: float, cpu_s: float) -> bool:
+    def _worth_overlap(self, wall_s: float, cpu_s: float, queued_s: float) -> bool:
         """Automatic mode: read ahead in a thread unless the reads are CPU work on a CPU device.
 
         Overlap hides a read that waits on storage (a slow disk or network tier, or the copy to an
         accelerator). A read served from RAM or the page cache is CPU work (copy, checksum,
         parsing) that a thread can only run on the cores the prefill is using: on 2 cores,
         overlapping it made a 3k-token prefill 8-9% slower than reading inline in two of three
-        measurements and was never clearly faster (docs/pipeline.md).
+        measurements and was never clearly faster (docs/pipeline.md). A store that says it reads
+        from memory (``reads_from_memory``) is CPU work whatever the clock says: its read can
+        wait on a lock or the GIL held by a busy write-back thread, which looks like a wait on
+        storage. Otherwise the read waited on storage if its thread spent more than half of it
+        neither running (``cpu_s``) nor waiting for a core (``queued_s``, ``thread_clock``).
         """
-        return self.device.type != "cpu" or cpu_s < 0.5 * wall_s
+        if self.device.type != "cpu":
+            return True
+        if getattr(self.store, "reads_from_memory", False):
+            return False
+        return wall_s - cpu_s - queued_s > 0.5 * wall_s
 
     def _fetch(self, layer: int) -> tuple[list[KV], float]:
         """Every segment's stored K/V for ``layer`` as kept (no arithmetic), and the time it took.
@@ -104,7 +128,7 @@ class LayerAssembler:
         """
         if self._lost is not None:  # the request is being retried without that chunk
             raise ChunkLost(self._lost)
-        t0, c0 = time.perf_counter(), time.thread_time()
+        t0, (c0, q0) = time.perf_counter(), thread_clock()
         batch = self._read_batch(layer)
         parts = []
         for spec in self.specs:
@@ -121,7 +145,8 @@ class LayerAssembler:
             parts.append(got)
         wall_s = time.perf_counter() - t0
         if self.pipelined is None:  # automatic mode, layer 0: decide how to read the rest
-            self.pipelined = self._worth_overlap(wall_s, time.thread_time() - c0)
+            c1, q1 = thread_clock()
+            self.pipelined = self._worth_overlap(wall_s, c1 - c0, q1 - q0)
             if self.pipelined:
                 self._start_pool(layer + 1)
         return parts, wall_s

@@ -6,6 +6,10 @@ chunk key (``keys.chunk_key``), each ``[kv_heads, tokens, head_dim]``. A store t
 layer of several chunks in one call (one round trip to a network tier) also offers ``get_layers``
 (``BatchedChunkStore``); ``read_layers`` uses it where it exists.
 
+A store whose reads never wait on storage (RAM only) may say so with ``reads_from_memory =
+True``: on a CPU device the loader then reads inline instead of timing the first read
+(``loader.LayerAssembler``). Stores without the attribute are timed.
+
 Failures never raise out of a read: a missing, evicted or corrupt chunk is a miss (None) and the
 engine recomputes it.
 """

@@ -65,6 +65,7 @@ class MemoryTier:
     """
 
     tier_name = "memory"
+    reads_from_memory = True  # store.protocol: a read is a dict lookup, never a wait on storage
 
     def __init__(self, capacity_bytes: int = 2 * 2**30) -> None:
         if capacity_bytes <= 0:
@@ -265,6 +266,11 @@ class TieredStore:
             [Tier(MemoryTier(memory_bytes), "memory", 1.0), Tier(disk, "disk", 0.1, disk_timeout_s)],
             dtype=dtype,
         )
+
+    @property
+    def reads_from_memory(self) -> bool:
+        """True when every tier reads from memory (store.protocol); a read may reach any tier."""
+        return all(getattr(t.store, "reads_from_memory", False) for t in self.tiers)
 
     # Helpers ---------------------------------------------------------------------------------
     def tier(self, name: str) -> Tier:
