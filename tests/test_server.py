@@ -4,6 +4,7 @@ LangChain's ChatOpenAI, answers token for token as the in-process engine does.""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -245,6 +246,24 @@ def test_unsupported_fields_at_their_off_values_are_accepted(client, expected):
     assert res.choices[0].message.content == expected.text
 
 
+def test_explicit_nulls_mean_the_defaults(client, live, expected):
+    # OpenAI's schema makes these nullable, and the openai client sends null for an explicit None.
+    res = _chat(client, messages=_user(), temperature=None, top_p=None, stream=None, stream_options=None, seed=None,
+                extra_body={"documents": SAMPLE_CHUNKS})
+    assert res.choices[0].message.content == expected.text
+    res = client.completions.create(model=MODEL, prompt=SAMPLE_QUESTION, max_tokens=N, temperature=None, top_p=None,
+                                    stream=None, extra_body={"documents": SAMPLE_CHUNKS})
+    assert res.choices[0].text == expected.text
+
+
+def test_best_of_at_its_default_of_one_is_accepted(client, expected):
+    res = client.completions.create(model=MODEL, prompt=SAMPLE_QUESTION, max_tokens=N, best_of=1,
+                                    extra_body={"documents": SAMPLE_CHUNKS})
+    assert res.choices[0].text == expected.text
+    with pytest.raises(openai.BadRequestError, match="best_of is not supported"):
+        client.completions.create(model=MODEL, prompt=SAMPLE_QUESTION, best_of=2)
+
+
 def test_openai_client_raises_with_the_message(client):
     with pytest.raises(openai.BadRequestError, match="n=2 is not supported"):
         _chat(client, messages=_user(), n=2)
@@ -256,7 +275,11 @@ def test_openai_client_raises_with_the_message(client):
 
 def test_body_that_is_not_json_is_a_400(live):
     r = httpx.post(f"{live.url}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}, timeout=TIMEOUT)
-    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    assert r.status_code == 400
+    error = r.json()["error"]
+    # The position of the syntax error is no request field.
+    assert error["param"] is None
+    assert error["message"].startswith("invalid request: the body is not valid JSON") and "character 1" in error["message"]
 
 
 # ---------------------------------------------------------------------- one at a time
@@ -288,6 +311,70 @@ def test_abandoned_stream_frees_the_engine(live, client, expected):
     stream.close()
     live.wait_for("the abandoned request to stop", running=0, waiting=0)
     assert _chat(client, messages=_user(), extra_body={"documents": SAMPLE_CHUNKS}).choices[0].message.content == expected.text
+
+
+class _CountedRuns:
+    """Wraps ``engine.stream``: counts the runs the engine starts and the deltas they produce."""
+
+    def __init__(self, engine):
+        self.stream, self.runs, self.deltas = engine.stream, 0, 0
+
+    def __call__(self, *args, **kwargs):
+        self.runs += 1
+        return _CountedStream(self, self.stream(*args, **kwargs))
+
+
+class _CountedStream:
+    def __init__(self, counter: _CountedRuns, inner):
+        self.counter, self.inner = counter, inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __iter__(self):
+        for delta in self.inner:
+            self.counter.deltas += 1
+            yield delta
+
+
+def _wait_for_the_server_to_see_the_client_leave(caplog) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while not any("client disconnected" in r.getMessage() for r in caplog.records):
+        assert time.monotonic() < deadline, "the server never noticed the client's closed connection"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_request_abandoned_while_queued_is_never_run(live, engine, expected, monkeypatch, caplog, stream):
+    caplog.set_level(logging.INFO, logger="cacheblend_rag.server")
+    counted = _CountedRuns(engine)
+    monkeypatch.setattr(engine, "stream", counted)
+    client = live.client()
+    body = {"model": MODEL, "messages": _user(), "documents": SAMPLE_CHUNKS, "max_tokens": 200, "stream": stream}
+    with ThreadPoolExecutor(1) as pool:
+        with engine_lock(engine):  # holds the first request inside the engine
+            running = pool.submit(lambda: _chat(client, messages=_user(), extra_body={"documents": SAMPLE_CHUNKS}))
+            live.wait_for("one request running", running=1, waiting=0)
+            # The client gives up before the engine reaches its request (a timeout), closing the connection.
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{live.url}/v1/chat/completions", json=body, timeout=httpx.Timeout(TIMEOUT, read=1.0))
+            _wait_for_the_server_to_see_the_client_leave(caplog)
+        assert running.result(TIMEOUT).choices[0].message.content == expected.text
+    live.wait_for("an idle worker", running=0, waiting=0)
+    assert counted.runs == 1, "the engine ran the abandoned request"
+
+
+def test_whole_request_abandoned_while_running_stops_its_generation(live, engine, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="cacheblend_rag.server")
+    counted = _CountedRuns(engine)
+    monkeypatch.setattr(engine, "stream", counted)
+    body = {"model": MODEL, "messages": _user(), "documents": SAMPLE_CHUNKS, "max_tokens": 400}
+    with engine_lock(engine):  # the request's run starts, then waits for the engine
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{live.url}/v1/chat/completions", json=body, timeout=httpx.Timeout(TIMEOUT, read=1.0))
+        _wait_for_the_server_to_see_the_client_leave(caplog)
+    live.wait_for("the abandoned request to stop", running=0, waiting=0)
+    assert counted.runs == 1 and counted.deltas < 10, f"{counted.deltas} deltas generated for a client that left"
 
 
 def test_worker_stops_producing_once_the_consumer_leaves():

@@ -13,12 +13,13 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from ..run import Request, Run
 from .inputs import chat_request, completion_request
@@ -36,6 +37,7 @@ from .schemas import (
 from .worker import EngineWorker, Job, Overloaded
 
 log = logging.getLogger("cacheblend_rag.server")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -82,16 +84,15 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
             raise APIError(404, f"The model {requested!r} does not exist: this server serves {name!r} (GET /v1/models)",
                            param="model", code="model_not_found")
 
-    async def answer(body: GenerationRequest, request: Request, fmt: ChatFormat | CompletionFormat):
+    async def answer(body: GenerationRequest, request: Request, fmt: ChatFormat | CompletionFormat, http: HTTPRequest):
         try:
             job = worker.submit(_producer(engine, request, body.engine_kwargs()))
         except Overloaded as exc:
             raise APIError(503, str(exc), type="server_error", code="overloaded") from None
         if not body.stream:
-            async for _ in job:
-                pass
+            await _while_connected(http, _drain(job))
             return fmt.whole(job.result, job.queue_s)
-        return await _event_stream(job, fmt)
+        return await _event_stream(job, fmt, http)
 
     @app.get("/health", response_model=Health)
     async def health() -> Health:
@@ -108,14 +109,14 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         return ModelCard(id=name, created=started)
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(body: ChatCompletionRequest) -> Any:
+    async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest) -> Any:
         check_model(body.model)
-        return await answer(body, chat_request(body), ChatFormat(name, body.include_usage))
+        return await answer(body, chat_request(body), ChatFormat(name, body.include_usage), http)
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest) -> Any:
+    async def completions(body: CompletionRequest, http: HTTPRequest) -> Any:
         check_model(body.model)
-        return await answer(body, completion_request(body), CompletionFormat(name, body.include_usage))
+        return await answer(body, completion_request(body), CompletionFormat(name, body.include_usage), http)
 
     return app
 
@@ -131,14 +132,48 @@ def _producer(engine, request: Request, kwargs: dict[str, Any]) -> Callable:
     return produce
 
 
-async def _event_stream(job: Job[str], fmt: ChatFormat | CompletionFormat) -> StreamingResponse:
-    """An SSE response. The first token is awaited before answering, so a request the engine
-    refuses (too long, bad sampling values) still gets its 4xx instead of a broken stream."""
-    deltas = aiter(job)
+async def _drain(job: Job[Any]) -> None:
+    async for _ in job:
+        pass
+
+
+async def _first(deltas: AsyncIterator[str]) -> str | None:
     try:
-        first: str | None = await anext(deltas)
+        return await anext(deltas)
     except StopAsyncIteration:
-        first = None
+        return None
+
+
+async def _while_connected(http: HTTPRequest, work: Awaitable[T]) -> T:
+    """``work``'s result, unless the client disconnects first: then ``work`` is cancelled, which
+    leaves the job it iterates (a queued job is skipped, a running one stops after its current
+    token), and :class:`ClientDisconnect` is raised. Nothing else notices a client that gives up
+    (a timeout) before the response starts: uvicorn does not cancel the handler, and the job
+    would hold the engine for its whole answer while the retry waits behind it."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(http))
+    try:
+        done, _ = await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        task.cancel()  # no-op once done; also when this handler is cancelled itself
+        gone.cancel()
+    if task not in done:
+        raise ClientDisconnect()
+    return task.result()
+
+
+async def _disconnected(http: HTTPRequest) -> None:
+    # The body has been read, so the next message is the disconnect.
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _event_stream(job: Job[str], fmt: ChatFormat | CompletionFormat, http: HTTPRequest) -> StreamingResponse:
+    """An SSE response. The first token is awaited before answering, so a request the engine
+    refuses (too long, bad sampling values) still gets its 4xx instead of a broken stream.
+    Once streaming, the response itself stops the job when the client disconnects."""
+    deltas = aiter(job)
+    first = await _while_connected(http, _first(deltas))
 
     async def events() -> AsyncIterator[str]:
         try:
@@ -171,12 +206,20 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        if errors and errors[0].get("type") == "json_invalid":
+            # Its loc is ("body", character offset): a position, not a field to name as param.
+            err = errors[0]
+            where = err["loc"][1] if len(err.get("loc", ())) > 1 else "?"
+            reason = (err.get("ctx") or {}).get("error", "JSON decode error")
+            return reply(400, ErrorInfo(message=f"invalid request: the body is not valid JSON: {reason} (at character {where})",
+                                        type="invalid_request_error"))
         problems = []
-        for err in exc.errors():
+        for err in errors:
             where = ".".join(str(p) for p in err.get("loc", ())[1:])  # drop the leading "body"
             msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
             problems.append(f"{where}: {msg}" if where else msg)
-        first_loc = exc.errors()[0].get("loc", ()) if exc.errors() else ()
+        first_loc = errors[0].get("loc", ()) if errors else ()
         param = str(first_loc[1]) if len(first_loc) > 1 else None
         return reply(400, ErrorInfo(message="invalid request: " + "; ".join(problems), type="invalid_request_error", param=param))
 
@@ -184,6 +227,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def refused(_: HTTPRequest, exc: ValueError) -> JSONResponse:
         # What the engine and the request mapping raise for input they cannot answer.
         return reply(400, ErrorInfo(message=str(exc), type="invalid_request_error"))
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(_: HTTPRequest, exc: ClientDisconnect) -> Response:
+        log.info("the client disconnected before its answer was sent: stopped it")
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
     @app.exception_handler(HTTPException)
     async def http_error(_: HTTPRequest, exc: HTTPException) -> JSONResponse:

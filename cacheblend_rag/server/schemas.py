@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from ..config import MODES
 
@@ -57,6 +57,8 @@ _UNSUPPORTED = (
     "echo",
     "suffix",
 )
+# Off values besides the falsy ones: best_of=1 (OpenAI's default) is the one completion n=1 returns.
+_OFF = {"best_of": 1}
 
 
 class GenerationRequest(BaseModel):
@@ -81,6 +83,12 @@ class GenerationRequest(BaseModel):
     """The retrieved chunks, one string each (extension field; each one's KV is cached)."""
     cacheblend: CacheBlendOptions = Field(default_factory=CacheBlendOptions)
 
+    @field_validator("temperature", "top_p", "stream", mode="before")
+    @classmethod
+    def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
+        # OpenAI's schema makes these nullable, and the openai client sends an explicit None as null.
+        return cls.model_fields[info.field_name].default if value is None else value
+
     @field_validator("n")
     @classmethod
     def _one_choice(cls, n: int | None) -> int | None:
@@ -100,7 +108,7 @@ class GenerationRequest(BaseModel):
     def _refuse_unsupported(self) -> "GenerationRequest":
         extra = self.model_extra or {}
         for name in _UNSUPPORTED:
-            if extra.get(name):
+            if extra.get(name) and extra[name] != _OFF.get(name):
                 raise ValueError(f"{name} is not supported by this server (CacheBlend engine): leave it unset")
         return self
 
