@@ -545,3 +545,85 @@ def test_unmatched_prompt_warns_once_and_reports_zero_matches(engine, index):
         synth = CacheBlendSynthesizer(llm=llm)
         out = synth.synthesize(QUESTION, index.as_retriever(similarity_top_k=TOP_K).retrieve(QUESTION))
     assert (out.metadata["cacheblend"]["chunk_source"], out.metadata["cacheblend"]["chunks"]) == ("explicit", TOP_K)
+
+
+# ---------------------------------------------------------------------------- contract details
+def test_stop_string_on_a_plain_prompt_is_one_stop_sequence(engine):
+    # A str stop is one sequence (as engine.stream takes it), not a set of its characters.
+    llm = CacheBlendLLM(engine=engine, **GEN)
+    prompt = "Where is the Eiffel Tower?"
+    full = llm.complete(prompt)
+    assert len(full.text) > 1
+    never = "\x00" + full.text[-1]  # its last character occurs in the answer, the sequence never does
+    assert llm.complete(prompt, stop=never).text == full.text
+    assert llm.complete(prompt, stop=[never]).text == full.text
+
+
+def test_async_stream_chat_carries_stats_and_usage_like_stream_chat(engine):
+    llm = CacheBlendLLM(engine=engine, **GEN)
+    messages = [ChatMessage(role="user", content="Where is the Eiffel Tower?")]
+    last_sync = list(llm.stream_chat(messages))[-1]
+
+    async def last_async():
+        last = None
+        async for r in await llm.astream_chat(messages):
+            last = r
+        return last
+
+    last = asyncio.run(last_async())
+    assert last.message.content == last_sync.message.content
+    assert last.message.additional_kwargs["cacheblend"]["mode"] == "full_recompute"
+    assert last.message.additional_kwargs["finish_reason"] == last_sync.message.additional_kwargs["finish_reason"]
+    assert last.raw["usage"] == last_sync.raw["usage"]  # what TokenCountingHandler reads
+
+
+def test_get_response_names_an_empty_text_chunk(engine):
+    # The message the engine gives for a blank chunk, not a complaint about the template.
+    synth = CacheBlendSynthesizer(engine=engine, **GEN)
+    with pytest.raises(ValueError, match="chunk 1 is empty or whitespace"):
+        synth.get_response(QUESTION, ["A short note.", ""])
+
+
+def test_qa_template_with_template_var_mappings(engine, index):
+    # LlamaIndex templates may name their variables freely and map the standard names onto them.
+    from llama_index.core.prompts import PromptTemplate
+
+    template = PromptTemplate("{ctx}\n\nQ: {q}", template_var_mappings={"context_str": "ctx", "query_str": "q"})
+    synth = CacheBlendSynthesizer(engine=engine, text_qa_template=template, **GEN)
+    nodes = index.as_retriever(similarity_top_k=2).retrieve(QUESTION)
+    resp = synth.synthesize(QUESTION, nodes)
+    assert resp.response == engine.generate(f"Q: {QUESTION}", chunk_texts(nodes), **GEN).text
+    with pytest.raises(ValueError, match=r"text_qa_template lacks \{query_str\}"):
+        CacheBlendSynthesizer(engine=engine, text_qa_template=PromptTemplate("{ctx}", template_var_mappings={"context_str": "ctx"}))
+
+
+def test_synthesizer_honours_the_llm_system_prompt(engine, index):
+    # LlamaIndex's synthesizers answer through llm.predict(), which puts the LLM's system_prompt
+    # (and query_wrapper_prompt) around the formatted QA template; so does this one.
+    from llama_index.core.prompts import PromptTemplate
+
+    nodes = index.as_retriever(similarity_top_k=2).retrieve(QUESTION)
+    chunks = chunk_texts(nodes)
+    llm = CacheBlendLLM(engine=engine, system_prompt="Reply in one word.", **GEN)
+    plain = engine.generate(QUESTION, chunks, **GEN)
+    resp = CacheBlendSynthesizer(llm=llm).synthesize(QUESTION, nodes)
+    ref = engine.generate(f"Reply in one word.\n\n{QUESTION}", chunks, **GEN)
+    assert resp.response == ref.text
+    assert resp.metadata["cacheblend"]["prompt_tokens"] == ref.stats["prompt_tokens"] > plain.stats["prompt_tokens"]
+    wrapped = CacheBlendLLM(engine=engine, query_wrapper_prompt=PromptTemplate("[INST] {query_str} [/INST]"), **GEN)
+    resp = CacheBlendSynthesizer(llm=wrapped).synthesize(QUESTION, nodes)
+    ref = engine.generate(f"[INST]\n\n{QUESTION} [/INST]", chunks, **GEN)
+    assert resp.response == ref.text
+    assert resp.metadata["cacheblend"]["prompt_tokens"] == ref.stats["prompt_tokens"] > plain.stats["prompt_tokens"]
+
+
+def test_unknown_generation_settings_are_rejected(engine, index):
+    # A misspelt or foreign setting (OpenAI's max_tokens, a response_mode) must not be ignored.
+    with pytest.raises(TypeError, match=r"unknown CacheBlendLLM setting 'max_tokens'.*max_new_tokens"):
+        CacheBlendQueryEngine.from_index(index, engine, precompute=False, max_tokens=5)
+    with pytest.raises(TypeError, match=r"unknown CacheBlendLLM setting 'response_mode'"):
+        CacheBlendQueryEngine.from_args(index.as_retriever(), engine=engine, response_mode="tree_summarize")
+    with pytest.raises(TypeError, match=r"unknown CacheBlendLLM setting 'max_tokens'"):
+        CacheBlendSynthesizer(engine=engine, max_tokens=5)
+    llm = CacheBlendLLM(engine=engine, system_prompt="Be brief.", **GEN)  # inherited LLM fields still work
+    assert CacheBlendLLM.from_dict(llm.to_dict(), engine=engine).max_new_tokens == GEN["max_new_tokens"]

@@ -13,6 +13,7 @@ from cacheblend_rag.engine import GenerationStream
 from cacheblend_rag.matching import ChunkRegistry
 from cacheblend_rag.plain import chat_text, plain_stream
 from llama_index.core.base.llms.generic_utils import (
+    astream_completion_response_to_chat_response,
     completion_response_to_chat_response,
     stream_completion_response_to_chat_response,
 )
@@ -44,6 +45,8 @@ NO_MATCH = (
 )
 # Per-call keyword arguments of complete()/stream_complete() that override the fields.
 GENERATION_KEYS = ("mode", "recompute_ratio", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+# The fields among them (stop is per call only), plus match_chunks: what error messages list.
+GENERATION_FIELDS = GENERATION_KEYS[:-1] + ("match_chunks",)
 
 
 class CacheBlendLLM(CustomLLM):
@@ -86,6 +89,15 @@ class CacheBlendLLM(CustomLLM):
     _warned_no_match: bool = PrivateAttr(default=False)
 
     def __init__(self, engine: CacheBlendEngine | None = None, **kwargs: Any) -> None:
+        # pydantic drops unknown keys silently: a misspelt setting (OpenAI's max_tokens) or another
+        # class's option passed through from_index(**gen) would change nothing without a word.
+        unknown = sorted(set(kwargs) - set(type(self).model_fields))
+        if unknown:
+            raise TypeError(
+                f"unknown CacheBlendLLM setting{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}: "
+                f"the generation settings are {', '.join(GENERATION_FIELDS)} (plus LlamaIndex's LLM fields "
+                "such as system_prompt)"
+            )
         super().__init__(**kwargs)
         self._engine = engine if engine is not None else CacheBlendEngine.from_pretrained()
 
@@ -217,8 +229,9 @@ class CacheBlendLLM(CustomLLM):
 
     def _stream_text(self, text: str, overrides: dict[str, Any]) -> GenerationStream:
         kw = self.generation_kwargs(**overrides)
+        # SamplingParams takes stop as given: one str is one stop sequence, not a set of characters.
         params = SamplingParams(
-            kw["max_new_tokens"], kw["temperature"], kw["top_p"], kw["top_k"], tuple(kw.get("stop") or ()), kw["seed"]
+            kw["max_new_tokens"], kw["temperature"], kw["top_p"], kw["top_k"], kw.get("stop") or (), kw["seed"]
         )
         return plain_stream(self._engine, text, params)
 
@@ -263,13 +276,7 @@ class CacheBlendLLM(CustomLLM):
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        responses = _aresponses(self._engine, self.stream_messages(messages, **kwargs))
-
-        async def gen() -> ChatResponseAsyncGen:
-            async for r in responses:
-                yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=r.text), delta=r.delta)
-
-        return gen()
+        return astream_completion_response_to_chat_response(_aresponses(self._engine, self.stream_messages(messages, **kwargs)))
 
 
 def question_around(prompt: str, chunks: Sequence[str]) -> str:
@@ -278,7 +285,10 @@ def question_around(prompt: str, chunks: Sequence[str]) -> str:
     pieces: list[str] = []
     pos = 0
     for i, chunk in enumerate(chunks):
-        at = prompt.find(chunk, pos) if chunk else -1
+        if not chunk.strip():
+            # Blank text "occurs" anywhere (or nowhere): say what is wrong, as the engine would.
+            raise ValueError(f"chunk {i} is empty or whitespace: drop it before asking")
+        at = prompt.find(chunk, pos)
         if at < 0:
             raise ValueError(
                 f"chunk {i} ({chunk[:40]!r}...) does not occur in the prompt after the chunks before "

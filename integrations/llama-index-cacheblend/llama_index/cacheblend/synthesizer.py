@@ -46,7 +46,9 @@ CONTEXT_JOINER = "\n\n"
 def check_qa_template(template: BasePromptTemplate) -> BasePromptTemplate:
     if not isinstance(template, BasePromptTemplate):
         raise TypeError(f"text_qa_template must be a LlamaIndex prompt template, got {type(template).__name__}")
-    missing = {"context_str", "query_str"} - set(template.template_vars)
+    # A template may name its variables freely and map the standard names onto them.
+    mappings = template.template_var_mappings or {}
+    missing = {name for name in ("context_str", "query_str") if mappings.get(name, name) not in template.template_vars}
     if missing:
         raise ValueError(
             f"text_qa_template lacks {', '.join('{' + m + '}' for m in sorted(missing))}: it must hold "
@@ -119,8 +121,11 @@ class CacheBlendSynthesizer(BaseSynthesizer):
             self._text_qa_template = check_qa_template(prompts["text_qa_template"])
 
     def format_prompt(self, query_str: str, chunks: Sequence[str]) -> str:
-        """The QA template over ``chunks`` and ``query_str`` (what the LLM events show)."""
-        return self._text_qa_template.format(context_str=CONTEXT_JOINER.join(chunks), query_str=query_str)
+        """The QA template over ``chunks`` and ``query_str`` (what the LLM events show), inside the
+        LLM's ``system_prompt`` and ``query_wrapper_prompt`` as ``LLM.predict`` would put it; the
+        chunks stay unchanged, so that text becomes part of the question turn."""
+        prompt = self._text_qa_template.format(context_str=CONTEXT_JOINER.join(chunks), query_str=query_str)
+        return self.llm._extend_prompt(prompt)
 
     # ------------------------------------------------------------------ text-level API
     def get_response(self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any):
