@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+import weakref
 from typing import Any, Literal, Sequence
 
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
@@ -14,6 +15,8 @@ from cacheblend_rag.batching import Batcher
 from cacheblend_rag.matching import ChunkRegistry
 from cacheblend_rag.messages import split_messages
 from cacheblend_rag.run import Request, Run
+
+from .inputs import ChunkedText
 
 NO_CHUNKS = (
     "no chunks found in the prompt: wrap your retriever with CacheBlendRetriever (or precompute "
@@ -32,6 +35,9 @@ NO_MATCH = (
 # Generation settings a call may override with invoke(..., **kwargs) or .bind(...).
 CALL_PARAMS = ("mode", "recompute_ratio", "max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed")
 _load_lock = threading.Lock()
+# One batcher per engine and max_batch, shared by the models on it: a model made per request leaves
+# no worker thread behind, and overlapping calls through different models still share decode steps.
+_batchers: "weakref.WeakKeyDictionary[CacheBlendEngine, dict[int, Batcher]]" = weakref.WeakKeyDictionary()
 
 
 class CacheBlendParams(BaseModel):
@@ -77,7 +83,6 @@ class CacheBlendParams(BaseModel):
     decodes up to this many answers in one forward per token. 1: one answer at a time."""
 
     _loaded: CacheBlendEngine | None = PrivateAttr(default=None)
-    _batcher: Batcher | None = PrivateAttr(default=None)
     _warned_no_match: bool = PrivateAttr(default=False)
 
     # ------------------------------------------------------------------ engine + registry
@@ -159,8 +164,12 @@ class CacheBlendParams(BaseModel):
 
         The engine is called as ``generate(question=<prompt minus the chunks>, chunks=<matches in
         order>)``: the template's surrounding text (instructions, labels, the user's question)
-        becomes the engine's question turn, the chunks its "Documents:" list.
+        becomes the engine's question turn, the chunks its "Documents:" list. A RAGPromptValue's
+        text (:class:`ChunkedText`) brings its documents: they are the chunks, as for a chat model.
         """
+        chunks = [c for c in prompt.chunks if c.strip()] if isinstance(prompt, ChunkedText) else []
+        if chunks:
+            return Request.over_chunks(prompt.question.strip(), chunks, "explicit", 0)
         if not self.match_chunks:
             return self._no_chunks([{"role": "user", "content": prompt}], prompt)
         registry = self.chunk_registry
@@ -200,15 +209,17 @@ class CacheBlendParams(BaseModel):
 
     @property
     def batcher(self) -> Batcher | None:
-        """The batcher serving this model's chunked requests (None when ``max_batch`` is 1);
-        its ``steps`` and ``rows_stepped`` tell how many answers shared each decode step."""
+        """The batcher serving this model's chunked requests (None when ``max_batch`` is 1), shared
+        by every model on the same engine with the same ``max_batch``; its ``steps`` and
+        ``rows_stepped`` tell how many answers shared each decode step."""
         if self.max_batch <= 1:
             return None
         engine = self.get_engine()
         with _load_lock:
-            if self._batcher is None:
-                self._batcher = Batcher(engine, max_batch=self.max_batch)
-        return self._batcher
+            per_engine = _batchers.setdefault(engine, {})
+            if self.max_batch not in per_engine:
+                per_engine[self.max_batch] = Batcher(engine, max_batch=self.max_batch)
+            return per_engine[self.max_batch]
 
     def _metadata(self, run: Run) -> dict[str, Any]:
         assert run.result is not None

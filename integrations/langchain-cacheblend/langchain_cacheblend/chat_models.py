@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Iterator, Mapping
+from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
@@ -12,7 +12,7 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from langchain_core.prompt_values import PromptValue
 
 from cacheblend_rag.aio import iterate_in_thread
-from cacheblend_rag.run import Run
+from cacheblend_rag.run import Request, Run
 
 from ._base import CacheBlendParams
 from .inputs import RAGPromptValue
@@ -71,6 +71,30 @@ class ChatCacheBlend(CacheBlendParams, BaseChatModel):
         for delta in run:
             if run_manager is not None:
                 run_manager.on_llm_new_token(delta)
+        return self._result(run)
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        # Not BaseChatModel's default (_generate in an executor thread, which cancelling ainvoke
+        # cannot stop: it would decode to max_new_tokens holding the engine). Each step runs in a
+        # worker thread; a cancelled call closes its run.
+        run = self._start(self._request_from_messages(messages), stop, kwargs)
+        async for delta in iterate_in_thread(iter(run)):
+            if run_manager is not None:
+                await run_manager.on_llm_new_token(delta)
+        return self._result(run)
+
+    def _start(self, request: Request, stop: Sequence[str] | None, overrides: dict[str, Any]) -> Run:
+        # invoke(..., stream=True/False) is BaseChatModel's own switch between _stream and
+        # _generate, passed on to them once it has been acted on: not a generation setting.
+        return super()._start(request, stop, {k: v for k, v in overrides.items() if k != "stream"})
+
+    def _result(self, run: Run) -> ChatResult:
         assert run.result is not None
         meta = self._metadata(run)
         message = AIMessage(content=run.result.text, response_metadata=meta, usage_metadata=_usage(meta))

@@ -47,13 +47,32 @@ def rag_message(question: str, documents: Sequence[Document | str]) -> HumanMess
     return HumanMessage(content=[chunk_block(d) for d in documents] + [{"type": "text", "text": question}])
 
 
+class ChunkedText(str):
+    """The text of a :class:`RAGPromptValue` that still knows its question and documents.
+
+    BaseLLM hands ``_generate``/``_stream`` only strings; this one reaches them unchanged (the LLM
+    cache keys on its text), so :class:`~langchain_cacheblend.CacheBlendLLM` takes the documents as
+    its chunks instead of finding them again in the text, which ``match_chunks=False`` or another
+    registered chunk inside the question would defeat.
+    """
+
+    question: str
+    chunks: tuple[str, ...]
+
+    @classmethod
+    def of(cls, question: str, chunks: Sequence[str]) -> "ChunkedText":
+        text = cls("\n\n".join([*chunks, question]))
+        text.question, text.chunks = question, tuple(chunks)
+        return text
+
+
 class RAGPromptValue(PromptValue):
     """A question and its documents, kept apart until the model sees them.
 
     ``to_messages()`` gives :func:`rag_message` (chat models read the chunk blocks);
     ``to_string()`` gives the documents joined by blank lines followed by the question, which any
-    LLM can read and in which :class:`~langchain_cacheblend.CacheBlendLLM` finds the chunks again
-    (it registers them when it receives this value).
+    LLM can read: a :class:`ChunkedText`, from which :class:`~langchain_cacheblend.CacheBlendLLM`
+    takes the documents as its chunks.
     """
 
     question: str
@@ -84,7 +103,7 @@ class RAGPromptValue(PromptValue):
         return [d.page_content for d in self.documents]
 
     def to_string(self) -> str:
-        return "\n\n".join(self.chunks + [self.question])
+        return ChunkedText.of(self.question, self.chunks)
 
     def to_messages(self) -> list[BaseMessage]:
         return [rag_message(self.question, self.documents)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable, Literal
 
@@ -66,6 +67,7 @@ class CacheBlendRetriever(BaseRetriever):
 
     _pool: ThreadPoolExecutor | None = PrivateAttr(default=None)
     _pending: list[Future] = PrivateAttr(default_factory=list)
+    _pending_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)  # batch() registers from threads
 
     @model_validator(mode="after")
     def _needs_a_model(self) -> "CacheBlendRetriever":
@@ -110,14 +112,17 @@ class CacheBlendRetriever(BaseRetriever):
         if self.precompute == "sync":
             _precompute(engine, texts, self.neighbours)
             return
-        if self._pool is None:
-            self._pool = helper_pool("cacheblend-precompute")
-        self._pending = [f for f in self._pending if not f.done()]
-        self._pending.append(self._pool.submit(_precompute_logged, engine, texts, self.neighbours))
+        with self._pending_lock:
+            if self._pool is None:
+                self._pool = helper_pool("cacheblend-precompute")
+            # Drop finished jobs, but keep the failed ones for wait() to re-raise.
+            self._pending = [f for f in self._pending if not f.done() or f.exception() is not None]
+            self._pending.append(self._pool.submit(_precompute_logged, engine, texts, self.neighbours))
 
     def wait(self) -> None:
         """Block until background precomputation has finished (re-raises its first error)."""
-        pending, self._pending = self._pending, []
+        with self._pending_lock:
+            pending, self._pending = self._pending, []
         for fut in pending:
             fut.result()
 

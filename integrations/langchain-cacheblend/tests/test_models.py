@@ -389,3 +389,94 @@ def test_match_chunks_false_answers_the_users_own_prompt(tiny_engine, documents)
     rewritten = CacheBlendLLM(engine=tiny_engine, max_new_tokens=N, registry=reg)
     rewritten.invoke(prompt, config={"callbacks": [cb]})
     assert cb.infos[1]["mode"] == "cacheblend" and cb.infos[1]["question"] != prompt
+
+
+# ---------------------------------------------------------------------- review: contracts
+def test_llm_explicit_inputs_keep_their_chunks_with_match_chunks_false(tiny_engine, documents):
+    """match_chunks=False turns off finding chunks in plain prompts; explicit documents (a dict, a
+    RAGPromptValue) are still the engine's chunks, as they are for the chat model."""
+    docs = documents[:2]
+    ref = tiny_engine.generate(QUESTION, texts(docs), max_new_tokens=N)
+    llm = CacheBlendLLM(engine=tiny_engine, max_new_tokens=N, match_chunks=False, registry=ChunkRegistry())
+    chat = ChatCacheBlend(engine=tiny_engine, max_new_tokens=N, match_chunks=False, registry=ChunkRegistry())
+    cb = Collect()
+    assert llm.invoke({"question": QUESTION, "context": docs}, config={"callbacks": [cb]}) == ref.text
+    assert "".join(llm.stream(RAGPromptValue(question=QUESTION, documents=docs))) == ref.text
+    assert chat.invoke({"question": QUESTION, "context": docs}).content == ref.text
+    assert cb.infos[0]["mode"] == "cacheblend" and cb.infos[0]["chunk_source"] == "explicit"
+    assert cb.infos[0]["question"] == QUESTION
+
+
+def test_llm_cache_keys_on_per_call_settings(tiny_engine, documents):
+    """BaseLLM's cache key leaves out the call's keyword arguments: invoke(x, seed=2) or
+    .bind(seed=2) must not be served the answer cached for seed 1."""
+    from langchain_core.caches import InMemoryCache
+
+    x = {"question": QUESTION, "context": documents[:2]}
+    refs = [tiny_engine.generate(QUESTION, texts(documents[:2]), max_new_tokens=N, temperature=1.0, seed=s).text for s in (1, 2)]
+    assert refs[0] != refs[1]
+    llm = CacheBlendLLM(engine=tiny_engine, max_new_tokens=N, temperature=1.0, cache=InMemoryCache())
+    assert llm.invoke(x, seed=1) == refs[0]
+    assert llm.invoke(x, seed=2) == refs[1]
+    assert llm.bind(seed=2).invoke(x) == refs[1]
+    assert asyncio.run(llm.ainvoke(x, seed=1)) == refs[0]
+    full = tiny_engine.generate(QUESTION, texts(documents[:2]), max_new_tokens=N, mode="full_recompute", temperature=1.0, seed=1)
+    assert llm.invoke(x, seed=1, mode="full_recompute") == full.text
+
+
+def test_models_on_one_engine_share_one_batcher(tiny_engine, documents):
+    """A model made per request (max_batch > 1) must not leave a batcher thread behind each time."""
+    import threading
+
+    def batcher_threads():
+        return sum(t.name == "cacheblend-batcher" for t in threading.enumerate())
+
+    before = batcher_threads()
+    x = {"question": QUESTION, "context": documents[:2]}
+    answers = {ChatCacheBlend(engine=tiny_engine, max_new_tokens=N, max_batch=2).invoke(x).content for _ in range(3)}
+    answers |= {CacheBlendLLM(engine=tiny_engine, max_new_tokens=N, max_batch=2).invoke(x) for _ in range(3)}
+    assert answers == {tiny_engine.generate(QUESTION, texts(documents[:2]), max_new_tokens=N).text}
+    assert batcher_threads() - before <= 1
+
+
+@pytest.mark.parametrize("model_class", [CacheBlendLLM, ChatCacheBlend])
+def test_cancelled_ainvoke_stops_generating(tiny_engine, documents, model_class):
+    """asyncio.wait_for(model.ainvoke(...), timeout) or a cancelled task must free the engine, not
+    keep decoding to max_new_tokens behind the caller's back."""
+    from cacheblend_rag.run import engine_lock
+
+    class Count(BaseCallbackHandler):
+        n = 0
+
+        def on_llm_new_token(self, token, **kwargs):
+            Count.n += 1
+
+    model = model_class(engine=tiny_engine, max_new_tokens=200)
+
+    async def run():
+        task = asyncio.create_task(model.ainvoke({"question": QUESTION, "context": documents[:2]}, config={"callbacks": [Count()]}))
+        while Count.n < 2:
+            assert not task.done()
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        at_cancel = Count.n
+        lock = engine_lock(tiny_engine)
+        await asyncio.to_thread(lambda: (lock.acquire(), lock.release()))  # the run has let go
+        return at_cancel, Count.n
+
+    at_cancel, total = asyncio.run(run())
+    assert total - at_cancel <= 3
+
+
+def test_chat_accepts_langchains_stream_flag(tiny_engine, documents):
+    """BaseChatModel reads invoke(..., stream=True/False) to choose _stream or _generate and passes
+    it on; it is not a generation setting to refuse."""
+    chat = ChatCacheBlend(engine=tiny_engine, max_new_tokens=N)
+    x = {"question": QUESTION, "context": documents[:2]}
+    ref = tiny_engine.generate(QUESTION, texts(documents[:2]), max_new_tokens=N).text
+    assert chat.invoke(x, stream=True).content == ref
+    assert chat.invoke(x, stream=False).content == ref
+    with pytest.raises(TypeError, match="unknown generation arguments"):
+        chat.invoke(x, bogus=1)

@@ -90,3 +90,29 @@ def test_neighbour_aware_precompute_from_the_vectorstore_and_the_retriever(tiny_
     docs = CacheBlendRetriever(retriever=inner, engine=tiny_engine, precompute="sync", neighbours=1).invoke("Thames")
     got = tiny_engine.prefill(tiny_engine.build_layout("Thames?", [d.page_content for d in docs]), "full_reuse").stats
     assert got["neighbour_hits"] == 1
+
+
+def test_background_precompute_error_is_kept_for_wait(tiny_engine, vectorstore, monkeypatch, caplog):
+    """wait() re-raises a failed background precompute even when later retrievals came first."""
+    import time
+
+    precompute = tiny_engine.precompute
+    calls = []
+
+    def fails_first(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("disk full")
+        return precompute(*args, **kwargs)
+
+    monkeypatch.setattr(tiny_engine, "precompute", fails_first)
+    bg = CacheBlendRetriever(retriever=vectorstore.as_retriever(search_kwargs={"k": 2}), engine=tiny_engine, precompute="background")
+    bg.invoke(QUESTION)
+    deadline = time.monotonic() + 30
+    while "background KV precompute failed" not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.5)  # the failed job has finished (it re-raises right after logging)
+    bg.invoke("Thames")
+    with pytest.raises(OSError, match="disk full"):
+        bg.wait()
+    bg.wait()  # reported once
