@@ -320,6 +320,24 @@ def test_eviction_is_least_recently_used(tmp_path: Path) -> None:
         assert store.volume() > limit // 2  # the cache was used, not emptied
 
 
+def test_chunk_under_the_limit_but_over_what_the_database_leaves_is_not_written(tmp_path: Path, caplog) -> None:
+    # The limit counts the database and its log too (about half a MiB here): a chunk that is
+    # smaller than the limit but larger than what is left for records cannot stay. Writing it
+    # would evict every other chunk and then its own layers, and still report it stored.
+    limit = 2**20
+    with KVStore(tmp_path / "kv", size_limit=limit, fingerprint=FP) as store:
+        small, big = chunk_key(FP, [], [0]), chunk_key(FP, [], [1])
+        assert store.put(small, _layers(2, tokens=16, dtype=torch.float32))
+        layers = _layers(8, tokens=120, heads=2, dim=64, dtype=torch.float32)  # 8 x 123 KB: 0.94 MiB
+        assert sum(HEADER_SIZE + 2 * k.numel() * 4 for k, _ in layers) < limit
+        with caplog.at_level(logging.WARNING, logger="cacheblend_rag.kv_store"):
+            assert store.put(big, layers) is False
+        assert f"more than the store's size limit of {limit} bytes" in caplog.text
+        assert store.contains(small) and store.get_layer(small, 1) is not None  # nothing flushed for it
+        assert not store.contains(big)
+        assert store.stats.write_errors == 1
+
+
 @pytest.mark.parametrize(
     "fault",
     [

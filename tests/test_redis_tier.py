@@ -505,6 +505,18 @@ def test_ttl_applies_to_every_record_of_a_chunk(server):
     store.close()
 
 
+@pytest.mark.parametrize("field, bad, words", [
+    ("ttl_s", 1.5, "whole number of seconds"),  # redis-py's SET EX takes only ints: every write failed
+    ("ttl_s", 600.0, "whole number of seconds"),
+    ("ttl_s", True, "whole number of seconds"),
+    ("socket_timeout_s", 0, "positive number of seconds"),  # a non-blocking socket: reads fail at random
+    ("connect_timeout_s", -1, "positive number of seconds"),  # redis-py's ValueError at open, from a socket
+])
+def test_bad_redis_options_are_refused_with_their_name(server, field, bad, words):
+    with pytest.raises(ValueError, match=f"{field}={bad!r} must be a {words}"):
+        RedisConfig(server.url, **{field: bad})
+
+
 def test_clear_removes_only_this_models_records(server):
     cfg = _config(server.url)
     mine, theirs = RedisStore(cfg, fingerprint="model-a"), RedisStore(cfg, fingerprint="model-b")

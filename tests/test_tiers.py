@@ -11,6 +11,7 @@ from cacheblend_rag import CacheBlendEngine
 from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.testing import make_model
 from cacheblend_rag.bench.throttle import ThrottledStore
+from cacheblend_rag.store.spec import open_store
 from cacheblend_rag.store.tiers import MemoryTier, Tier, TieredStore
 
 CHUNKS = [
@@ -95,6 +96,36 @@ def test_stored_dtype_is_cast_on_put(tmp_path, name, dtype):
         torch.testing.assert_close(k.float(), layers[1][0], rtol=1e-2, atol=1e-2)
     assert store.tier("disk").store.meta("k").dtype == str(dtype).removeprefix("torch.")
     store.close()
+
+
+class _NoVolumeTier(MemoryTier):
+    """A tier that serves reads but may not say its size (a Redis ACL user without ``+info``)."""
+
+    tier_name = "shared"
+
+    def volume(self) -> int:
+        raise PermissionError("NOPERM this user has no permissions to run the 'info' command")
+
+
+def test_a_tier_that_cannot_report_its_volume_keeps_serving_reads(caplog):
+    shared, layers = _NoVolumeTier(), _layers()
+    shared.put("k", layers)
+    store = TieredStore([MemoryTier(), shared], promote=False)
+    store.tier("memory").store.put("m", _layers(seed=3))
+    with caplog.at_level(logging.WARNING):
+        assert store.volume() == 2 * LAYER_BYTES  # what the tiers that can say hold
+    got = store.get_layer("k", 0)  # a size query is no reason to skip the tier's reads
+    assert got is not None and torch.equal(got[0], layers[0][0])
+    assert store.stats.tier_hits["shared"] == 1 and store.stats.fallbacks == 0
+    assert "skipping it" not in caplog.text
+    store.close()
+
+
+@pytest.mark.parametrize("memory_bytes", [-1, -2 * 2**30])
+def test_negative_memory_budget_is_named_before_anything_is_opened(tmp_path, memory_bytes):
+    with pytest.raises(ValueError, match=f"memory_bytes={memory_bytes} must be >= 0"):
+        open_store("disk", directory=str(tmp_path / "kv"), size_limit=2**30, fingerprint="", memory_bytes=memory_bytes)
+    assert not (tmp_path / "kv").exists()  # no disk store left open behind the error
 
 
 def test_unknown_stored_dtype_is_named():

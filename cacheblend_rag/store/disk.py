@@ -20,7 +20,8 @@ eviction works per record, a chunk can lose some layers while its meta survives;
 
 ``size_limit`` counts every byte of the store (records, database, its
 write-ahead log, value folders), not only what diskcache counts: diskcache gets
-the limit minus the rest. A chunk larger than the limit is not written.
+the limit minus the rest. A chunk larger than what the limit leaves
+for records (the limit minus the rest) is not written.
 
 The directory is untrusted: every record names its model, chunk and layer and is
 checked on read (:mod:`cacheblend_rag.store.record`), and :class:`SafeDisk` opens or
@@ -628,12 +629,16 @@ class KVStore:
 
     def _has_room(self, key: str, need: int) -> bool:
         """False (with a warning) when the chunk cannot fit the size limit or the free space."""
-        if need > self._size_limit:
+        # The limit also pays for the database's log and the value folders (``_overhead``): a chunk
+        # over what they leave would be written only to evict every other chunk and then itself.
+        room = self._size_limit - self._overhead()
+        if need > room:
             self._warn_once(
                 "<too-large>",
-                "KV chunk %s needs %d bytes, more than the store's size limit of %d bytes: it is "
-                "recomputed on every request; raise the size limit (store_size_limit) to cache it",
-                key, need, self._size_limit,
+                "KV chunk %s needs %d bytes, more than the store's size limit of %d bytes leaves for "
+                "records (%d after its database log and folders): it is recomputed on every request; "
+                "raise the size limit (store_size_limit) to cache it",
+                key, need, self._size_limit, max(0, room),
             )
             self._count(write_errors=1)
             return False

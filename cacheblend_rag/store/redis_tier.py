@@ -83,8 +83,8 @@ class RedisConfig:
         a request at most about this long before the tier is skipped. Raise it for large chunks
         over a slow link (a 1 s budget at 100 MB/s is ~100 MB per round trip).
     connect_timeout_s: the same for opening a connection (default 1 s).
-    ttl_s: expire each record this long after it was written (default None: records stay until
-        Redis's ``maxmemory`` eviction drops them).
+    ttl_s: expire each record this many whole seconds after it was written (default None:
+        records stay until Redis's ``maxmemory`` eviction drops them).
     """
 
     url: str
@@ -98,8 +98,13 @@ class RedisConfig:
             raise ValueError(f"Redis URL {self.url!r} must start with redis://, rediss:// or unix://")
         if not _PREFIX.fullmatch(self.prefix):  # no ':' (our separator) and no glob characters (clear's SCAN)
             raise ValueError(f"prefix={self.prefix!r} must be letters, digits, '.', '_' or '-'")
-        if self.ttl_s is not None and self.ttl_s <= 0:
-            raise ValueError(f"ttl_s={self.ttl_s!r} must be a positive number of seconds or None")
+        # redis-py's SET EX takes whole seconds only: anything else would fail every write.
+        if self.ttl_s is not None and (type(self.ttl_s) is not int or self.ttl_s <= 0):
+            raise ValueError(f"ttl_s={self.ttl_s!r} must be a whole number of seconds (> 0) or None")
+        for name in ("socket_timeout_s", "connect_timeout_s"):
+            value = getattr(self, name)  # None: no bound; 0 would make the socket non-blocking
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+                raise ValueError(f"{name}={value!r} must be a positive number of seconds or None")
 
 
 class RedisStore:
