@@ -107,7 +107,7 @@ class Run:
                 engine_kwargs["temperature"],
                 engine_kwargs["top_p"],
                 engine_kwargs["top_k"],
-                tuple(engine_kwargs.get("stop") or ()),
+                engine_kwargs.get("stop") or (),  # SamplingParams: one str is one stop sequence
                 engine_kwargs.get("seed"),
             )
             self._stream = plain_stream(engine, chat_text(engine.tokenizer, request.messages), params)

@@ -54,3 +54,20 @@ def test_plain_stream_errors(eng):
         plain_stream(eng, "  ", SamplingParams())
     with pytest.raises(ValueError, match=r"plus 8 to generate, more than the model's context window of 1024 tokens: shorten the prompt"):
         plain_stream(eng, "Paris " * 1100, SamplingParams(max_new_tokens=8))
+
+
+def test_a_plain_run_takes_one_stop_string_as_one_sequence(eng):
+    from cacheblend_rag.run import Request, Run
+
+    def answer(stop):
+        kw = dict(max_new_tokens=24, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=stop)
+        run = Run(eng, Request("q", messages=({"role": "user", "content": "Where is Paris?"},)), engine_kwargs=kw)
+        return "".join(run)
+
+    full = answer(None)
+    # A stop string whose first character shows up earlier than the whole string: read as a set
+    # of one-character stops, it would cut the answer at that first character.
+    cut = next(((i, full[i : i + 2]) for i in range(1, len(full) - 1) if full[i] in full[:i]), None)
+    assert cut is not None, f"the tiny model's answer {full!r} has no repeated character to test with"
+    i, stop = cut
+    assert answer(stop) == answer([stop]) == full[: full.index(stop)]
