@@ -8,8 +8,10 @@ store to read or write is passed to each call, never kept, so one chunk cache se
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import replace
 from types import MappingProxyType
 from typing import Callable, Mapping, Sequence
@@ -28,6 +30,16 @@ from .store.protocol import KV, ChunkStore
 from .threads import helper_pool
 
 __all__ = ["ChunkCache"]
+
+log = logging.getLogger("cacheblend_rag.chunk_cache")
+
+
+def _report_failure(fut: Future) -> None:
+    # A store's put returns False on storage faults (store.protocol); anything it raises would
+    # otherwise vanish with the write-back's future, and the chunk be recomputed without a word.
+    exc = None if fut.cancelled() else fut.exception()
+    if exc is not None:
+        log.warning("a background KV write-back failed (the chunk is recomputed when next needed): %r", exc)
 
 
 class ChunkCache:
@@ -163,7 +175,7 @@ class ChunkCache:
 
     def write_back(self, store: ChunkStore, key: str, kv: Sequence[KV]) -> None:
         """Store a chunk computed during a request, in the background (the answer does not wait)."""
-        self._writer.submit(store.put, key, kv)
+        self._writer.submit(store.put, key, kv).add_done_callback(_report_failure)
 
     def write_back_spans(self, store: ChunkStore, spans: Sequence[tuple[str, int, int]], kv: Sequence[KV]) -> None:
         """Store segments of a prompt's K/V, ``spans`` (key, offset, length), in the background:
@@ -174,7 +186,7 @@ class ChunkCache:
             store.put(key, [(k[0, :, off : off + n].contiguous(), v[0, :, off : off + n].contiguous()) for k, v in kv])
 
         for span in spans:
-            self._writer.submit(put, *span)
+            self._writer.submit(put, *span).add_done_callback(_report_failure)
 
     def flush(self) -> None:
         """Wait for background write-backs to finish."""

@@ -203,3 +203,31 @@ def test_unopenable_store_falls_back_to_a_temporary_one(tmp_path, clean, caplog,
     finally:
         eng.close()
     assert not eng.store.directory.exists()  # the temporary store is removed on close
+
+
+class RaisingPuts:
+    """A store whose chunk writes raise (a third-party store breaking the protocol's never-raise
+    rule); the instruction prefix, stored on the request's own thread, still goes in."""
+
+    def __init__(self, inner, prefix_key):
+        self.inner, self.prefix_key = inner, prefix_key
+
+    def put(self, key, layers):
+        if key == self.prefix_key:
+            return self.inner.put(key, layers)
+        raise RuntimeError("boom: the store's put raised")
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_write_back_that_raises_is_logged_and_the_answer_stands(eng, clean, caplog):
+    # Misses are computed for the request and written back in a background thread; an exception
+    # there must say so, not vanish with the thread's future.
+    eng.store = RaisingPuts(eng.store, eng.chunk_cache.prefix_key())
+    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.chunk_cache"):
+        ids, logits = answer(eng, CHUNKS)
+        eng.flush()
+    assert ids == clean[0] and torch.equal(logits, clean[1])
+    failures = [r.getMessage() for r in caplog.records if "background KV write-back failed" in r.getMessage()]
+    assert failures and all("boom: the store's put raised" in m for m in failures)
