@@ -43,8 +43,13 @@ is_chunk_block = is_chunk_part
 
 
 def rag_message(question: str, documents: Sequence[Document | str]) -> HumanMessage:
-    """One user message: a flagged text block per document, then the question as the last block."""
-    return HumanMessage(content=[chunk_block(d) for d in documents] + [{"type": "text", "text": question}])
+    """One user message: a flagged text block per document, then the question as the last block.
+
+    A blank document (an empty page from a loader) holds nothing to read and is left out, as
+    :class:`~langchain_cacheblend.CacheBlendLLM` leaves it out of its chunks: the engine refuses
+    empty chunks, which would fail the whole chain over one empty page."""
+    blocks = [chunk_block(d) for d in documents if as_document(d).page_content.strip()]
+    return HumanMessage(content=blocks + [{"type": "text", "text": question}])
 
 
 class ChunkedText(str):

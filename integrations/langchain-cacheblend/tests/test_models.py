@@ -480,3 +480,16 @@ def test_chat_accepts_langchains_stream_flag(tiny_engine, documents):
     assert chat.invoke(x, stream=False).content == ref
     with pytest.raises(TypeError, match="unknown generation arguments"):
         chat.invoke(x, bogus=1)
+
+
+def test_blank_documents_are_left_out_by_both_models(tiny_engine, documents):
+    """An empty page among the retrieved documents is no chunk for either model (the engine
+    refuses empty chunks); the answer is the one over the other documents."""
+    from langchain_core.documents import Document
+
+    docs = [documents[0], Document(page_content="  \n"), documents[1]]
+    ref = tiny_engine.generate(QUESTION, texts(documents[:2]), max_new_tokens=N)
+    chat = ChatCacheBlend(engine=tiny_engine, max_new_tokens=N, registry=ChunkRegistry())
+    llm = CacheBlendLLM(engine=tiny_engine, max_new_tokens=N, registry=ChunkRegistry())
+    assert chat.invoke({"question": QUESTION, "context": docs}).content == ref.text
+    assert llm.invoke({"question": QUESTION, "context": docs}) == ref.text
