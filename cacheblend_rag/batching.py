@@ -38,7 +38,13 @@ if TYPE_CHECKING:
 
 class AnswerSink(Protocol):
     """Where a row's answer goes: ``first_token`` once its first token is chosen, ``delta`` for
-    each piece of text that became final, then ``done`` (or ``fail``) once."""
+    each piece of text that became final, then ``done`` (or ``fail``) once.
+
+    ``cancelled`` turns true (from any thread) once nobody wants the rest of the answer: the row
+    leaves the batch before the next step, with ``done`` and finish reason ``"cancelled"``."""
+
+    @property
+    def cancelled(self) -> bool: ...
 
     def first_token(self) -> None: ...
 
@@ -109,10 +115,21 @@ class DecodeBatch:
         return max(r.decoder.params.max_new_tokens - len(r.decoder.token_ids) for r in self.rows)
 
     @torch.inference_mode()
-    def step(self) -> None:
-        """One token for every running answer; finished answers leave the batch."""
+    def step(self) -> int:
+        """One token for every running answer; finished answers leave the batch after the step,
+        cancelled ones before it. Returns how many answers the step advanced."""
+        # A cancelled answer leaves the way a finished one does, so its row costs no more steps.
+        keep = []
+        for i, row in enumerate(self.rows):
+            if row.sink.cancelled:
+                row.sink.done(_cancelled(row.decoder.token_ids, row.decoder.text))
+            else:
+                keep.append(i)
+        if len(keep) < len(self.rows):
+            self._keep(keep)
         if not self.rows:
-            return
+            return 0
+        stepped = len(self.rows)
         assert self.mask is not None and self.cache is not None
         device = self.mask.device
         mask = torch.cat([self.mask, torch.ones(len(self.rows), 1, dtype=self.mask.dtype, device=device)], dim=1)
@@ -138,6 +155,7 @@ class DecodeBatch:
                 keep.append(i)
         if len(keep) < len(self.rows):
             self._keep(keep)
+        return stepped
 
     def _keep(self, rows: list[int]) -> None:
         self.rows = [self.rows[i] for i in rows]
@@ -147,11 +165,16 @@ class DecodeBatch:
         assert self.mask is not None and self.cache is not None
         idx = torch.tensor(rows, device=self.mask.device)
         mask = self.mask[idx]
-        # Drop the padding columns no remaining row needs (the finished row was the longest).
+        # Drop the padding columns no remaining row needs (the row that left was the longest).
         first = int(mask.any(0).nonzero()[0])
         self.mask = mask[:, first:]
         keys, values = _layer_kv(self.cache)
         self.cache = room_cache([k[idx, :, first:] for k in keys], [v[idx, :, first:] for v in values], self._room())
+
+
+def _cancelled(token_ids: list[int], text: str) -> DecodeState:
+    """What a cancelled answer had decoded when it stopped."""
+    return DecodeState(list(token_ids), text, "cancelled")
 
 
 def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -167,11 +190,20 @@ _END = object()
 
 @dataclass
 class Ticket:
-    """One submitted request: iterate it for the answer's text deltas, or call ``result()``."""
+    """One submitted request: iterate it for the answer's text deltas, or call ``result()``.
+
+    ``cancel()`` (any thread; leaving the iteration early does it too) asks the batcher to stop
+    the answer: a request still waiting is never prefilled, a running one leaves the batch before
+    the next decode step. The ticket then finishes as usual: the iteration ends and ``result()``
+    returns a ``GenerationResult`` with ``finish_reason="cancelled"`` and what was decoded until
+    then (no tokens for a request never prefilled; only the streamed text, no token ids, for an
+    APE request, which its own decode loop does not expose). A ticket already done stays done.
+    """
 
     stream: "GenerationStream"
     _items: "queue.Queue[Any]" = field(default_factory=queue.Queue)
     _done: threading.Event = field(default_factory=threading.Event)
+    _cancel: threading.Event = field(default_factory=threading.Event)
     _result: "GenerationResult | None" = None
     _error: BaseException | None = None
     started_s: float = 0.0  # when its prefill began (perf_counter)
@@ -179,13 +211,29 @@ class Ticket:
     cache_read_tokens: int = 0  # prompt tokens whose KV came from the chunk cache
 
     def __iter__(self) -> Iterator[str]:
-        while True:
-            item = self._items.get()
-            if item is _END:
-                break
-            yield item
+        ended = False
+        try:
+            while True:
+                item = self._items.get()
+                if item is _END:
+                    ended = True
+                    break
+                yield item
+        finally:
+            if not ended:  # the reader left early (break, close): free the answer's row
+                self.cancel()
         if self._error is not None:
             raise self._error
+
+    def cancel(self) -> None:
+        """Stop the answer (see the class docstring); idempotent, a no-op once it is done."""
+        if not self._done.is_set():
+            self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether ``cancel()`` was called before the answer was done."""
+        return self._cancel.is_set()
 
     def result(self, timeout: float | None = None) -> "GenerationResult":
         if not self._done.wait(timeout):
@@ -208,10 +256,10 @@ class Ticket:
         now = time.perf_counter()
         s = self.stream
         first = self.first_token_s or now
-        pre = s.prefill_result
-        assert pre is not None
-        stats = dict(pre.stats, **s.controller_stats, ttft_s=first - s.t0, total_s=now - s.t0,
-                     generated_tokens=len(state.token_ids), queue_s=self.started_s - s.t0,
+        pre = s.prefill_result  # None: cancelled before its prefill
+        pre_stats = pre.stats if pre is not None else {"mode": s.mode}
+        stats = dict(pre_stats, **s.controller_stats, ttft_s=first - s.t0, total_s=now - s.t0,
+                     generated_tokens=len(state.token_ids), queue_s=(self.started_s or now) - s.t0,
                      cache_read_tokens=self.cache_read_tokens)
         self._result = GenerationResult(state.text, state.token_ids, first - s.t0, now - s.t0, state.finish_reason, stats)
         self._finish()
@@ -272,7 +320,8 @@ class Batcher:
         return self.submit(question, chunks, **kwargs).result()
 
     def close(self) -> None:
-        """Finish every submitted request, then stop the worker."""
+        """Finish every submitted request, then stop the worker. A cancelled request finishes
+        (as cancelled) without being decoded further, so it does not hold ``close`` up."""
         with self._cond:
             self._closed = True
             self._cond.notify()
@@ -292,32 +341,43 @@ class Batcher:
                 while not self._waiting and not len(batch) and not self._closed:
                     release_team()  # idle: only the thread that runs the model next keeps a team
                     self._cond.wait()
-                if self._closed and not self._waiting and not len(batch):
-                    return
+                # A request cancelled while it waited leaves the line without a prefill.
+                waiting: list[Ticket] = []
+                dropped: list[Ticket] = []
+                for ticket in self._waiting:
+                    (dropped if ticket.cancelled else waiting).append(ticket)
+                stop = self._closed and not waiting and not len(batch)
                 take = max(0, self.max_batch - len(batch))
-                admit, self._waiting = self._waiting[:take], self._waiting[take:]
+                admit, self._waiting = waiting[:take], waiting[take:]
+            for ticket in dropped:
+                ticket.done(_cancelled([], ""))
+            if stop:
+                return
             for ticket in admit:
                 try:
                     self._start(batch, ticket)
                 except Exception as exc:  # noqa: BLE001 - the caller gets its own request's error
                     ticket.fail(exc)
             if len(batch):
-                n = len(batch)
                 try:
                     with engine_lock(eng):
-                        batch.step()
+                        n = batch.step()
                 except Exception as exc:  # noqa: BLE001 - a failed step fails the answers in it
                     for row in batch.rows:
                         row.sink.fail(exc)
                     batch = DecodeBatch(eng.model, eng.tokenizer)
                     continue
-                self.steps += 1
-                self.rows_stepped += n
+                if n:  # 0: every row was cancelled, no forward ran
+                    self.steps += 1
+                    self.rows_stepped += n
 
     def _start(self, batch: DecodeBatch, ticket: Ticket) -> None:
         eng, s = self.engine, ticket.stream
         ticket.started_s = time.perf_counter()
         with engine_lock(eng):
+            if ticket.cancelled:  # cancelled after admission, while the worker waited for the lock
+                ticket.done(_cancelled([], ""))
+                return
             cached = cached_chunk_tokens(eng, s)
             pre = s.prefill_result = eng.prefill(s.layout, s.mode, s.config, pipelined=s.pipelined, store=s.store)
             ticket.cache_read_tokens = cache_read_tokens(pre.stats, cached)
@@ -327,9 +387,16 @@ class Batcher:
             # APE reweighting is a per-request attention change: decode this answer on its own.
             gen = decode(eng.model, eng.tokenizer, pre.cache, pre.logits, len(s.layout), s.params,
                          ticket.first_token, model_kwargs=pre.attention_kwargs)
-            while True:
-                try:
-                    ticket.delta(next(gen))
-                except StopIteration as stop:
-                    ticket.done(stop.value)
-                    return
+            text = ""  # streamed so far: all a cancelled answer can report, decode() keeps its tokens
+            try:
+                while not ticket.cancelled:
+                    try:
+                        delta = next(gen)
+                    except StopIteration as stop:
+                        ticket.done(stop.value)
+                        return
+                    text += delta
+                    ticket.delta(delta)
+            finally:
+                gen.close()
+            ticket.done(_cancelled([], text))

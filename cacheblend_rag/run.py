@@ -85,7 +85,8 @@ class Run:
     """Iterate to get the answer's text deltas; ``result`` is set once the iteration ends.
 
     Creating a run validates the request (e.g. a context that does not fit raises here), so errors
-    surface before any streaming starts.
+    surface before any streaming starts. Closing the iteration early, or setting ``cancelled``
+    (checked after each delta), stops the answer, batched or not, and leaves ``result`` None.
     """
 
     def __init__(self, engine, request: Request, *, engine_kwargs: dict[str, Any], batcher: "Batcher | None" = None):
@@ -116,7 +117,15 @@ class Run:
 
     def __iter__(self) -> Iterator[str]:
         if self._ticket is not None:
-            yield from self._ticket
+            try:
+                for delta in self._ticket:
+                    yield delta
+                    if self.cancelled.is_set():
+                        return
+            finally:
+                # Left early (closed, cancelled, an error): the batcher drops the answer's row, as
+                # closing the engine's generator stops it below. A no-op once the answer is done.
+                self._ticket.cancel()
             res = self._ticket.result()
             self.result = RunResult(res.text, list(res.token_ids), res.finish_reason, dict(res.stats))
             return

@@ -6,6 +6,7 @@ import pytest
 
 from cacheblend_rag import BlendConfig
 from cacheblend_rag.batching import Batcher
+from cacheblend_rag.run import Request, Run, engine_lock
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION
 
 # Prompts of different lengths, so the batch's rows are left-padded against each other.
@@ -68,3 +69,86 @@ def test_bad_requests_fail_in_the_caller_and_a_closed_batcher_refuses(engine):
     batcher.close()
     with pytest.raises(RuntimeError, match="the batcher is closed"):
         batcher.submit(SAMPLE_QUESTION, SAMPLE_CHUNKS)
+
+
+# Cancellation. Every request below runs to max_new_tokens=LONG when left alone (the tiny models
+# never pick EOS for them), so a result that is "cancelled" with fewer tokens was really cut short.
+LONG = 40
+
+
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_a_cancelled_waiting_ticket_is_never_prefilled(engine, max_batch):
+    engine.precompute(SAMPLE_CHUNKS, progress=False)
+    want = engine.generate(*REQUESTS[1], max_new_tokens=6)
+    with Batcher(engine, max_batch=max_batch) as batcher:
+        # Holding the engine's lock, the worker can prefill nothing before the cancel: the request
+        # is in the waiting line (max_batch=1) or admitted and waiting for the lock.
+        with engine_lock(engine):
+            running = batcher.submit(*REQUESTS[1], max_new_tokens=6)
+            waiting = batcher.submit(*REQUESTS[0], max_new_tokens=LONG)
+            waiting.cancel()
+            waiting.cancel()  # idempotent
+        got = waiting.result(timeout=60)
+        assert list(waiting) == []
+        assert running.result(timeout=60).token_ids == want.token_ids
+    assert waiting.stream.prefill_result is None
+    assert (got.finish_reason, got.token_ids, got.text, got.stats["generated_tokens"]) == ("cancelled", [], "", 0)
+
+
+def test_a_cancelled_running_answer_leaves_at_once_and_the_others_keep_their_tokens(engine):
+    engine.precompute(SAMPLE_CHUNKS, progress=False)
+    want = engine.generate(*REQUESTS[0], max_new_tokens=LONG)
+    assert want.finish_reason == "length"
+    alone = [engine.generate(*REQUESTS[i], max_new_tokens=24) for i in (1, 2)]
+    with Batcher(engine, max_batch=4) as batcher:
+        others = [batcher.submit(*REQUESTS[i], max_new_tokens=24) for i in (1, 2)]
+        doomed = batcher.submit(*REQUESTS[0], max_new_tokens=LONG)
+        deltas = iter(doomed)
+        next(deltas)  # it is decoding in the batch
+        with engine_lock(engine):  # between two steps: none is in flight while it is cancelled
+            for t in others:  # the others are still running beside it
+                with pytest.raises(TimeoutError):
+                    t.result(timeout=0)
+            steps = batcher.steps
+            doomed.cancel()
+        got = doomed.result(timeout=60)
+        together = [t.result(timeout=60) for t in others]
+    assert got.finish_reason == "cancelled"
+    # One token from its prefill and at most one per step run before the cancel: none after it.
+    assert 0 < len(got.token_ids) <= steps + 1 < LONG
+    assert got.token_ids == want.token_ids[: len(got.token_ids)]
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+
+
+def test_leaving_a_tickets_iteration_early_cancels_it(engine):
+    engine.precompute(SAMPLE_CHUNKS, progress=False)
+    with Batcher(engine) as batcher:
+        broken, closed = (batcher.submit(*REQUESTS[i], max_new_tokens=LONG) for i in (0, 1))
+        for _ in broken:
+            break
+        deltas = iter(closed)
+        next(deltas)
+        deltas.close()
+        results = [t.result(timeout=60) for t in (broken, closed)]
+    for r in results:
+        assert r.finish_reason == "cancelled" and len(r.token_ids) < LONG
+
+
+def test_a_batched_run_closed_early_or_cancelled_frees_its_row(engine):
+    engine.precompute(SAMPLE_CHUNKS, progress=False)
+    with Batcher(engine) as batcher:
+        closed, cancelled = (Run(engine, Request.over_chunks(*REQUESTS[i]), engine_kwargs=dict(max_new_tokens=LONG),
+                                 batcher=batcher) for i in (0, 1))
+        deltas = iter(closed)
+        next(deltas)
+        deltas.close()
+        got = closed._ticket.result(timeout=60)
+        assert got.finish_reason == "cancelled" and len(got.token_ids) < LONG
+
+        deltas = iter(cancelled)
+        next(deltas)
+        cancelled.cancelled.set()
+        assert list(deltas) == []  # the run stops after the delta it was reading
+        got = cancelled._ticket.result(timeout=60)
+        assert got.finish_reason == "cancelled" and len(got.token_ids) < LONG
+    assert closed.result is None and cancelled.result is None  # as an unbatched run stopped early
