@@ -273,6 +273,12 @@ def test_openai_client_raises_with_the_message(client):
         client.completions.create(model=MODEL, prompt=["a", "b"])
 
 
+def test_a_wrong_method_is_a_405_with_its_allow_header(live):
+    r = httpx.get(f"{live.url}/v1/chat/completions", timeout=TIMEOUT)
+    assert r.status_code == 405 and r.headers.get("allow") == "POST"
+    assert r.json()["error"]["message"] == "Method Not Allowed"
+
+
 def test_body_that_is_not_json_is_a_400(live):
     r = httpx.post(f"{live.url}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}, timeout=TIMEOUT)
     assert r.status_code == 400

@@ -13,7 +13,7 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, TypeVar
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -197,8 +197,8 @@ async def _event_stream(job: Job[str], fmt: ChatFormat | CompletionFormat, http:
 
 
 def _install_error_handlers(app: FastAPI) -> None:
-    def reply(status: int, info: ErrorInfo) -> JSONResponse:
-        return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=status)
+    def reply(status: int, info: ErrorInfo, headers: Mapping[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=status, headers=headers)
 
     @app.exception_handler(APIError)
     async def api_error(_: HTTPRequest, exc: APIError) -> JSONResponse:
@@ -235,7 +235,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(_: HTTPRequest, exc: HTTPException) -> JSONResponse:
-        return reply(exc.status_code, ErrorInfo(message=str(exc.detail), type="invalid_request_error"))
+        # Starlette's own headers (a 405's Allow) belong to the answer: HTTP requires Allow on a 405.
+        return reply(exc.status_code, ErrorInfo(message=str(exc.detail), type="invalid_request_error"), exc.headers)
 
     @app.exception_handler(Exception)
     async def failed(_: HTTPRequest, exc: Exception) -> JSONResponse:
