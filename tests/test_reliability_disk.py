@@ -236,3 +236,25 @@ def test_failed_open_leaves_no_database_handle_open(tmp_path, monkeypatch) -> No
         KVStore(tmp_path / "kv")
     assert info.value is not None  # the exception (and its traceback) is still alive here
     assert _db_handles(tmp_path / "kv") == 0
+
+
+def test_a_read_only_store_read_after_its_reader_closed_is_a_miss(tmp_path, monkeypatch) -> None:
+    # The reader closes when the store becomes writable again (a read on its way then meets it
+    # closed) or when the store is closed: a read must be a miss, never an AttributeError.
+    warm = engine(tmp_path / "kv")
+    warm.precompute(CHUNKS, progress=False)
+    key = keys_of(warm, CHUNKS)[0]
+    warm.close()
+    real = diskcache.Cache
+
+    class ReadOnlyCache(real):
+        def __init__(self, directory=None, *args, **kwargs):
+            raise OSError(errno.EROFS, "Read-only file system", str(directory))
+
+    monkeypatch.setattr(diskcache, "Cache", ReadOnlyCache)
+    eng = engine(tmp_path / "kv")
+    store = eng.store
+    assert store.read_only and store.contains(key)
+    eng.close()
+    assert store.contains(key) is False and store.get_layer(key, 0) is None
+    assert isinstance(store.volume(), int)

@@ -328,6 +328,10 @@ class _ReadOnlyCache:
 
     def get(self, key: str) -> Any:
         with self._lock:
+            if self._con is None:
+                # Closed: by close(), or by the store switching to a writable cache while this
+                # read was on its way (KVStore._try_writable). A miss, as any failed read is.
+                return None
             rows = self._con.execute(
                 "SELECT mode, filename, value FROM Cache WHERE key = ? AND raw = 1", (key,)
             ).fetchall()
@@ -341,6 +345,8 @@ class _ReadOnlyCache:
 
     def volume(self) -> int:
         with self._lock:
+            if self._con is None:  # closed (see get): it holds nothing any more
+                return 0
             ((pages,),) = self._con.execute("PRAGMA page_count").fetchall()
             ((page_size,),) = self._con.execute("PRAGMA page_size").fetchall()
             ((files,),) = self._con.execute("SELECT COALESCE(SUM(size), 0) FROM Cache").fetchall()
