@@ -627,3 +627,18 @@ def test_unknown_generation_settings_are_rejected(engine, index):
         CacheBlendSynthesizer(engine=engine, max_tokens=5)
     llm = CacheBlendLLM(engine=engine, system_prompt="Be brief.", **GEN)  # inherited LLM fields still work
     assert CacheBlendLLM.from_dict(llm.to_dict(), engine=engine).max_new_tokens == GEN["max_new_tokens"]
+
+
+def test_developer_and_model_roles_are_the_system_and_assistant_turns(engine):
+    # DEVELOPER (OpenAI's newer system role), CHATBOT and MODEL (other providers' assistant role)
+    # must reach the chat template as the turns they are, not as user text.
+    llm = CacheBlendLLM(engine=engine, **GEN)
+
+    def usage(*roles):
+        texts = ["Be brief.", "Where is the Eiffel Tower?", "In Paris.", "And the Thames?"]
+        return llm.chat([ChatMessage(role=r, content=t) for r, t in zip(roles, texts)]).raw["usage"]
+
+    system = usage("system", "user", "assistant", "user")
+    assert usage("user", "user", "assistant", "user") != system  # the template tells the roles apart
+    assert usage("developer", "user", "assistant", "user") == system
+    assert usage("system", "user", "model", "user") == system == usage("system", "user", "chatbot", "user")

@@ -45,6 +45,12 @@ NO_MATCH = (
 )
 # Per-call keyword arguments of complete()/stream_complete() that override the fields.
 GENERATION_KEYS = ("mode", "recompute_ratio", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+# LlamaIndex's roles as chat templates know them: DEVELOPER is OpenAI's newer name for the system
+# turn, CHATBOT (Cohere's) and MODEL (Gemini's) the assistant's; the rest (tool, function) are user text.
+CHAT_ROLES = {
+    MessageRole.SYSTEM: "system", MessageRole.DEVELOPER: "system", MessageRole.USER: "user",
+    MessageRole.ASSISTANT: "assistant", MessageRole.CHATBOT: "assistant", MessageRole.MODEL: "assistant",
+}
 # The fields among them (stop is per call only), plus match_chunks: what error messages list.
 GENERATION_FIELDS = GENERATION_KEYS[:-1] + ("match_chunks",)
 
@@ -196,9 +202,8 @@ class CacheBlendLLM(CustomLLM):
     def _format_messages(self, messages: Sequence[ChatMessage]) -> str:
         if self.messages_to_prompt is not generic_messages_to_prompt:
             return self.messages_to_prompt(messages)
-        roles = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant"}
         return self._apply_chat_template(
-            [{"role": roles.get(m.role, "user"), "content": m.content or ""} for m in messages]
+            [{"role": CHAT_ROLES.get(m.role, "user"), "content": m.content or ""} for m in messages]
         )
 
     def _apply_chat_template(self, messages: list[dict[str, str]]) -> str:
@@ -240,7 +245,7 @@ class CacheBlendLLM(CustomLLM):
         of the messages in the model's chat template."""
         if not messages:
             raise ValueError("no messages: pass at least one ChatMessage")
-        joined = "\n\n".join(m.content or "" for m in messages if m.role != MessageRole.ASSISTANT)
+        joined = "\n\n".join(m.content or "" for m in messages if CHAT_ROLES.get(m.role) != "assistant")
         matched = self._match(joined, overrides)
         return matched or _reported(self._stream_text(self._format_messages(messages), overrides), "none", 0)
 
