@@ -128,7 +128,8 @@ class LayerAssembler:
         """
         if self._lost is not None:  # the request is being retried without that chunk
             raise ChunkLost(self._lost)
-        t0, (c0, q0) = time.perf_counter(), thread_clock()
+        timed = self.pipelined is None  # automatic mode, layer 0: this read decides the rest
+        t0, (c0, q0) = time.perf_counter(), thread_clock() if timed else (0.0, 0.0)
         batch = self._read_batch(layer)
         parts = []
         for spec in self.specs:
@@ -144,7 +145,7 @@ class LayerAssembler:
                 raise ChunkLost(spec.key)
             parts.append(got)
         wall_s = time.perf_counter() - t0
-        if self.pipelined is None:  # automatic mode, layer 0: decide how to read the rest
+        if timed:
             c1, q1 = thread_clock()
             self.pipelined = self._worth_overlap(wall_s, c1 - c0, q1 - q0)
             if self.pipelined:
