@@ -125,7 +125,7 @@ def test_a_read_starved_of_cores_by_other_processes_is_still_cpu_work():
     # With more busy processes than cores, a CPU-bound read spends most of its wall time waiting
     # for a core. Counted as waiting on storage, it would start a loader thread that only
     # competes with the prefill for the same cores.
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 1))]
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(4 * (os.cpu_count() or 1))]
     try:
         time.sleep(0.5)
         loader = LayerAssembler(BusyStore(0.1), [LoadSpec(0, 4, "k", 0)], 4, (1, 2), torch.float32,
