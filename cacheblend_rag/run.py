@@ -14,8 +14,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
-from .config import SamplingParams
-from .plain import chat_text, plain_stream
+from .plain import chat_text, plain_stream, sampling_params
 
 if TYPE_CHECKING:
     from .batching import Batcher
@@ -103,15 +102,7 @@ class Run:
             self._stream = self._ticket.stream
         elif request.plain:
             # No chunks: the messages in the model's chat template, one full prefill.
-            params = SamplingParams(
-                engine_kwargs["max_new_tokens"],
-                engine_kwargs["temperature"],
-                engine_kwargs["top_p"],
-                engine_kwargs["top_k"],
-                engine_kwargs.get("stop") or (),  # SamplingParams: one str is one stop sequence
-                engine_kwargs.get("seed"),
-            )
-            self._stream = plain_stream(engine, chat_text(engine.tokenizer, request.messages), params)
+            self._stream = plain_stream(engine, chat_text(engine.tokenizer, request.messages), sampling_params(engine_kwargs))
         else:
             self._stream = engine.stream(request.question, list(request.chunks), **engine_kwargs)
 

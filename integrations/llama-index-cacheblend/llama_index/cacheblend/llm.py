@@ -6,12 +6,12 @@ import dataclasses
 import warnings
 from typing import Any, Iterator, Optional, Sequence
 
-from cacheblend_rag import MODES, CacheBlendEngine, GenerationResult, SamplingParams
+from cacheblend_rag import MODES, CacheBlendEngine, GenerationResult
 from cacheblend_rag.aio import iterate_in_thread
 from cacheblend_rag.config import check_mode
 from cacheblend_rag.engine import GenerationStream
 from cacheblend_rag.matching import ChunkRegistry
-from cacheblend_rag.plain import chat_text, plain_stream
+from cacheblend_rag.plain import chat_text, plain_stream, sampling_params
 from llama_index.core.base.llms.generic_utils import (
     astream_completion_response_to_chat_response,
     completion_response_to_chat_response,
@@ -52,7 +52,7 @@ CHAT_ROLES = {
     MessageRole.ASSISTANT: "assistant", MessageRole.CHATBOT: "assistant", MessageRole.MODEL: "assistant",
 }
 # The fields among them (stop is per call only), plus match_chunks: what error messages list.
-GENERATION_FIELDS = GENERATION_KEYS[:-1] + ("match_chunks",)
+GENERATION_FIELDS = tuple(k for k in GENERATION_KEYS if k != "stop") + ("match_chunks",)
 
 
 class CacheBlendLLM(CustomLLM):
@@ -233,12 +233,7 @@ class CacheBlendLLM(CustomLLM):
         return matched or _reported(self._stream_text(self._format_completion(prompt, formatted), overrides), "none", 0)
 
     def _stream_text(self, text: str, overrides: dict[str, Any]) -> GenerationStream:
-        kw = self.generation_kwargs(**overrides)
-        # SamplingParams takes stop as given: one str is one stop sequence, not a set of characters.
-        params = SamplingParams(
-            kw["max_new_tokens"], kw["temperature"], kw["top_p"], kw["top_k"], kw.get("stop") or (), kw["seed"]
-        )
-        return plain_stream(self._engine, text, params)
+        return plain_stream(self._engine, text, sampling_params(self.generation_kwargs(**overrides)))
 
     def stream_messages(self, messages: Sequence[ChatMessage], **overrides: Any) -> GenerationStream:
         """Answer chat messages: over the known chunks in their text if any, else by full prefill
