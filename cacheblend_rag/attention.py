@@ -123,16 +123,30 @@ def _masked_sdpa(module, query, key, value, attention_mask, **kwargs):
     groups = query.shape[1] // key.shape[1]
     if (
         query.device.type != "cpu"
-        or attention_mask is None
         or groups == 1
         or kwargs.get("dropout", 0.0)
         or any(kwargs.get(k) is not None for k in ("softcap", "position_bias", "sliding_window", "s_aux"))
     ):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if query.shape[2] == 1 and (attention_mask is None or attention_mask.shape[1] == 1):
+        return _decode_sdpa(query, key, value, attention_mask, kwargs.get("scaling"))
+    if attention_mask is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, scale=kwargs.get("scaling"), enable_gqa=True
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _decode_sdpa(query, key, value, attention_mask, scaling):
+    """One decoded token per answer, grouped K/V heads: each K/V head's query heads become the rows
+    of one attention over that head, so every key is read once per step (``enable_gqa`` reads it
+    once per query head; docs/engine.md, "Where a decode step goes"). query [b, heads, 1, d],
+    key/value [b, kv_heads, keys, d], mask None or [b, 1, 1, keys] -> [b, 1, heads, d]."""
+    b, heads, _, d = query.shape
+    rows = query.view(b, key.shape[1], heads // key.shape[1], d)  # [b, kv_heads, group, d]
+    out = torch.nn.functional.scaled_dot_product_attention(rows, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(b, 1, heads, value.shape[-1]), None
 
 
 def _padded_causal(module, query, key, value, pad: int, **kwargs):

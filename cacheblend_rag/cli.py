@@ -11,6 +11,7 @@ from pathlib import Path
 from . import __version__
 from .config import MODES
 from .paths import DataFileError
+from .weights import WEIGHT_FORMATS
 
 # Subcommand modules; each defines ``register(subparsers)``.
 SUBCOMMANDS = (
@@ -69,7 +70,8 @@ def _ask(args: argparse.Namespace) -> int:
 
     if args.top_k < 0:
         raise SystemExit(f"error: --top-k {args.top_k}: pass a number of chunks >= 1, or 0 to send every chunk")
-    engine = CacheBlendEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, store=_store(args.store))
+    engine = CacheBlendEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, weights=args.weights,
+                                              store=_store(args.store))
     try:
         chunks = retrieve(args.question, read_chunks(args.files, engine.tokenizer, args.chunk_tokens), args.top_k)
         if args.precompute:
@@ -112,6 +114,7 @@ def _ask(args: argparse.Namespace) -> int:
     return 0
 
 
+WEIGHTS_HELP = "linear layers' format: fp32 (default) or fp16 (CPU only: half the weight bytes per decoded token)"
 STORE_HELP = ("chunk cache tiers below memory, fastest first, comma-separated: disk, redis://host:6379/0 "
               "(rediss:// for TLS); e.g. disk,redis://cache:6379/0 shares caches through Redis (default: disk)")
 
@@ -132,8 +135,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.max_queue < 0:
         raise SystemExit(f"error: --max-queue {args.max_queue}: pass how many requests may wait (>= 0)")
-    engine = CacheBlendEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, store_dir=args.store_dir,
-                                              store=_store(args.store))
+    engine = CacheBlendEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, weights=args.weights,
+                                              store_dir=args.store_dir, store=_store(args.store))
     try:
         app = create_app(engine, ServerConfig(model_name=args.served_model_name, max_queue=args.max_queue))
         # uvicorn stops on SIGINT/SIGTERM gracefully: it stops accepting connections, lets open
@@ -172,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--temperature", type=float, default=0.0)
     ask.add_argument("--device", default="cpu")
     ask.add_argument("--dtype", default="float32")
+    ask.add_argument("--weights", default="fp32", choices=list(WEIGHT_FORMATS), help=WEIGHTS_HELP)
     ask.add_argument("--precompute", action="store_true", help="precompute chunk caches first (not counted in TTFT)")
     ask.add_argument("--store", default=None, help=STORE_HELP)
     ask.set_defaults(func=_ask)
@@ -185,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="the name clients pass as model (default: the model's id)")
     serve.add_argument("--device", default="cpu")
     serve.add_argument("--dtype", default="float32")
+    serve.add_argument("--weights", default="fp32", choices=list(WEIGHT_FORMATS), help=WEIGHTS_HELP)
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.set_defaults(func=_serve)
     for name in SUBCOMMANDS:

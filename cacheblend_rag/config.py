@@ -175,8 +175,13 @@ class SamplingParams:
     top_k: int = 0
     stop: Sequence[str] = field(default_factory=tuple)
     seed: int | None = None
+    # Decode past end-of-sequence until max_new_tokens or a stop string: answers of equal length,
+    # for benchmarks that time a given number of tokens (vLLM's name for it).
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be True or False, got {type(self.ignore_eos).__name__} {self.ignore_eos!r}")
         for name in ("max_new_tokens", "top_k"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):

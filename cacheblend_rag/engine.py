@@ -56,6 +56,9 @@ class GenerationResult:
     total_s: float
     finish_reason: str
     stats: dict[str, Any] = field(default_factory=dict)
+    # Seconds from the request to each answer token's choice (the first is ttft_s): how long an
+    # answer of any length takes, and the time per decoded token (empty from the batcher).
+    token_times_s: list[float] = field(default_factory=list)
 
 
 class CacheBlendEngine:
@@ -117,6 +120,7 @@ class CacheBlendEngine:
         *,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | str = torch.float32,
+        weights: str = "fp32",
         cache_dir: str | None = None,
         store_dir: str | None = None,
         store_size_limit: int = 8 * 2**30,
@@ -147,6 +151,10 @@ class CacheBlendEngine:
         the chunk comes from the next tier or is recomputed. A Redis that refuses the URL's
         password raises ``store.redis_tier.RedisAuthError`` here. See docs/sharing.md.
 
+        ``weights`` is the linear layers' format (``weights.WEIGHT_FORMATS``): "fp32", or on a CPU
+        "fp16", whose decode steps read half the weight bytes (docs/engine.md, "Weight formats").
+        Every mode runs the same format, and chunk caches are kept apart per format.
+
         Without a ``config``, a quality profile saved by ``cacheblend-rag calibrate`` for this
         model sets the strategy and recompute ratio; otherwise ``BlendConfig()``'s defaults hold.
 
@@ -158,7 +166,7 @@ class CacheBlendEngine:
         from .models import default_cache_dir, load_model
         from .store.spec import open_store
 
-        loaded = load_model(model, device=device, dtype=dtype, cache_dir=cache_dir)
+        loaded = load_model(model, device=device, dtype=dtype, cache_dir=cache_dir, weights=weights)
         home = default_cache_dir() if cache_dir is None else cache_dir
         opened = open_store(
             store, directory=store_dir or f"{home}/kv", size_limit=store_size_limit,
@@ -400,6 +408,7 @@ class CacheBlendEngine:
         top_k: int = 0,
         stop: Sequence[str] | str | None = None,
         seed: int | None = None,
+        ignore_eos: bool = False,
         store: ChunkStore | None = None,
         pipelined: bool | None = None,
         controller: "LoadingController | None" = None,
@@ -407,10 +416,11 @@ class CacheBlendEngine:
         """Iterate over the answer's text deltas; ``.result`` holds the full result afterwards.
 
         ``store``, ``pipelined`` and ``controller`` replace the engine's own for this answer only
-        (a benchmark comparing tiers or loading modes on one engine)."""
+        (a benchmark comparing tiers or loading modes on one engine). ``ignore_eos`` decodes past
+        the end-of-sequence token to ``max_new_tokens`` (a benchmark timing fixed lengths)."""
         t0 = time.perf_counter()
         check_mode(mode)
-        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, stop or (), seed)
+        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, stop or (), seed, ignore_eos)
         layout = self.build_layout(question, chunks)
         self.backbone.check_fits(len(layout), "the prompt (instruction + chunks + question)", reserve=max_new_tokens)
         config = (_check_config(config) or self.config).with_ratio(recompute_ratio)
@@ -475,7 +485,8 @@ class GenerationStream:
                                                model_kwargs=pre.attention_kwargs)
         total = time.perf_counter() - self.t0
         stats = dict(pre.stats, **self.controller_stats, ttft_s=ttft[0], total_s=total, generated_tokens=len(state.token_ids))
-        self.result = GenerationResult(state.text, state.token_ids, ttft[0], total, state.finish_reason, stats)
+        self.result = GenerationResult(state.text, state.token_ids, ttft[0], total, state.finish_reason, stats,
+                                       [t - self.t0 for t in state.token_times])
 
 
 def _calibrated_config(fingerprint: str) -> BlendConfig | None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
@@ -18,6 +19,7 @@ class DecodeState:
     token_ids: list[int]
     text: str
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    token_times: list[float] = field(default_factory=list)  # perf_counter() when each token was chosen
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:
@@ -60,7 +62,8 @@ class Decoder:
     stream alike."""
 
     def __init__(self, tokenizer, eos: set[int], params: SamplingParams, device: torch.device | str = "cpu"):
-        self.tokenizer, self.eos, self.params = tokenizer, eos, params
+        self.tokenizer, self.params = tokenizer, params
+        self.eos = set() if params.ignore_eos else eos
         self.warpers = _warpers(params)
         self.stops = tuple(s for s in params.stop if s)
         self.generator = None
@@ -133,17 +136,19 @@ def decode(
     cache_kw = cache_kwarg(model)
     logits = first_logits
     position = start_position
-    first = True
+    times: list[float] = []
     while True:
         token = decoder.choose(logits)
-        if first and on_first_token is not None:
+        times.append(time.perf_counter())
+        if len(times) == 1 and on_first_token is not None:
             on_first_token()
-        first = False
         delta = decoder.accept(token)
         if delta:
             yield delta
         if decoder.done:
-            return decoder.state()
+            state = decoder.state()
+            state.token_times = times[: len(state.token_ids)]
+            return state
         if position == start_position:  # after the first token: TTFT does not pay for the copy
             cache = with_room(cache, params.max_new_tokens)
         with torch.inference_mode():

@@ -162,14 +162,19 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | str = torch.float32,
     cache_dir: str | os.PathLike[str] | None = None,
+    weights: str = "fp32",
 ) -> LoadedModel:
     """Load a RoPE decoder and its tokenizer, ready for CacheBlend.
 
     ``model`` is None (the bundled SmolLM2 GGUF), a local HF model directory, a ``.gguf`` file, or a
     Hugging Face Hub id. GGUF files are converted once into ``<cache_dir>/models/``. The returned
     model is in eval mode on ``device`` with ``dtype``, uses SDPA attention, and has passed
-    :func:`check_rope_support`.
+    :func:`check_rope_support`. ``weights`` is the linear layers' format (``weights.WEIGHT_FORMATS``:
+    "fp32", or "fp16" for half the bytes per decode step on a CPU).
     """
+    from .weights import apply_weight_format, check_weight_format
+
+    check_weight_format(weights)
     torch_dtype = _resolve_dtype(dtype)
     torch_device = _resolve_device(device)
     cache_root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
@@ -213,6 +218,7 @@ def load_model(
         hf_model.to(torch_device)
     except (RuntimeError, AssertionError) as e:  # e.g. CUDA not available / not compiled in
         raise ModelLoadError(f"Could not move the model to device {str(torch_device)!r}: {e}") from e
+    apply_weight_format(hf_model, weights)
 
     return LoadedModel(
         model=hf_model,
@@ -469,7 +475,9 @@ def model_fingerprint(
     tokenizer: transformers.PreTrainedTokenizerBase,
     dtype: torch.dtype | str | None = None,
 ) -> str:
-    """Stable hex digest of config + tokenizer + dtype + every byte of every parameter.
+    """Stable hex digest of config + tokenizer + dtype + weight format + every byte of every
+    parameter and buffer (buffers hold the rotary ``inv_freq``, which decides every key's rotation,
+    and a converted format's weights).
 
     KV caches are only valid for exactly the model that produced them, so the cache store keys on
     this. All weights are hashed, streaming one parameter at a time (no copy on the CPU): a
@@ -478,6 +486,8 @@ def model_fingerprint(
     caches would mix. BLAKE2b runs at about 1 GB/s, so a 135M-parameter fp32 model adds ~0.5 s to
     a load. ``dtype`` defaults to the dtype of the model's parameters.
     """
+    from .weights import weight_format
+
     h = hashlib.blake2b(digest_size=20)
 
     config = json.loads(model.config.to_json_string(use_diff=False))
@@ -489,10 +499,10 @@ def model_fingerprint(
         resolved = params[0][1].dtype if params else torch.float32
     else:
         resolved = _resolve_dtype(dtype)
-    h.update(f"dtype={resolved}".encode())
+    h.update(f"dtype={resolved};weights={weight_format(model)}".encode())
 
     with torch.no_grad():
-        for name, p in params:
+        for name, p in [*params, *model.named_buffers()]:
             h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
             # Raw bytes through a uint8 view: works for bfloat16, which numpy cannot represent.
             flat = p.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -88,6 +88,7 @@ class Answer:
     prompt_tokens: int
     generated_tokens: int
     logits: torch.Tensor  # [vocab] the first answer token's logits (for KL to full prefill)
+    token_times_s: list[float] = field(default_factory=list)  # from the start to each token's choice
 
 
 class _FirstTokenTimer(BaseStreamer):
@@ -158,7 +159,8 @@ class LlamaCppBaseline:
         ptr = self.lib.llama_get_logits_ith(self.llm.ctx, -1)
         return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(self.llm.n_vocab(),)).copy())
 
-    def answer(self, engine, question: str, chunks: Sequence[str], max_new_tokens: int) -> Answer:
+    def answer(self, engine, question: str, chunks: Sequence[str], max_new_tokens: int, ignore_eos: bool = False) -> Answer:
+        """Greedy answer; ``ignore_eos`` decodes past end-of-sequence to ``max_new_tokens``."""
         layout = engine.build_layout(question, chunks)
         ids = layout.token_ids
         llm = self.llm
@@ -172,17 +174,20 @@ class LlamaCppBaseline:
         llm.eval(ids[start:])
         logits = self._last_logits()
         token = int(logits.argmax())
-        ttft = time.perf_counter() - t0
+        times = [time.perf_counter() - t0]
+        ttft = times[0]
+        eos = set() if ignore_eos else self.eos
         new: list[int] = []
-        while token not in self.eos and len(new) < max_new_tokens:
+        while token not in eos and len(new) < max_new_tokens:
             new.append(token)
             if len(new) == max_new_tokens:
                 break
             llm.eval([token])
             token = int(self._last_logits().argmax())
+            times.append(time.perf_counter() - t0)
         total = time.perf_counter() - t0
         text = engine.tokenizer.decode(new, skip_special_tokens=True)
-        return Answer(text.strip(), ttft, total, len(ids), len(new), logits)
+        return Answer(text.strip(), ttft, total, len(ids), len(new), logits, times[: len(new)])
 
     def close(self) -> None:
         self.llm.close()

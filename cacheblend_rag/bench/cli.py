@@ -65,7 +65,45 @@ def register(subparsers) -> None:
     load.add_argument("--rates", type=_floats, default=(), help="open-loop arrival rates in requests/s (default none)")
     load.add_argument("--requests", type=int, default=16, help="answers per setting (default 16)")
     load.add_argument("--max-batch", type=_ints, default=(1, 8), help="batcher sizes compared; 1 = one answer at a time (default 1,8)")
+    whole = p.add_argument_group("whole answers (--whole-answer)")
+    whole.add_argument("--whole-answer", action="store_true",
+                       help="time answers of fixed lengths (decoding forced past end-of-sequence) per method, weight "
+                       "format and llama.cpp quantisation (default methods: full_recompute_saved,question@0.15)")
+    whole.add_argument("--lengths", type=_ints, default=(32, 128, 256), help="answer lengths in tokens (default 32,128,256)")
+    whole.add_argument("--formats", type=_csv, default=("fp32", "fp16"), help="engine weight formats (default fp32,fp16)")
+    whole.add_argument("--llama-cpp", type=_csv, default=("f16", "q8_0", "q4_0"),
+                       help="llama.cpp quantisations, each with and without its prompt cache ('' for none; default f16,q8_0,q4_0)")
     p.set_defaults(func=_bench)
+
+
+def _whole_answer(args: argparse.Namespace) -> int:
+    from .qwen import QwenPartsMissing
+    from .whole_answer import WholeAnswerConfig, markdown_table, run_whole_answer, write_report
+
+    cfg = WholeAnswerConfig(
+        model=args.model, datasets=args.datasets, n=args.n, lengths=args.lengths, formats=args.formats,
+        methods=args.methods or WholeAnswerConfig.methods, llama_cpp=args.llama_cpp, top_k=args.top_k[0],
+        chunk_tokens=args.chunk_tokens, out_dir=args.out, musique=args.musique, hotpotqa=args.hotpotqa,
+        device=args.device, answer_hint=args.answer_hint, progress=not args.quiet,
+    )
+    try:
+        if args.report_only:
+            from pathlib import Path
+
+            from .runner import read_results
+            from .whole_answer import ROWS
+
+            summary = write_report(read_results(Path(args.out) / ROWS), Path(args.out), cfg, plots=not args.no_plots)
+        else:
+            from .whole_answer import summarize
+
+            summary = summarize(run_whole_answer(cfg), cfg.lengths)
+    except (FileNotFoundError, ImportError, QwenPartsMissing, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(markdown_table(summary, cfg.lengths))
+    print(f"\nresults: {args.out}/whole_answer.jsonl, whole_answer_summary.json, whole_answer.md, whole_answer.png, decode_step.json")
+    return 0
 
 
 def _load(args: argparse.Namespace) -> int:
@@ -97,6 +135,8 @@ def _bench(args: argparse.Namespace) -> int:
 
     if args.load:
         return _load(args)
+    if args.whole_answer:
+        return _whole_answer(args)
     try:
         cfg = BenchConfig(
             model=args.model, datasets=args.datasets, n=args.n, chain_n=args.chain_n, methods=args.methods or DEFAULT_METHODS, ratios=args.ratios,

@@ -94,29 +94,32 @@ class BenchConfig:
 TINY_CONTEXT = 8192
 
 
-def tiny_engine(store_dir: str | None = None):
+def tiny_engine(store_dir: str | None = None, weights: str = "fp32"):
     """``testing.make_engine("llama")``'s random model with an ``TINY_CONTEXT``-token window."""
     from ..engine import CacheBlendEngine
     from ..store.disk import KVStore
     from ..testing import make_model, make_tokenizer
+    from ..weights import apply_weight_format
 
-    return CacheBlendEngine(make_model("llama", max_position_embeddings=TINY_CONTEXT), make_tokenizer(), store=KVStore(store_dir))
+    model = apply_weight_format(make_model("llama", max_position_embeddings=TINY_CONTEXT), weights)
+    return CacheBlendEngine(model, make_tokenizer(), store=KVStore(store_dir))
 
 
-def load_engine(cfg: BenchConfig):
-    """The engine for ``cfg.model``; its KV store lives in ``<out_dir>/kv`` (2 GiB cap)."""
+def load_engine(cfg: BenchConfig, weights: str = "fp32"):
+    """The engine for ``cfg.model`` with ``weights`` (``weights.WEIGHT_FORMATS``); its KV store
+    lives in ``<out_dir>/kv`` (2 GiB cap; formats have their own fingerprints, so they never mix)."""
     from ..engine import CacheBlendEngine
 
     store = str(Path(cfg.out_dir) / "kv")
     if cfg.model == "tiny":
-        return tiny_engine(store)
+        return tiny_engine(store, weights)
     model = None if cfg.model in ("smollm2", "default", "") else cfg.model
     from .qwen import MODELS, qwen_gguf_path
 
     if model in MODELS:
         model = str(qwen_gguf_path(model=MODELS[model]))
-    return CacheBlendEngine.from_pretrained(model, device=cfg.device, store_dir=store, store_size_limit=2 * 2**30,
-                                            answer_hint=cfg.answer_hint)
+    return CacheBlendEngine.from_pretrained(model, device=cfg.device, weights=weights, store_dir=store,
+                                            store_size_limit=2 * 2**30, answer_hint=cfg.answer_hint)
 
 
 _rouge = None
