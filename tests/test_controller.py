@@ -256,8 +256,8 @@ def test_calibrated_slow_tier_never_gets_a_ratio_whose_recompute_exceeds_the_loa
 
 
 def test_throttled_tier_of_the_benchmark():
-    """docs/pipeline.md: at 20 MB/s the uncalibrated controller chose 0.72 and the recompute took
-    longer than the load (1.28x the pure load, vs 1.11x at the floor)."""
+    """The regression docs/pipeline.md reports: on a 20 MB/s tier the uncalibrated controller chose
+    the paper's equal-delay ratio, and the recompute took longer than the load it was to hide."""
     n, old = BENCH_TOKENS, Exact(bench_profile(fused=None), cpu_contention=0)  # the controller before
     prof = old.profile
     load = old.load_delay("throttled20", n)
