@@ -31,7 +31,8 @@ def test_batched_answers_equal_one_at_a_time(engine, mode):
     # The five requests really shared decode steps: more answers advanced than steps taken.
     assert batcher.rows_stepped > batcher.steps > 0
     for r in together:
-        assert 0 < r.ttft_s <= r.total_s and r.stats["queue_s"] >= 0 and r.stats["mode"] == mode
+        # The wait for a batch slot is part of the time to the first token.
+        assert r.stats["queue_s"] <= r.ttft_s <= r.total_s and r.stats["mode"] == mode
 
 
 def test_streamed_deltas_stop_strings_and_sampling_match(engine):

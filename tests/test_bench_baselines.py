@@ -63,7 +63,9 @@ def test_missing_llama_cpp_names_the_install(monkeypatch, tmp_path):
         quantized(tmp_path / "m.gguf", "f16", tmp_path)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
+@pytest.mark.llamacpp
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                    reason="llama-cpp-python is not installed: pip install -e '.[llamacpp]' or run .ci/llamacpp")
 def test_llama_cpp_answers_the_engines_prompt(tmp_path, monkeypatch):
     from cacheblend_rag.engine import CacheBlendEngine
 

@@ -24,14 +24,18 @@ def test_breakdown_accounts_for_the_whole_prefill():
     assert [(r["round"], r["mode"]) for r in rows] == [(0, "full_recompute_saved"), (0, "cacheblend"),
                                                        (1, "full_recompute_saved"), (1, "cacheblend")]
     for r in rows:
-        # Categories partition the profiled wall time (Python is the remainder, never negative).
-        assert sum(r[c] for c in CATEGORIES) == pytest.approx(r["profiled_s"], rel=0.05)
-        assert r["gemm"] > 0 and r["attention"] > 0 and r["wall_s"] > 0
+        # Python is the remainder of the profiled wall time after the operators, never negative,
+        # so the categories cover all of it (operators on several threads may add up to more).
+        ops = sum(r[c] for c in CATEGORIES if c != "python")
+        assert r["python"] == pytest.approx(max(0.0, r["profiled_s"] - ops), rel=1e-9, abs=1e-12)
+        assert sum(r[c] for c in CATEGORIES) >= r["profiled_s"] * (1 - 1e-9)
+        assert r["gemm"] > 0 and r["attention"] > 0  # the profiler saw the model's operators
     s = summarize(rows)
     saved = s["full_recompute_saved"]
-    # The last-layer saving: the last of 4 layers computes one position.
-    assert saved["compute_fraction"] == pytest.approx(0.75, abs=0.01)
+    # The last-layer saving: the last of the layers computes one position.
+    layers = engine.num_layers
+    assert saved["compute_fraction"] == pytest.approx((layers - 1) / layers, abs=0.01)
     assert saved["overhead"] == pytest.approx(1.0)  # its own reference
     assert 0 < s["cacheblend"]["compute_fraction"] < 1
-    assert sum(s["cacheblend"][f"{c}_share"] for c in CATEGORIES) == pytest.approx(1.0, rel=0.05)
+    assert sum(s["cacheblend"][f"{c}_share"] for c in CATEGORIES) >= 1 - 1e-9
     assert "| cacheblend |" in report(s)

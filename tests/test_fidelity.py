@@ -69,12 +69,22 @@ def test_method_specs_with_strategies_and_options():
         FidelityConfig(methods=("map_reduce",))
 
 
-def test_fidelity_run_scores_an_exact_method_as_agreeing(tmp_path):
+def test_fidelity_run_scores_an_exact_method_as_agreeing(tmp_path, monkeypatch):
+    from cacheblend_rag.bench import fidelity
     from cacheblend_rag.bench.runner import tiny_engine
 
     engine = tiny_engine(str(tmp_path / "kv"))
     cfg = FidelityConfig(model="tiny", datasets=("hotpotqa",), n=1, methods=("full_reuse", "question@1", "question@0.2/nb"),
                          neighbours=1, max_new_tokens=4, out_dir=str(tmp_path / "out"), progress=False, plots=False)
+    answered = []  # (method, question, first-token logits) of every answer the run computed
+    real_answer = fidelity.answer_once
+
+    def spy(engine, method, question, chunks, budget):
+        got = real_answer(engine, method, question, chunks, budget)
+        answered.append((method.name, question, got["prefill"].logits.reshape(-1).clone()))
+        return got
+
+    monkeypatch.setattr(fidelity, "answer_once", spy)
     try:
         rows = run_fidelity(cfg, engine=engine)
     finally:
@@ -89,8 +99,13 @@ def test_fidelity_run_scores_an_exact_method_as_agreeing(tmp_path):
     assert summary["full_reuse"]["kl_vs_reuse"] == pytest.approx(1.0)
     assert summary["question@1"]["kl_worse_than_reuse"] == 0.0
     # Agreement on the questions where full prefill's first token clearly led its runner-up.
-    margins = {r["qid"]: r["margin_full"] for r in rows}
-    assert all(m >= 0 for m in margins.values())
+    # Each row's margin is full prefill's for its question (not the method's own, which differs
+    # for full reuse).
+    full_logits = {q: logits for name, q, logits in answered if name == "full_recompute"}
+    reuse_logits = {q: logits for name, q, logits in answered if name == "full_reuse"}
+    for r in rows:
+        assert r["margin_full"] == pytest.approx(first_token_margin(full_logits[r["question"]]), abs=1e-6)
+        assert r["margin_full"] != pytest.approx(first_token_margin(reuse_logits[r["question"]]), abs=1e-6)
     confident = [r for r in rows if r["method"] == "full_reuse" and r["margin_full"] >= math.log(2)]
     assert summary["full_reuse"]["n_confident"] == len(confident)
     if confident:

@@ -92,13 +92,47 @@ def test_for_engine_is_shared_per_object():
     assert ChunkRegistry.for_engine(e1) is not ChunkRegistry.for_engine(e2)
 
 
+class CountingPrompt(str):
+    """A prompt that counts the matcher's work on it: character and slice reads (dict lookups are
+    made with the slices) and ``startswith`` comparisons against candidate chunks."""
+
+    reads = comparisons = 0
+
+    def __getitem__(self, index):
+        CountingPrompt.reads += 1
+        return str.__getitem__(self, index)
+
+    def startswith(self, *args):
+        CountingPrompt.comparisons += 1
+        return str.startswith(self, *args)
+
+
+def _scan_work(reg: ChunkRegistry, prompt: str) -> tuple[int, int, list[str]]:
+    CountingPrompt.reads = CountingPrompt.comparisons = 0
+    keys = [s.key for s in reg.find(CountingPrompt(prompt))]
+    return CountingPrompt.reads, CountingPrompt.comparisons, keys
+
+
 def test_many_chunks_scan_is_linear_enough():
+    # The module's cost claim: a constant number of reads per prompt position, and one comparison
+    # per candidate sharing a chunk's prefix, whatever the number of registered chunks. A scan
+    # that tried every chunk at every position would make 5000x more comparisons below.
     chunks = [f"Document number {i} says the value of item {i} is {i * 7}." for i in range(5000)]
-    reg = ChunkRegistry(chunks)
     picked = [chunks[4999], chunks[17], chunks[2500]]
     prompt = "Context:\n" + "\n\n".join(picked) + "\n\nQuestion: what is item 17?"
-    assert find_chunks(prompt, picked) == reg.find(prompt)
-    assert [s.key for s in reg.find(prompt)] == picked
+    many, few = ChunkRegistry(chunks), ChunkRegistry(picked)
+    reads, comparisons, keys = _scan_work(many, prompt)
+    assert keys == picked and find_chunks(prompt, picked) == many.find(prompt)
+    assert (reads, comparisons, keys) == _scan_work(few, prompt)
+    # One comparison per found chunk (each prefix bucket holds one chunk here), and at most three
+    # reads per position: the word-boundary check (two characters) and the prefix slice.
+    assert comparisons == len(picked)
+    assert reads <= 3 * len(prompt)
+    # Linear in the prompt: ten copies cost ten times the comparisons and the same reads per character.
+    longer = "\n".join([prompt] * 10)
+    reads10, comparisons10, keys10 = _scan_work(many, longer)
+    assert keys10 == picked * 10 and comparisons10 == 10 * comparisons
+    assert reads10 <= 3 * len(longer)
 
 
 # Chunk texts: words of letters/digits/punctuation with inner spaces; separators: whitespace and

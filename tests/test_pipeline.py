@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import threading
-import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +13,8 @@ from cacheblend_rag import CacheBlendEngine
 from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_model
 from cacheblend_rag.bench.throttle import ThrottledStore
-from cacheblend_rag.store.loader import LayerAssembler, LoadSpec
+from cacheblend_rag.store import loader as loader_module
+from cacheblend_rag.store.loader import LayerAssembler, LoadSpec, thread_clock
 from cacheblend_rag.store.tiers import MemoryTier, Tier, TieredStore
 
 CHUNKS = SAMPLE_CHUNKS
@@ -24,14 +23,16 @@ RATE = 1e6  # bytes/s: a few ms per layer read of the tiny model, so loads take 
 
 
 class Gate:
-    """Wraps a store and records when each layer's first read starts."""
+    """Wraps a store and records when each layer's first read starts, and on which thread."""
 
     def __init__(self, inner, num_layers):
         self.inner = inner
         self.started = [threading.Event() for _ in range(num_layers + 1)]
         self.started[num_layers].set()  # there is no layer after the last one
+        self.readers: dict[int, set[int]] = {}  # layer -> ids of the threads that read it
 
     def get_layer(self, key, layer, device=None):
+        self.readers.setdefault(layer, set()).add(threading.get_ident())
         self.started[layer].set()
         return self.inner.get_layer(key, layer, device=device)
 
@@ -75,9 +76,18 @@ def test_prefetch_overlaps_compute_and_result_is_bit_identical(tokenizer, tmp_pa
     finally:
         for h in hooks:
             h.remove()
-    eng.store = store
     # (check layers run twice: a capture pass, then the kept tokens)
     assert all(ok for _, ok in overlapped) and {i for i, _ in overlapped} == set(range(eng.num_layers))
+    # Every layer was read on the loader's thread, none on the fusor's; read inline, all on the fusor's.
+    me = threading.get_ident()
+    assert set(gate.readers) == set(range(eng.num_layers))
+    assert all(me not in readers for readers in gate.readers.values())
+    inline = Gate(store, eng.num_layers)
+    eng.store = inline
+    again = eng.prefill(layout, mode, pipelined=False)
+    eng.store = store
+    assert set(inline.readers) == set(range(eng.num_layers)) and all(r == {me} for r in inline.readers.values())
+    assert torch.equal(again.logits, plain.logits)
 
     assert torch.equal(plain.logits, piped.logits)
     for i in range(eng.num_layers):
@@ -86,12 +96,12 @@ def test_prefetch_overlaps_compute_and_result_is_bit_identical(tokenizer, tmp_pa
     assert [s.tolist() for s in plain.selected] == [s.tolist() for s in piped.selected]
 
     s = piped.stats
+    assert s["pipelined"] is True and plain.stats["pipelined"] is False
     for name in ("load_s_per_layer", "load_exposed_s_per_layer", "load_hidden_s_per_layer", "compute_s_per_layer"):
         assert len(s[name]) == eng.num_layers, name
+    # The hidden share is what the fusor did not wait for; how much that is depends on the machine.
     for load, exposed, hidden in zip(s["load_s_per_layer"], s["load_exposed_s_per_layer"], s["load_hidden_s_per_layer"]):
         assert hidden == pytest.approx(max(0.0, load - exposed)) and 0 <= hidden <= load
-    # Layers 1.. were loaded while the previous layer computed, so part of their load is hidden.
-    assert sum(s["load_hidden_s_per_layer"][1:]) > 0
     assert plain.stats["load_hidden_s_per_layer"] == [0.0] * eng.num_layers and plain.stats["load_hidden_s"] == 0.0
     eng.close()
 
@@ -107,39 +117,70 @@ def test_stores_say_whether_they_read_from_memory(tmp_path):
     assert getattr(KVStore(tmp_path / "disk"), "reads_from_memory", False) is False
 
 
-class BusyStore:
-    """A store (no ``reads_from_memory``) whose read is pure CPU work for ``seconds``."""
+class Clocks:
+    """The loader's clocks (wall, the thread's CPU time, its wait for a core), moved only by reads."""
 
-    def __init__(self, seconds):
-        self.seconds = seconds
+    def __init__(self):
+        self.wall = self.cpu = self.queued = 0.0
+
+    def perf_counter(self):
+        return self.wall
+
+    def thread_clock(self):
+        return self.cpu, self.queued
+
+
+class ClockedStore:
+    """A store (no ``reads_from_memory``) whose read takes ``wall`` seconds of which ``cpu`` run on a
+    core and ``queued`` wait for one; the rest waits on storage."""
+
+    def __init__(self, clocks, wall, cpu, queued):
+        self.clocks, self.wall, self.cpu, self.queued = clocks, wall, cpu, queued
+        self.readers: dict[int, int] = {}  # layer -> id of the thread that read it
 
     def get_layer(self, key, layer, device=None):
-        end = time.thread_time() + self.seconds
-        while time.thread_time() < end:
-            pass
+        self.readers[layer] = threading.get_ident()
+        self.clocks.wall += self.wall
+        self.clocks.cpu += self.cpu
+        self.clocks.queued += self.queued
         return torch.zeros(1, 4, 2), torch.zeros(1, 4, 2)
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="needs Linux's run-queue delay")
-def test_a_read_starved_of_cores_by_other_processes_is_still_cpu_work():
+@pytest.mark.parametrize("cpu,queued,overlap", [
+    (0.2, 0.7, False),  # starved of cores by other processes: CPU work, read inline
+    (0.2, 0.0, True),  # waiting on storage most of the time: read ahead
+    (0.9, 0.0, False),  # all CPU work
+])
+def test_automatic_mode_counts_a_read_starved_of_cores_as_cpu_work(monkeypatch, cpu, queued, overlap):
     # With more busy processes than cores, a CPU-bound read spends most of its wall time waiting
     # for a core. Counted as waiting on storage, it would start a loader thread that only
-    # competes with the prefill for the same cores.
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(4 * (os.cpu_count() or 1))]
+    # competes with the prefill for the same cores. The clocks are the loader's own, set by the
+    # read, so the decision is checked without starving this machine.
+    clocks = Clocks()
+    monkeypatch.setattr(loader_module, "time", SimpleNamespace(perf_counter=clocks.perf_counter))
+    monkeypatch.setattr(loader_module, "thread_clock", clocks.thread_clock)
+    store = ClockedStore(clocks, wall=1.0, cpu=cpu, queued=queued)
+    loader = LayerAssembler(store, [LoadSpec(0, 4, "k", 0)], 4, (1, 2), torch.float32,
+                            torch.device("cpu"), rotary_emb=None, num_layers=2, pipelined=None)
     try:
-        time.sleep(0.5)
-        loader = LayerAssembler(BusyStore(0.1), [LoadSpec(0, 4, "k", 0)], 4, (1, 2), torch.float32,
-                                torch.device("cpu"), rotary_emb=None, num_layers=2, pipelined=None)
-        t0, c0 = time.perf_counter(), time.thread_time()
         loader(0)
-        wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
-        loader.close()
+        assert loader.pipelined is overlap
+        loader(1)  # read ahead on the loader's thread, or inline on this one
+        assert store.readers[0] == threading.get_ident()
+        assert (store.readers[1] != threading.get_ident()) is overlap
     finally:
-        for h in hogs:
-            h.kill()
-            h.wait()
-    assert cpu < 0.5 * wall, f"the read was not starved (cpu {cpu:.3f} s of {wall:.3f} s): the test measures nothing"
-    assert loader.pipelined is False
+        loader.close()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="needs Linux's run-queue delay")
+def test_thread_clock_reads_the_kernels_run_queue_delay():
+    def queued():
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+
+    before = queued()
+    _, got = thread_clock()
+    assert before <= got <= queued()
 
 
 class LosesOneLayer:
@@ -188,6 +229,6 @@ def test_automatic_mode_reads_ahead_only_when_reads_wait_on_storage(tokenizer, t
         eng.precompute(CHUNKS, progress=False)
         runs[name] = eng.prefill(eng.build_layout(Q, CHUNKS), "cacheblend")
         eng.close()
-    assert runs["slow"].stats["pipelined"] is True and runs["slow"].stats["load_hidden_s"] > 0
+    assert runs["slow"].stats["pipelined"] is True
     assert runs["memory"].stats["pipelined"] is False and runs["memory"].stats["load_hidden_s"] == 0.0
     assert torch.equal(runs["slow"].logits, runs["memory"].logits)

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import tempfile
 
@@ -20,6 +19,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from cacheblend_rag.matching import ChunkRegistry
 from cacheblend_rag.store.record import CorruptRecordError, encode_layer
 from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.store.keys import chunk_key
@@ -204,9 +204,6 @@ def test_a_valid_record_of_another_fingerprint_is_refused_by_the_store(tmp_path_
 
 # ------------------------------------------------------------------ text-to-chunk matching
 
-HAVE_MATCHING = importlib.util.find_spec("cacheblend_rag.matching") is not None
-needs_matching = pytest.mark.skipif(not HAVE_MATCHING, reason="cacheblend_rag.matching is not written yet")
-
 # A tiny alphabet makes chunks collide, nest and touch word boundaries often.
 WORDS = st.text(alphabet="ab -\n.", min_size=1, max_size=8)
 
@@ -232,12 +229,9 @@ def reference_find(prompt: str, chunks: list[str]) -> list[tuple[int, int, str]]
     return out
 
 
-@needs_matching
 @FAST
 @given(chunks=st.lists(WORDS, max_size=6), prompt=st.text(alphabet="ab -\n.x", max_size=60), k=st.integers(1, 6))
 def test_find_equals_the_brute_force_reference(chunks, prompt, k) -> None:
-    from cacheblend_rag.matching import ChunkRegistry
-
     reg = ChunkRegistry(chunks, prefix_chars=k)
     spans = reg.find(prompt)
     assert [(s.start, s.end, s.key) for s in spans] == reference_find(prompt, chunks)
@@ -245,12 +239,9 @@ def test_find_equals_the_brute_force_reference(chunks, prompt, k) -> None:
         assert prompt[s.start : s.end] == s.key and s.text.strip() == s.key and s.text in chunks
 
 
-@needs_matching
 @FAST
 @given(chunks=st.lists(WORDS, max_size=6), prompt=st.text(max_size=80))
 def test_match_never_loses_or_invents_text(chunks, prompt) -> None:
-    from cacheblend_rag.matching import ChunkRegistry
-
     m = ChunkRegistry(chunks).match(prompt + " ".join(chunks))
     text = prompt + " ".join(chunks)
     rebuilt = m.outside[0] + "".join(s.key + out for s, out in zip(m.spans, m.outside[1:]))
@@ -258,7 +249,6 @@ def test_match_never_loses_or_invents_text(chunks, prompt) -> None:
     assert len(m.outside) == len(m.spans) + 1
 
 
-@needs_matching
 @FAST
 @given(
     chunks=st.lists(st.text(alphabet="abcdefgh .,", min_size=1, max_size=40), min_size=1, max_size=5, unique=True),
@@ -267,8 +257,6 @@ def test_match_never_loses_or_invents_text(chunks, prompt) -> None:
     tail=st.sampled_from(["", "\n\nQuestion: who?", "\nAnswer:"]),
 )
 def test_chunks_joined_by_a_template_are_found_again_in_order(chunks, head, sep, tail) -> None:
-    from cacheblend_rag.matching import ChunkRegistry
-
     keys = [c.strip() for c in chunks]
     prompt = head + sep.join(keys) + tail
     # Only unambiguous prompts: each chunk occurs exactly once (not inside another or the template).

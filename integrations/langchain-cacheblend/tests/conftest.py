@@ -1,4 +1,5 @@
-"""Fixtures: a tiny random engine (milliseconds to build) and a small in-memory vector store."""
+"""Fixtures: a tiny random engine (milliseconds to build) and a small in-memory vector store that
+ranks with the bundled all-MiniLM-L6-v2, so which document comes first means something."""
 
 from __future__ import annotations
 
@@ -6,12 +7,12 @@ import inspect
 
 import pytest
 from langchain_core.documents import Document
-from langchain_core.embeddings import DeterministicFakeEmbedding
 from langchain_core.vectorstores import InMemoryVectorStore
 
 from cacheblend_rag import CacheBlendEngine
 from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.testing import make_model, make_tokenizer
+from langchain_cacheblend import LocalSentenceTransformerEmbeddings
 
 # Texts outside the tiny tokenizer's training sentences (so they take many tokens): the context
 # dominates the prompt, as in real RAG, and the recompute fraction reflects the blending.
@@ -48,9 +49,15 @@ def documents() -> list[Document]:
     return [Document(page_content=t, metadata={"source": f"fact-{i}", "n": i}) for i, t in enumerate(FACTS)]
 
 
+@pytest.fixture(scope="session")
+def minilm() -> LocalSentenceTransformerEmbeddings:
+    # Loaded once (about a second): real sentence embeddings, so the tests can check the ranking.
+    return LocalSentenceTransformerEmbeddings()
+
+
 @pytest.fixture
-def vectorstore(documents) -> InMemoryVectorStore:
-    store = InMemoryVectorStore(DeterministicFakeEmbedding(size=32))
+def vectorstore(documents, minilm) -> InMemoryVectorStore:
+    store = InMemoryVectorStore(minilm)
     store.add_documents(documents)
     return store
 

@@ -22,6 +22,7 @@ def test_documents_pass_through_unchanged_and_are_registered(tiny_engine, vector
     wrapped = CacheBlendRetriever(retriever=inner, llm=llm)
     got = wrapped.invoke(QUESTION)
     assert got == inner.invoke(QUESTION)  # same order, ids, metadata
+    assert got[0].metadata["source"] == "fact-1"  # Marie Curie's two prizes rank first
     assert all(d.page_content in llm.chunk_registry for d in got)
     # The registry is the engine's shared one: a second model on the engine sees the chunks.
     assert all(d.page_content in ChatCacheBlend(engine=tiny_engine).chunk_registry for d in got)
@@ -88,6 +89,7 @@ def test_neighbour_aware_precompute_from_the_vectorstore_and_the_retriever(tiny_
     assert stats["neighbour_hits"] == 2  # every chunk but the first, which keeps its exact cache
     inner = vectorstore.as_retriever(search_kwargs={"k": 2})
     docs = CacheBlendRetriever(retriever=inner, engine=tiny_engine, precompute="sync", neighbours=1).invoke("Thames")
+    assert docs[0].metadata["source"] == "fact-0"  # the Thames fact ranks first
     got = tiny_engine.prefill(tiny_engine.build_layout("Thames?", [d.page_content for d in docs]), "full_reuse").stats
     assert got["neighbour_hits"] == 1
 

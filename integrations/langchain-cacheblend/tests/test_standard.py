@@ -36,7 +36,8 @@ class TestChatCacheBlendUnit(ChatModelUnitTests):
 
 
 def make_retriever(k: int = 4) -> CacheBlendRetriever:
-    """The wrapper over an InMemoryVectorStore retriever returning ``k`` documents."""
+    """The wrapper over an InMemoryVectorStore retriever returning ``k`` documents. The standard
+    suite checks how many documents come back, not which, so fake embeddings are enough here."""
     store = InMemoryVectorStore(DeterministicFakeEmbedding(size=16))
     store.add_documents([Document(page_content=f"Fact number {i}: the value of item {i} is {i * 3}.") for i in range(6)])
     return CacheBlendRetriever(retriever=store.as_retriever(search_kwargs={"k": k}), engine=_engine())
