@@ -21,6 +21,7 @@ from .attention import APE_KWARG
 from .backbone import Backbone, cache_from
 from .chunk_cache import ChunkCache
 from .config import BlendConfig, SamplingParams, check_mode
+from .decode_step import FastDecodeStep
 from .fusor import FusionStats, fuse, question_pass
 from .generation import DecodeState, decode
 from .planner import PrefixRequest
@@ -90,6 +91,9 @@ class CacheBlendEngine:
         # Refused here, before anything is cached, if the fused path cannot be exact for it.
         self.backbone = Backbone.adapt(model.eval())
         self.backbone.self_test()
+        # One decoded token in few operations where the model's layers allow it (checked against
+        # the model's own forward here, else None: decoding uses the forward).
+        self.fast_step = FastDecodeStep.build(model, self.backbone.window)
         self.model = model
         self.tokenizer = tokenizer
         self.model_id = model_id
@@ -482,7 +486,7 @@ class GenerationStream:
             ttft[0] = time.perf_counter() - self.t0
 
         state: DecodeState = yield from decode(eng.model, eng.tokenizer, pre.cache, pre.logits, len(self.layout), self.params, first,
-                                               model_kwargs=pre.attention_kwargs)
+                                               model_kwargs=pre.attention_kwargs, step=eng.fast_step)
         total = time.perf_counter() - self.t0
         stats = dict(pre.stats, **self.controller_stats, ttft_s=ttft[0], total_s=total, generated_tokens=len(state.token_ids))
         self.result = GenerationResult(state.text, state.token_ids, ttft[0], total, state.finish_reason, stats,

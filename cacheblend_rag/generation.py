@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
@@ -129,8 +129,12 @@ def decode(
     params: SamplingParams,
     on_first_token: Callable[[], None] | None = None,
     model_kwargs: dict | None = None,
+    step: Callable[[int, int, Any], torch.Tensor] | None = None,
 ) -> Iterator[str]:
-    """Yield text deltas; the generator's return value is the final ``DecodeState``."""
+    """Yield text deltas; the generator's return value is the final ``DecodeState``.
+
+    ``step(token, position, cache) -> logits [vocab]`` (``decode_step.FastDecodeStep``) replaces
+    the model's forward for each token unless ``model_kwargs`` asks the forward for more."""
     device = first_logits.device
     decoder = Decoder(tokenizer, eos_token_ids(model, tokenizer), params, device)
     cache_kw = cache_kwarg(model)
@@ -151,14 +155,17 @@ def decode(
             return state
         if position == start_position:  # after the first token: TTFT does not pay for the copy
             cache = with_room(cache, params.max_new_tokens)
-        with torch.inference_mode():
-            out = model(
-                input_ids=torch.tensor([[token]], device=device),
-                position_ids=torch.tensor([[position]], device=device),
-                use_cache=True,
-                logits_to_keep=1,
-                **{cache_kw: cache},
-                **(model_kwargs or {}),
-            )
+        if step is not None and not model_kwargs:
+            logits = step(token, position, cache)
+        else:
+            with torch.inference_mode():
+                out = model(
+                    input_ids=torch.tensor([[token]], device=device),
+                    position_ids=torch.tensor([[position]], device=device),
+                    use_cache=True,
+                    logits_to_keep=1,
+                    **{cache_kw: cache},
+                    **(model_kwargs or {}),
+                )
+            logits = out.logits[0, -1]
         position += 1
-        logits = out.logits[0, -1]

@@ -169,3 +169,44 @@ def test_ignore_eos_decodes_to_the_budget():
     assert len(forced.token_ids) == 12 and forced.token_ids[0] == first and forced.finish_reason == "length"
     with pytest.raises(TypeError, match="ignore_eos must be True or False, got str 'yes'"):
         engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, ignore_eos="yes")
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("weights", ["fp32", "fp16"])
+def test_fast_decode_step_gives_the_forwards_logits_and_tokens(arch, weights):
+    """The few-operation decode step against the model's forward on the same growing cache."""
+    model = apply_weight_format(_model(arch), weights)
+    engine = CacheBlendEngine(model, make_tokenizer(), store=KVStore(None))
+    try:
+        assert engine.fast_step is not None
+        layout = engine.build_layout(SAMPLE_QUESTION, SAMPLE_CHUNKS)
+        ours, theirs = engine.prefill(layout, "full_recompute").cache, engine.prefill(layout, "full_recompute").cache
+        token = int(engine.prefill(layout, "full_recompute").logits.argmax())
+        for position in range(len(layout), len(layout) + 12):
+            got = engine.fast_step(token, position, ours)
+            with torch.inference_mode():
+                want = model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[position]]), cache=theirs,
+                             use_cache=True).logits[0, -1]
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+            token = int(want.argmax())
+        for i in range(engine.num_layers):
+            torch.testing.assert_close(_kv(ours, i)[0], _kv(theirs, i)[0], rtol=1e-4, atol=1e-5)
+    finally:
+        engine.close()
+
+
+def test_fast_decode_step_is_not_built_where_the_layers_differ(caplog):
+    import logging
+
+    from cacheblend_rag.decode_step import FastDecodeStep
+
+    assert FastDecodeStep.build(make_model("qwen3", head_dim=16), None) is None  # per-head q/k norms
+    assert FastDecodeStep.build(_model("llama"), window=512) is None
+    # A layer whose arithmetic differs from the pattern (here the MLP's output scaled, which the
+    # fast step does not know) is caught by the check against the model's own forward.
+    model = _model("llama")
+    with caplog.at_level(logging.INFO, logger="cacheblend_rag.decode_step"):
+        assert FastDecodeStep.build(model, None) is not None
+        model.model.layers[1].mlp.register_forward_hook(lambda m, i, o: o * 1.5)
+        assert FastDecodeStep.build(model, None) is None
+    assert "the fast decode step differs from the model's forward (relative logit difference" in caplog.text

@@ -158,59 +158,65 @@ def _warm_up(engines: dict, llamas: dict, cfg: WholeAnswerConfig) -> None:
 
 
 def decode_step_parts(engine, question: str, chunks: Sequence[str], steps: int = 8) -> dict[str, Any]:
-    """One decode step after a full-reuse prefill of the prompt (ms), split by ``torch.profiler`` into
-    the linear layers, attention and the rest, beside the bytes each part must read: the linears'
-    weights in their format and every layer's K and V."""
+    """One decode step after a full-reuse prefill of the prompt (ms): through the model's forward
+    and through the engine's fast step (``decode_step.FastDecodeStep``, where the model has one),
+    and the step decoding uses split by ``torch.profiler`` into the linear layers, attention and
+    the rest, beside the bytes each part must read: the linears' weights in their format and every
+    layer's K and V."""
     from torch.profiler import ProfilerActivity, profile
 
     from ..backbone import cache_kwarg
     from ..decode_cache import with_room
+    from ..weights import Fp16Linear
 
     layout = engine.build_layout(question, chunks)
-    pre = engine.prefill(layout, "full_reuse")
-    cache = with_room(pre.cache, 2 * steps + 1)
     model, kw = engine.model, cache_kwarg(engine.model)
-    token, position = int(pre.logits.argmax()), len(layout)
+    start = len(layout)
 
-    def step() -> None:
-        nonlocal token, position
+    def forward(token: int, position: int, cache: Any) -> torch.Tensor:
         with torch.inference_mode():
             out = model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[position]]), use_cache=True,
                         logits_to_keep=1, **{kw: cache})
-        token, position = int(out.logits[0, -1].argmax()), position + 1
+        return out.logits[0, -1]
 
-    step()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    wall_ms = 1000 * (time.perf_counter() - t0) / steps
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    def timed(fn, profiled: bool = False) -> tuple[float, Any]:
+        cache = with_room(engine.prefill(layout, "full_reuse").cache, 2 * steps + 1)
+        fn(0, start, cache)
+        prof = profile(activities=[ProfilerActivity.CPU]) if profiled else None
+        if prof is not None:
+            prof.__enter__()
         t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        profiled_us = 1e6 * (time.perf_counter() - t0)
+        for i in range(1, steps + 1):
+            fn(i, start + i, cache)
+        ms = 1000 * (time.perf_counter() - t0) / steps
+        if prof is not None:
+            prof.__exit__(None, None, None)
+        return ms, prof
+
+    used = engine.fast_step or forward
+    result: dict[str, Any] = {"prompt_tokens": start, "steps": steps, "forward_step_ms": timed(forward)[0]}
+    if engine.fast_step is not None:
+        result["fast_step_ms"] = timed(engine.fast_step)[0]
+    step_ms = timed(used)[0]
+    profiled_ms, prof = timed(used, profiled=True)
     parts = {"linear": 0.0, "attention": 0.0}
     for e in prof.key_averages():
-        name = e.key
-        if name in ("aten::linear", "quantized::linear_dynamic_fp16"):
-            parts["linear"] += e.cpu_time_total
-        elif name == "aten::scaled_dot_product_attention":
-            parts["attention"] += e.cpu_time_total
-    from ..weights import Fp16Linear
-
-    weight_bytes = sum((m.weight.numel() * 2 if isinstance(m, Fp16Linear) else m.weight.numel() * m.weight.element_size())
+        if e.key in ("aten::linear", "quantized::linear_dynamic_fp16"):
+            parts["linear"] += e.cpu_time_total / 1000 / steps
+        elif e.key == "aten::scaled_dot_product_attention":
+            parts["attention"] += e.cpu_time_total / 1000 / steps
+    # The profiler slows every op; each part's share of the profiled step, applied to the
+    # unprofiled step, is its time.
+    linear_ms, attention_ms = (step_ms * parts[p] / profiled_ms for p in ("linear", "attention"))
+    weight_bytes = sum(m.weight.numel() * (2 if isinstance(m, Fp16Linear) else m.weight.element_size())
                        for m in model.modules() if isinstance(m, (torch.nn.Linear, Fp16Linear)))
     kv_heads, head_dim = engine.kv_shape
-    kv_bytes = engine.num_layers * 2 * kv_heads * position * head_dim * torch.finfo(engine.dtype).bits // 8
-    # The profiler slows every op; each part's share of the profiled time, applied to the
-    # unprofiled step, is its time.
-    linear_ms, attention_ms = (wall_ms * parts[p] / profiled_us for p in ("linear", "attention"))
+    kv_bytes = engine.num_layers * 2 * kv_heads * (start + steps) * head_dim * torch.finfo(engine.dtype).bits // 8
     return {
-        "prompt_tokens": len(layout), "steps": steps, "step_ms": wall_ms,
-        "linear_ms": linear_ms, "attention_ms": attention_ms, "rest_ms": wall_ms - linear_ms - attention_ms,
-        "weight_mb": weight_bytes / 1e6, "kv_mb": kv_bytes / 1e6,
-        "linear_gb_s": weight_bytes / 1e9 / (linear_ms / 1000) if linear_ms else None,
-        "attention_gb_s": kv_bytes / 1e9 / (attention_ms / 1000) if attention_ms else None,
+        **result, "step_ms": step_ms, "linear_ms": linear_ms, "attention_ms": attention_ms,
+        "rest_ms": step_ms - linear_ms - attention_ms, "weight_mb": weight_bytes / 1e6, "kv_mb": kv_bytes / 1e6,
+        "linear_gb_s": weight_bytes / 1e6 / linear_ms if linear_ms else None,
+        "attention_gb_s": kv_bytes / 1e6 / attention_ms if attention_ms else None,
     }
 
 
