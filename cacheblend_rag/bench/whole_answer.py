@@ -288,8 +288,10 @@ def write_report(rows: list[dict], out: Path, cfg: WholeAnswerConfig, plots: boo
     """summary.json and the markdown table from the rows (no model loaded), and the latency plot."""
     rows = [r for r in rows if r.get("model") == cfg.model]
     summary = summarize(rows, cfg.lengths)
-    (out / "whole_answer_summary.json").write_text(json.dumps({"config": asdict(cfg), "summary": summary}, indent=1),
-                                                   encoding="utf-8")
+    from .summary import machine
+
+    meta = {"config": asdict(cfg), "machine": {**machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}}
+    (out / "whole_answer_summary.json").write_text(json.dumps({**meta, "summary": summary}, indent=1), encoding="utf-8")
     (out / "whole_answer.md").write_text(markdown_table(summary, cfg.lengths) + "\n", encoding="utf-8")
     if plots and rows:
         plot_latency(rows, out / "whole_answer.png")
