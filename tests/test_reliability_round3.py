@@ -103,3 +103,242 @@ def test_decoder_still_stops_and_streams_like_before():
             break
     assert "".join(out) == "ab xy" and dec.text == "ab xy" and dec.finish_reason == "stop"
     assert out[:6] == ["a", "b", " ", "x", "y", ""]  # "z" is held back: it could grow into "z." or "zz"
+
+
+# ------------------------------------------------------------------ the HTTP server (attacks 1, 2, 3, 6, 8)
+fastapi = pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+
+import socket  # noqa: E402
+import time  # noqa: E402
+
+from cacheblend_rag.server import ServerConfig, create_app  # noqa: E402
+from cacheblend_rag.server.live import BackgroundServer  # noqa: E402
+from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_engine  # noqa: E402
+
+N = 8  # tokens per answer
+MODEL = "tiny"
+BOUND_S = 60.0  # a bound on waits, never an assertion on time
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    eng = make_engine("llama", seed=0, store_dir=tmp_path_factory.mktemp("kv"), pipelined=False)
+    eng.precompute(SAMPLE_CHUNKS, progress=False)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def expected(engine):
+    """The in-process engine's greedy answer: what a good request must get under attack."""
+    return engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, max_new_tokens=N)
+
+
+def _serve(engine, **limits) -> BackgroundServer:
+    return BackgroundServer(create_app(engine, ServerConfig(model_name=MODEL, **limits)), timeout_s=BOUND_S).start()
+
+
+@pytest.fixture(scope="module")
+def live(engine):
+    server = _serve(engine)
+    yield server
+    server.stop()
+
+
+def _good(url: str) -> dict:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": SAMPLE_QUESTION}], "documents": SAMPLE_CHUNKS,
+            "max_tokens": N}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=BOUND_S)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _assert_good_answer(url: str, expected) -> None:
+    assert _good(url)["choices"][0]["message"]["content"] == expected.text
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def _chat_body(**fields) -> dict:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": SAMPLE_QUESTION}], "max_tokens": N}
+    body.update(fields)
+    return body
+
+
+@pytest.mark.parametrize("fields, status, names", [
+    (dict(stop=["zz" + "a" * 100] * 2000), 400, "max_stop_strings"),
+    (dict(stop=["a" * 5000]), 400, "max_stop_chars"),
+    (dict(documents=["doc %d" % i for i in range(200)]), 400, "max_documents"),
+    (dict(documents=["x" * 200_000]), 400, "max_document_chars"),
+    (dict(documents=["x" * 100_000] * 90), 413, "max_body_bytes"),
+], ids=["stop-count", "stop-length", "documents", "document-chars", "body-bytes"])
+def test_oversized_requests_are_refused_naming_the_limit_and_a_good_request_still_answers(live, expected, fields, status, names):
+    """Attacks 1 and 2: a 2 MB body of long stop strings held the worker for 101 s; megabyte
+    documents grew the server. Each limit answers in OpenAI's error shape, naming the setting."""
+    r = httpx.post(f"{live.url}/v1/chat/completions", json=_chat_body(**fields), timeout=BOUND_S)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert names in error["message"] and error["type"] == "invalid_request_error"
+    _assert_good_answer(live.url, expected)
+
+
+def test_a_chunked_body_over_the_limit_is_refused_while_it_streams(engine, expected):
+    """Attack 2: a body without Content-Length is counted as it arrives; past the limit it is
+    refused (413) instead of read whole."""
+    server = _serve(engine, max_body_bytes=64 * 1024)
+    sent = 0
+
+    def body():
+        nonlocal sent
+        yield b'{"model": "tiny", "messages": [{"role": "user", "content": "'
+        for _ in range(1000):  # up to 64 MB, if nothing stopped it
+            sent += 65536
+            yield b"a" * 65536
+        yield b'"}]}'
+
+    try:
+        try:
+            r = httpx.post(f"{server.url}/v1/chat/completions", content=body(), timeout=BOUND_S,
+                           headers={"content-type": "application/json"})
+            assert r.status_code == 413 and "max_body_bytes" in r.json()["error"]["message"], r.text
+        except httpx.TransportError:
+            pass  # the server answered and closed while the client was still sending: also refused
+        assert sent < 1000 * 65536  # the client was cut off long before the end
+        _assert_good_answer(server.url, expected)
+    finally:
+        server.stop()
+
+
+def test_refused_megabyte_requests_leave_resident_memory_flat(live, expected):
+    """Attack 2: 60 requests with 1 MB documents took the server from 456 MB to 1,562 MB. After
+    100 refused 1 MB requests the process (server and engine) holds within 50 MB of before."""
+    doc = ("The river Thames flows through London. " * 30_000)[:1_000_000]
+    with httpx.Client(timeout=BOUND_S) as client:
+        def refuse(i: int) -> None:
+            r = client.post(f"{live.url}/v1/chat/completions", json=_chat_body(documents=[f"{i} {doc}"]))
+            assert r.status_code == 400 and "max_document_chars" in r.text
+
+        for i in range(5):  # allocator warm-up
+            refuse(i)
+        before = _rss_bytes()
+        for i in range(100):
+            refuse(1000 + i)
+        after = _rss_bytes()
+    assert after - before < 50 * 2**20, (before, after)
+    _assert_good_answer(live.url, expected)
+
+
+def test_documents_the_engine_refuses_are_not_kept_by_the_tokenization_cache(engine, expected):
+    """Attack 2 behind a raised document limit: the engine tokenizes a 1 MB document and refuses
+    it as longer than the context window; its tokens must not stay in memory."""
+    server = _serve(engine, max_document_chars=2_000_000)
+    doc = ("Marie Curie won two Nobel prizes. " * 40_000)[:1_000_000]
+    try:
+        with httpx.Client(timeout=BOUND_S) as client:
+            def refuse(i: int) -> None:
+                r = client.post(f"{server.url}/v1/chat/completions", json=_chat_body(documents=[f"{i} {doc}"]))
+                assert r.status_code == 400 and "context window" in r.text, r.text
+
+            refuse(0)
+            before = _rss_bytes()
+            for i in range(1, 9):
+                refuse(i)
+            after = _rss_bytes()
+        assert after - before < 50 * 2**20, (before, after)
+        assert engine.prompts.token_cache.bytes <= engine.prompts.token_cache.max_bytes
+        _assert_good_answer(server.url, expected)
+    finally:
+        server.stop()
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    """True once the server closed ``sock`` (EOF or reset), False if it is still open after the bound."""
+    sock.settimeout(BOUND_S)
+    try:
+        while True:
+            data = sock.recv(4096)
+            if not data:
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except socket.timeout:
+        return False
+
+
+def test_idle_connections_are_closed(engine, expected):
+    """Attack 3: a connection that never sends a request stayed open for good."""
+    server = _serve(engine, timeout_header_s=0.5)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            assert _closed_by_server(sock)
+        _assert_good_answer(server.url, expected)
+    finally:
+        server.stop()
+
+
+def test_slow_header_connections_are_closed(engine, expected):
+    """Attack 3: headers sent one byte at a time kept a connection (and its file descriptor)
+    forever, since every byte restarted uvicorn's idle timer."""
+    server = _serve(engine, timeout_header_s=0.5)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+            closed = False
+            for _ in range(2000):  # a header byte every 10 ms, for at most 20 s
+                try:
+                    sock.sendall(b"X")
+                except (BrokenPipeError, ConnectionResetError):
+                    closed = True
+                    break
+                time.sleep(0.01)
+            assert closed or _closed_by_server(sock)
+        _assert_good_answer(server.url, expected)
+    finally:
+        server.stop()
+
+
+def test_idle_connections_over_the_cap_make_room_for_a_working_client(engine, expected):
+    """Attack 3: enough idle connections exhausted the file descriptors and locked a good client
+    out. Over ``max_connections`` the oldest idle one is closed; the good client is answered."""
+    server = _serve(engine, max_connections=8, timeout_header_s=BOUND_S * 4)
+    socks = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(30)]
+    try:
+        _assert_good_answer(server.url, expected)
+        closed = 0
+        for s in socks:
+            s.settimeout(0.0)  # non-blocking look: closed ones have EOF waiting
+        deadline = time.monotonic() + BOUND_S
+        while closed < len(socks) - 8 and time.monotonic() < deadline:  # bounded poll
+            closed = 0
+            for s in socks:
+                try:
+                    closed += s.recv(1) == b""
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    closed += 1
+            time.sleep(0.02)
+        assert closed >= len(socks) - 8, closed
+    finally:
+        for s in socks:
+            s.close()
+        server.stop()
+
+
+def test_serve_flags_state_the_server_config_defaults():
+    """docs/server.md and `serve --help` state every limit with ServerConfig's default."""
+    import dataclasses
+
+    from cacheblend_rag import cli
+
+    defaults = {f.name: f.default for f in dataclasses.fields(ServerConfig)}
+    for name, (kind, help_text) in cli._SERVER_LIMITS.items():
+        assert f"(default {defaults[name]})" in help_text, (name, help_text)
+    docs = open("docs/server.md").read()
+    for name, default in defaults.items():
+        if name != "model_name":
+            assert f"`{name}`" in docs, name
