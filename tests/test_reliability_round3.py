@@ -408,3 +408,99 @@ def test_framework_fallbacks_keep_special_token_text_as_text(engine):
     assert stream.layout.token_ids == want
     for _ in stream:
         pass
+
+
+# ------------------------------------------------------------------ 4. planted Settings rows
+def _layers(n_layers: int = 2, tokens: int = 1024, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(2, tokens, 8, generator=g), torch.randn(2, tokens, 8, generator=g)) for _ in range(n_layers)]
+
+
+def _plant_settings(directory, rows) -> None:
+    import sqlite3
+
+    con = sqlite3.connect(directory / "cache.db")
+    with con:
+        con.executemany("INSERT OR REPLACE INTO Settings VALUES (?, ?)", rows)
+    con.close()
+
+
+@pytest.mark.parametrize("rows", [
+    [("disk_evil", 1)],
+    [("sqlite_query_only", 1)],
+    [("disk_min_file_size", "big"), ("size", "many"), ("count", None)],
+    [("eviction_policy", "none"), ("sqlite_journal_mode", "off"), ("size_limit", "x"), ("tag_index", 0)],
+], ids=["unknown-disk-row", "query-only-pragma", "wrong-typed-values", "wrong-known-values"])
+def test_planted_settings_rows_neither_stop_the_store_nor_leave_it_read_only(tmp_path, rows, caplog):
+    """Attack 4: a planted disk_* row made the store's open raise TypeError (and with it
+    from_pretrained and serve); a planted sqlite_* row left it read-only for good. The store
+    opens with its own settings, writable, and keeps serving its chunks."""
+    from cacheblend_rag.store.disk import KVStore
+
+    layers = _layers()
+    with KVStore(tmp_path, size_limit=2**30, fingerprint="f") as store:
+        assert store.put("a", layers)
+    _plant_settings(tmp_path, rows)
+    with KVStore(tmp_path, size_limit=2**30, fingerprint="f") as store:
+        assert not store.read_only
+        got = store.get_layer("a", 1)
+        assert got is not None and torch.equal(got[0], layers[1][0])
+        assert store.put("b", _layers(seed=1)) and store.contains("b")
+        assert store.stats.write_errors == 0 and store.stats.corrupt == 0
+        assert store.volume() > 0
+    if any(k in ("disk_evil", "sqlite_query_only") for k, _ in rows):
+        assert "Settings table holds rows this store does not write" in caplog.text
+
+
+def test_planted_settings_row_does_not_stop_the_engine(tmp_path):
+    """Attack 4 end to end: from_pretrained-style engine start on a planted store answers like a
+    clean one."""
+    from cacheblend_rag.store.disk import KVStore
+
+    clean = make_engine("llama", seed=0, store_dir=tmp_path / "clean", pipelined=False)
+    want = clean.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, max_new_tokens=N).token_ids
+    clean.close()
+    KVStore(tmp_path / "kv").close()
+    _plant_settings(tmp_path / "kv", [("disk_evil", 1), ("sqlite_query_only", 1)])
+    eng = make_engine("llama", seed=0, store_dir=tmp_path / "kv", pipelined=False)
+    try:
+        assert eng.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, max_new_tokens=N).token_ids == want
+        eng.flush()
+        assert eng.store.stats.write_errors == 0 and all(eng.is_cached(c) for c in SAMPLE_CHUNKS)
+    finally:
+        eng.close()
+
+
+# ------------------------------------------------------------------ 5. forged record size
+def test_forged_record_size_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    """Attack 5: a record file smaller than the store's size limit but larger than memory, with a
+    consistent header, was read whole (MemoryError out of generate(), or +2 GB for 2 GiB). A
+    declared size over half the available memory is refused unread: a corrupt miss."""
+    import sqlite3
+    import struct
+    import tracemalloc
+
+    from cacheblend_rag.store import disk
+
+    layers = _layers()
+    with disk.KVStore(tmp_path, size_limit=2**31, fingerprint="f") as store:
+        assert store.put("a", layers)
+    con = sqlite3.connect(tmp_path / "cache.db")
+    (filename,) = con.execute("SELECT filename FROM Cache WHERE key = 'a/0'").fetchone()
+    con.close()
+    forged_size = 300 * 2**20
+    path = tmp_path / filename
+    with open(path, "r+b") as f:
+        f.seek(88)  # the payload length field of the header (store/record.py)
+        f.write(struct.pack("<Q", forged_size - 100))
+        f.truncate(forged_size)  # sparse: costs no disk
+    monkeypatch.setattr(disk, "available_memory", lambda: 256 * 2**20, raising=False)
+    with disk.KVStore(tmp_path, size_limit=2**31, fingerprint="f") as store:
+        tracemalloc.start()
+        try:
+            assert store.get_layer("a", 0) is None
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert store.stats.corrupt == 1 and not store.contains("a")
+    assert peak < 32 * 2**20, peak

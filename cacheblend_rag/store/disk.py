@@ -87,6 +87,24 @@ _VALUE_NAME = re.compile(r"[0-9a-f]{2}[/\\][0-9a-f]{2}[/\\][0-9a-f]{28}\.val")
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
+_CHECK_MEMORY_ABOVE = 16 * 2**20  # records below this are read without asking the kernel
+
+
+def available_memory() -> int:
+    """Bytes of memory the kernel says can be allocated without swapping (MemAvailable)."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return 2**62  # unknown: the store's size limit is the only bound
+
+
 class SafeDisk(diskcache.Disk):
     """diskcache Disk that stores and loads only raw values, never unpickles and never touches a
     file outside its directory.
@@ -183,10 +201,21 @@ class SafeDisk(diskcache.Disk):
                 raise CorruptRecordError(
                     f"{kind} record file: {size} bytes on disk, its header says {record_size(header)}"
                 )
+            if size > _CHECK_MEMORY_ABOVE and size > available_memory() // 2:
+                # A forged header can claim any size up to the store's limit; reading it would take
+                # the memory (a MemoryError on every request, or the machine's swap) before the
+                # checksum could refuse it. Our own records are a small part of memory.
+                raise CorruptRecordError(
+                    f"record file of {size} bytes is more than half the memory available "
+                    f"({available_memory()} bytes): not reading it"
+                )
             # Read straight into a writable buffer: decode_layer then wraps it without a second
             # copy (bytes are immutable and would have to be copied into tensor memory). A KV
             # layer is read on every request, and that copy was a third of the load time.
-            buf = bytearray(size)
+            try:
+                buf = bytearray(size)
+            except MemoryError:
+                raise CorruptRecordError(f"record file of {size} bytes does not fit in memory") from None
             buf[: len(header)] = header
             got = len(header) + (reader.readinto(memoryview(buf)[len(header):]) if size > len(header) else 0)
         if got != size:
@@ -270,26 +299,73 @@ def _check_size_limit(value: object) -> int:
     return int(value)
 
 
+def _settings(size_limit: int) -> dict[str, Any]:
+    """Every diskcache setting this store runs with, passed explicitly: diskcache takes any setting
+    it finds in the database's ``Settings`` table unless told otherwise, and that table is as
+    untrusted as the rest of the directory."""
+    return {
+        **diskcache.DEFAULT_SETTINGS,
+        "size_limit": size_limit,
+        "eviction_policy": "least-recently-used",
+        "tag_index": True,  # chunk discard is evict(tag=key)
+        "statistics": False,
+        # The write-ahead log is store bytes too: checkpoint it every 64 pages and truncate it
+        # back to 256 KiB, instead of letting it grow to sqlite's default 1000 pages and stay.
+        "sqlite_wal_autocheckpoint": _WAL_PAGES,
+        "sqlite_journal_size_limit": _WAL_BYTES,
+    }
+
+
+def _repair_settings(directory: str) -> None:
+    """Remove ``Settings`` rows this store did not write, before diskcache reads them.
+
+    diskcache passes every ``disk_*`` row to the Disk as a keyword argument (a planted one made the
+    open fail with a TypeError) and runs every ``sqlite_*`` row as a PRAGMA (a planted
+    ``sqlite_query_only`` left the store read-only for good). Known settings are overridden by
+    :func:`_settings` anyway; unknown rows are deleted and the counters diskcache keeps there
+    (count, size, hits, misses) are recomputed if they are not integers. The store then opens with
+    its own settings; a database that cannot be repaired (read-only) is opened read-only.
+    """
+    db = os.path.join(directory, diskcache.core.DBNAME)
+    if not os.path.isfile(db):
+        return
+    con = sqlite3.connect(db, timeout=10)
+    try:
+        try:
+            rows = con.execute("SELECT key, value FROM Settings").fetchall()
+        except sqlite3.OperationalError:  # no table yet: diskcache creates it
+            return
+        known = _settings(1)
+        unknown = [k for k, _ in rows if k not in known and k not in diskcache.core.METADATA]
+        bad_counters = [k for k, v in rows if k in diskcache.core.METADATA and (type(v) is not int or v < 0)]
+        if not unknown and not bad_counters:
+            return
+        logger.warning(
+            "KV store %s: its Settings table holds rows this store does not write (%s): removing them and "
+            "opening with the store's own settings", directory,
+            ", ".join(repr(k) for k in (unknown + bad_counters)[:10]),
+        )
+        with con:
+            con.executemany("DELETE FROM Settings WHERE key = ?", [(k,) for k in unknown + bad_counters])
+            if bad_counters:
+                count, size = con.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM Cache").fetchone()
+                fresh = {"count": count, "size": size, "hits": 0, "misses": 0}
+                con.executemany("INSERT INTO Settings VALUES (?, ?)", [(k, fresh[k]) for k in bad_counters])
+    finally:
+        con.close()
+
+
 def _open_cache(directory: str, size_limit: int) -> diskcache.Cache:
     """A writable diskcache on ``directory``; its database handle is closed if the open fails.
 
     diskcache connects before it writes its settings, so an open that fails half way (full disk,
     read-only database) would otherwise leave that connection open until garbage collection.
     """
+    _repair_settings(directory)
     cls = diskcache.Cache
     cache = cls.__new__(cls)
     try:
-        cache.__init__(
-            directory,
-            size_limit=size_limit,
-            eviction_policy="least-recently-used",
-            tag_index=True,  # chunk discard is evict(tag=key)
-            disk=SafeDisk,
-            # The write-ahead log is store bytes too: checkpoint it every 64 pages and truncate it
-            # back to 256 KiB, instead of letting it grow to sqlite's default 1000 pages and stay.
-            sqlite_wal_autocheckpoint=_WAL_PAGES,
-            sqlite_journal_size_limit=_WAL_BYTES,
-        )
+        cache.__init__(directory, disk=SafeDisk, **_settings(size_limit))
     except BaseException:
         with contextlib.suppress(Exception):
             cache.close()
