@@ -5,6 +5,7 @@ docs/reliability.md maps each attack to its test here."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -504,3 +505,133 @@ def test_forged_record_size_is_refused_before_it_is_read(tmp_path, monkeypatch):
             tracemalloc.stop()
         assert store.stats.corrupt == 1 and not store.contains("a")
     assert peak < 32 * 2**20, peak
+
+
+# ------------------------------------------------------------------ 7. well-formed forged records
+KEY = "0123456789abcdef0123456789abcdef"
+
+
+def _forge(engine, target) -> None:
+    """What a co-tenant without the key can do: compute the public chunks' caches with the public
+    model (``engine``, unkeyed) and write well-formed records (right format, fingerprint, chunk
+    and layer) holding wrong K/V into ``target`` in place of every sample chunk."""
+    engine.precompute(SAMPLE_CHUNKS, progress=False)
+    for text in SAMPLE_CHUNKS:
+        key = engine.chunk_key(engine.prompts.chunk_segment(text))
+        meta = engine.store.meta(key)
+        layers = [engine.store.get_layer(key, i) for i in range(meta.num_layers)]
+        target.discard(key)
+        assert target.put(key, [(k.flip(1), -v) for k, v in layers])
+
+
+def _answer(engine) -> list[int]:
+    ids = engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, max_new_tokens=N).token_ids
+    engine.flush()
+    return ids
+
+
+def test_forged_disk_records_are_not_served_with_a_store_key(tmp_path, monkeypatch):
+    """Attack 7 (disk): well-formed records with wrong K/V, written by anyone who can write the
+    store directory, were served (corrupt=0) and changed the answer. With a store key (here from
+    $CACHEBLEND_RAG_STORE_KEY) a record without a valid MAC is a miss: recomputed, never served."""
+    from cacheblend_rag.store.disk import KVStore
+
+    monkeypatch.delenv("CACHEBLEND_RAG_STORE_KEY", raising=False)
+    eng = make_engine("llama", seed=0, store_dir=tmp_path / "clean", pipelined=False)
+    want = _answer(eng)
+    eng.close()
+
+    monkeypatch.setenv("CACHEBLEND_RAG_STORE_KEY", KEY)
+    eng = make_engine("llama", seed=0, store_dir=tmp_path / "kv", pipelined=False)
+    assert _answer(eng) == want  # caches its chunks, MACed
+    fingerprint = eng.store.fingerprint  # make_engine's store: what every engine on it reads
+    eng.close()
+    monkeypatch.delenv("CACHEBLEND_RAG_STORE_KEY")
+    forger = KVStore(tmp_path / "kv", fingerprint=fingerprint)  # a co-tenant without the key
+    probe = make_engine("llama", seed=0, store_dir=tmp_path / "probe", pipelined=False)
+    _forge(probe, forger)
+    probe.close()
+    forger.close()
+    assert _answer(unkeyed := make_engine("llama", seed=0, store_dir=tmp_path / "kv", pipelined=False)) != want
+    unkeyed.close()  # without the key the forgery changes the answer: the attack is real
+
+    monkeypatch.setenv("CACHEBLEND_RAG_STORE_KEY", KEY)
+    eng = make_engine("llama", seed=0, store_dir=tmp_path / "kv", pipelined=False)
+    try:
+        assert _answer(eng) == want
+        assert eng.store.stats.corrupt >= len(SAMPLE_CHUNKS)  # each forged meta failed its MAC
+        assert _answer(eng) == want and all(eng.is_cached(c) for c in SAMPLE_CHUNKS)  # rewritten, MACed
+    finally:
+        eng.close()
+
+
+redis = pytest.importorskip("redis")
+
+
+@pytest.fixture
+def local_redis(tmp_path):
+    sys.path.insert(0, str(Path(__file__).parent / "reliability_helpers"))
+    from local_redis import REDIS_SERVER, LocalRedis
+
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server not found on PATH (apt-get install redis-server)")
+    srv = LocalRedis(tmp_path / "redis")
+    yield srv
+    srv.stop()
+
+
+def _redis_engine(url: str, prefix: str):
+    """An engine over a Redis tier; the store key comes from $CACHEBLEND_RAG_STORE_KEY."""
+    from cacheblend_rag.engine import CacheBlendEngine
+    from cacheblend_rag.store.redis_tier import RedisConfig, RedisStore
+    from cacheblend_rag.store.tiers import Tier, TieredStore
+    from cacheblend_rag.testing import make_model, make_tokenizer
+
+    model, tok = make_model("llama", 0), make_tokenizer()
+    probe = CacheBlendEngine(model, tok, pipelined=False)
+    store = RedisStore(RedisConfig(url, prefix=prefix), fingerprint=probe.fingerprint)
+    probe.close()
+    return CacheBlendEngine(model, tok, store=TieredStore([Tier(store, "redis")]), pipelined=False), store
+
+
+def test_forged_redis_records_are_not_served_with_a_store_key(local_redis, monkeypatch):
+    """Attack 7 (Redis): the same forgery through the Redis keys; with the key it is a miss."""
+    monkeypatch.setenv("CACHEBLEND_RAG_STORE_KEY", KEY)
+    eng, _ = _redis_engine(local_redis.url, "p")
+    want = _answer(eng)
+    eng.close()
+    monkeypatch.delenv("CACHEBLEND_RAG_STORE_KEY")
+    forger_engine, forger = _redis_engine(local_redis.url, "p")  # a client without the key
+    probe = make_engine("llama", seed=0, pipelined=False)
+    _forge(probe, forger)
+    probe.close()
+    assert _answer(forger_engine) != want  # unkeyed readers are fooled: the attack is real
+    forger_engine.close()
+    monkeypatch.setenv("CACHEBLEND_RAG_STORE_KEY", KEY)
+    eng, store = _redis_engine(local_redis.url, "p")
+    try:
+        assert _answer(eng) == want
+        assert store.stats.corrupt >= len(SAMPLE_CHUNKS)
+    finally:
+        eng.close()
+
+
+def test_a_forged_one_layer_redis_meta_is_removed_not_benching_the_tier(local_redis, monkeypatch):
+    """Attack 8: a forged Redis meta record claiming 1 layer made every read of layer 1 raise,
+    which benched the Redis tier after every cool-down and never removed the record."""
+    from cacheblend_rag.store.meta import ChunkMeta, encode_meta
+
+    monkeypatch.delenv("CACHEBLEND_RAG_STORE_KEY", raising=False)
+    eng, store = _redis_engine(local_redis.url, "q")
+    try:
+        want = _answer(eng)
+        chunk = eng.chunk_key(eng.prompts.chunk_segment(SAMPLE_CHUNKS[0]))
+        meta = store.meta(chunk)
+        store.client.set(store.record_name(chunk), encode_meta(ChunkMeta(meta.num_tokens, 1, meta.dtype), eng.fingerprint, chunk))
+        assert _answer(eng) == want
+        tiered = eng.store
+        assert tiered.stats.errors == 0 and tiered.stats.fallbacks == 0  # the tier was never benched
+        assert store.meta(chunk) is not None and store.meta(chunk).num_layers == meta.num_layers  # rewritten whole
+        assert _answer(eng) == want and tiered.stats.errors == 0
+    finally:
+        eng.close()

@@ -60,6 +60,7 @@ from .dtypes import dtype_name
 from .meta import ChunkMeta, decode_chunk_layer, decode_meta, encode_meta
 from .protocol import KV, StoreStats
 from .record import HEADER_SIZE, CorruptRecordError, encode_layer, record_size, validate_chunk
+from .seal import sealer
 
 __all__ = ["KVStore", "KVStoreOpenError", "SafeDisk", "UnsafePathError", "UnsafeRecordError"]
 
@@ -125,6 +126,8 @@ class SafeDisk(diskcache.Disk):
     # Upper bound on one value file; the store sets it to its size limit (a record larger than the
     # whole store was not written by it). Stops a planted 1 TiB sparse file from being read.
     max_record_bytes: int = 2**40
+    # Bytes after a record's own size (its MAC when the store has a key: store/seal.py).
+    trailer_bytes: int = 0
 
     def __init__(self, directory: str, **kwargs: Any) -> None:
         super().__init__(directory, **kwargs)
@@ -196,11 +199,10 @@ class SafeDisk(diskcache.Disk):
             return reader
         with reader:
             header = reader.read(HEADER_SIZE)
-            if len(header) == HEADER_SIZE and record_size(header) != size:
-                kind = "truncated" if size < record_size(header) else "oversized"
-                raise CorruptRecordError(
-                    f"{kind} record file: {size} bytes on disk, its header says {record_size(header)}"
-                )
+            if len(header) == HEADER_SIZE and record_size(header) + self.trailer_bytes != size:
+                want = record_size(header) + self.trailer_bytes
+                kind = "truncated" if size < want else "oversized"
+                raise CorruptRecordError(f"{kind} record file: {size} bytes on disk, its header says {want}")
             if size > _CHECK_MEMORY_ABOVE and size > available_memory() // 2:
                 # A forged header can claim any size up to the store's limit; reading it would take
                 # the memory (a MemoryError on every request, or the machine's swap) before the
@@ -456,13 +458,17 @@ class KVStore:
         *,
         size_limit: int = 8 * 2**30,
         fingerprint: str = "",
+        key: bytes | str | None = None,
     ) -> None:
         """Open (creating if needed) a store in ``directory``.
 
         ``directory=None`` uses a fresh temporary directory that ``close`` deletes.
+        ``key``: a secret that every record is MACed with (default: ``$CACHEBLEND_RAG_STORE_KEY``
+        if set, else none); records without a valid MAC are misses (store/seal.py).
         Raises :class:`KVStoreOpenError` if the directory cannot be used.
         """
         size_limit = _check_size_limit(size_limit)
+        self._sealer = sealer(key)
         self._owns_directory = directory is None
         if directory is None:
             directory = tempfile.mkdtemp(prefix="cacheblend-kv-")
@@ -483,9 +489,13 @@ class KVStore:
         except (*_STORAGE_ERRORS, ValueError) as exc:
             self._cache = self._open_read_only(exc)
             self.read_only = True
-        self._cache.disk.max_record_bytes = size_limit
+        self._configure(self._cache.disk)
         if not self.read_only:
             self._fit_limit()
+
+    def _configure(self, disk: SafeDisk) -> None:
+        disk.max_record_bytes = self._size_limit
+        disk.trailer_bytes = self._sealer.trailer
 
     def _open_read_only(self, exc: BaseException) -> _ReadOnlyCache:
         try:
@@ -516,7 +526,7 @@ class KVStore:
                 cache = _open_cache(str(self.directory), self._size_limit)
             except (*_STORAGE_ERRORS, ValueError):
                 return False
-            cache.disk.max_record_bytes = self._size_limit
+            self._configure(cache.disk)
             old, self._cache, self.read_only = self._cache, cache, False
             self._folders_counted_at = -_FOLDER_RECOUNT_S  # a new Disk counts its folders from 0
         old.close()
@@ -629,7 +639,7 @@ class KVStore:
                     self._reader = _ReadOnlyCache(str(self.directory))
                 except (KVStoreOpenError, OSError, sqlite3.Error):
                     return None
-                self._reader.disk.max_record_bytes = self._size_limit
+                self._configure(self._reader.disk)
                 logger.warning("KV store %s refuses writes (%s): reading it read-only", self.directory, exc)
             return self._reader
 
@@ -639,7 +649,7 @@ class KVStore:
             blob = self._get(f"{key}/meta")
             if blob is None:
                 return None, False
-            return decode_meta(blob, self.fingerprint, key), False
+            return decode_meta(bytes(self._sealer.open(f"{key}/meta", blob)), self.fingerprint, key), False
         except diskcache.Timeout:
             logger.warning("KV store busy reading meta of chunk %s; treating as a miss", key)
             return None, False
@@ -686,7 +696,7 @@ class KVStore:
             return False
         if self.contains(key):
             return True
-        need = sum(HEADER_SIZE + 2 * k.numel() * k.element_size() for k, _ in layers)
+        need = sum(HEADER_SIZE + self._sealer.trailer + 2 * k.numel() * k.element_size() for k, _ in layers)
         if not self._has_room(key, need):
             return False
         meta = ChunkMeta(num_tokens=num_tokens, num_layers=len(layers), dtype=dtype_name(dtype))
@@ -694,10 +704,10 @@ class KVStore:
         with self._cache.disk.tracking_writes() as files:
             try:
                 for i, (k, v) in enumerate(layers):
-                    blob = encode_layer(k, v, self.fingerprint, chunk=key, layer=i)
+                    blob = self._sealer.seal(f"{key}/{i}", encode_layer(k, v, self.fingerprint, chunk=key, layer=i))
                     self._cache.set(f"{key}/{i}", blob, tag=key)
                     written += len(blob)
-                blob = encode_meta(meta, self.fingerprint, key)
+                blob = self._sealer.seal(f"{key}/meta", encode_meta(meta, self.fingerprint, key))
                 self._cache.set(f"{key}/meta", blob, tag=key)  # last: publishes the chunk
                 written += len(blob)
             except _STORAGE_ERRORS as exc:
@@ -779,7 +789,7 @@ class KVStore:
             self._discard(key, meta.num_layers)
             return None
         try:
-            k, v = decode_chunk_layer(blob, meta, self.fingerprint, key, layer)
+            k, v = decode_chunk_layer(self._sealer.open(record, blob), meta, self.fingerprint, key, layer)
         except (CorruptRecordError, ValueError, RuntimeError) as exc:
             self._on_corrupt(key, record, exc, meta.num_layers)
             return None
