@@ -635,3 +635,59 @@ def test_a_forged_one_layer_redis_meta_is_removed_not_benching_the_tier(local_re
         assert _answer(eng) == want and tiered.stats.errors == 0
     finally:
         eng.close()
+
+
+# ------------------------------------------------------------------ 8. smaller items
+def _open_files_under(directory) -> list[str]:
+    import os
+
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(directory)):
+            out.append(target)
+    return out
+
+
+def test_engine_close_closes_every_store_file(tmp_path):
+    """Attack 8: the store's database stayed open in every thread that had used it (the
+    background write-back, server workers) until garbage collection, so unmounting the store's
+    disk after engine.close() failed with "busy"."""
+    import gc
+    import threading
+
+    gc.disable()  # what garbage collection would close must already be closed
+    try:
+        eng = make_engine("llama", seed=0, store_dir=tmp_path / "kv", pipelined=False)
+        eng.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, max_new_tokens=2)  # write-backs on their own thread
+        readers = [threading.Thread(target=eng.is_cached, args=(c,)) for c in SAMPLE_CHUNKS]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join()
+        eng.flush()
+        assert _open_files_under(tmp_path / "kv")  # the store is in use
+        eng.close()
+        assert _open_files_under(tmp_path / "kv") == []
+    finally:
+        gc.enable()
+
+
+def test_a_settings_row_planted_while_the_store_is_open_does_not_reach_new_connections(tmp_path):
+    """Attack 4, later: diskcache ran every sqlite_* Settings row as a PRAGMA on each new thread's
+    connection, so a row planted while the store was open made later threads read-only."""
+    import threading
+
+    from cacheblend_rag.store.disk import KVStore
+
+    with KVStore(tmp_path, size_limit=2**30, fingerprint="f") as store:
+        assert store.put("a", _layers())
+        _plant_settings(tmp_path, [("sqlite_query_only", 1)])
+        results = []
+        t = threading.Thread(target=lambda: results.append(store.put("b", _layers(seed=1))))
+        t.start()
+        t.join()
+        assert results == [True] and store.stats.write_errors == 0 and store.contains("b")

@@ -357,6 +357,63 @@ def _repair_settings(directory: str) -> None:
         con.close()
 
 
+class _StoreCache(diskcache.Cache):
+    """diskcache's Cache with two changes to its per-thread database connections.
+
+    * ``close_all`` closes the connections of every thread. ``Cache.close`` closes only the
+      calling thread's, so the engine's write-back thread and the server's worker kept the
+      database (and its log) open after ``engine.close()`` until garbage collection: an unmount
+      of the store's disk failed as busy.
+    * A new connection applies this store's own ``sqlite_*`` settings, not the ``Settings`` rows
+      it finds in the database (diskcache runs every ``sqlite_*`` row as a PRAGMA on every new
+      connection, so a row planted while the store is open would still take effect).
+    """
+
+    def __init__(self, directory: str, *, pragmas: dict[str, Any], **kwargs: Any) -> None:
+        self._pragmas = pragmas
+        self._connections: list[sqlite3.Connection] = []
+        self._connections_lock = threading.Lock()
+        self._pid = os.getpid()
+        super().__init__(directory, **kwargs)
+
+    @property
+    def _con(self) -> sqlite3.Connection:
+        if self._pid != os.getpid():
+            # Forked: the parent's connections are not this process's to use or close.
+            self._pid, self._local, self._connections = os.getpid(), threading.local(), []
+        con = getattr(self._local, "con", None)
+        if con is None:
+            # check_same_thread=False only so that close_all may close it from another thread;
+            # each connection is still used by its own thread alone.
+            con = self._local.con = sqlite3.connect(
+                os.path.join(self._directory, diskcache.core.DBNAME), timeout=self._timeout,
+                isolation_level=None, check_same_thread=False,
+            )
+            with self._connections_lock:
+                self._connections.append(con)
+            for key, value in self._pragmas.items():
+                self.reset(key, value, update=False)
+        return con
+
+    def close(self) -> None:
+        con = getattr(self._local, "con", None)
+        if con is None:
+            return
+        con.close()
+        self._local.con = None
+        with self._connections_lock:
+            self._connections = [c for c in self._connections if c is not con]
+
+    def close_all(self) -> None:
+        """Close every thread's connection (the store is closed: later use fails as a storage error)."""
+        with self._connections_lock:
+            cons, self._connections = self._connections, []
+        for con in cons:
+            with contextlib.suppress(sqlite3.Error):
+                con.close()
+        self._local.con = None
+
+
 def _open_cache(directory: str, size_limit: int) -> diskcache.Cache:
     """A writable diskcache on ``directory``; its database handle is closed if the open fails.
 
@@ -364,13 +421,15 @@ def _open_cache(directory: str, size_limit: int) -> diskcache.Cache:
     read-only database) would otherwise leave that connection open until garbage collection.
     """
     _repair_settings(directory)
-    cls = diskcache.Cache
+    settings = _settings(size_limit)
+    cls = _StoreCache
     cache = cls.__new__(cls)
     try:
-        cache.__init__(directory, disk=SafeDisk, **_settings(size_limit))
+        cache.__init__(directory, disk=SafeDisk, pragmas={k: v for k, v in settings.items() if k.startswith("sqlite_")},
+                       **settings)
     except BaseException:
         with contextlib.suppress(Exception):
-            cache.close()
+            cache.close_all()
         raise
     return cache
 
@@ -649,7 +708,7 @@ class KVStore:
             blob = self._get(f"{key}/meta")
             if blob is None:
                 return None, False
-            return decode_meta(bytes(self._sealer.open(f"{key}/meta", blob)), self.fingerprint, key), False
+            return decode_meta(self._sealer.open_meta(f"{key}/meta", blob), self.fingerprint, key), False
         except diskcache.Timeout:
             logger.warning("KV store busy reading meta of chunk %s; treating as a miss", key)
             return None, False
@@ -814,7 +873,7 @@ class KVStore:
         if self._closed:
             return
         self._closed = True
-        self._cache.close()
+        getattr(self._cache, "close_all", self._cache.close)()  # every thread's connection
         if self._reader is not None:
             self._reader.close()
         if self._owns_directory:

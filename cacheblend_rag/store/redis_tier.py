@@ -210,7 +210,7 @@ class RedisStore:
         if blob is None:
             return None
         try:
-            return decode_meta(bytes(self._sealer.open(f"{key}/meta", blob)), self.fingerprint, key)
+            return decode_meta(self._sealer.open_meta(f"{key}/meta", blob), self.fingerprint, key)
         except CorruptRecordError as exc:
             self._on_corrupt(key, "meta", exc, 0)
             return None

@@ -74,6 +74,14 @@ class Sealer:
         return memoryview(blob)[:-MAC_SIZE]
 
 
+    def open_meta(self, name: str, blob: object) -> object:
+        """A meta record without its MAC, as ``bytes`` (what ``decode_meta`` checks for); anything
+        that is not bytes is passed on for ``decode_meta`` to refuse with its own message."""
+        if self._key is None or not isinstance(blob, (bytes, bytearray)):
+            return blob
+        return bytes(self.open(name, blob))
+
+
 def sealer(key: bytes | str | None = None) -> Sealer:
     """The store's sealer: ``key`` if given, else ``$CACHEBLEND_RAG_STORE_KEY`` if set, else none."""
     if key is None:
