@@ -691,3 +691,39 @@ def test_a_settings_row_planted_while_the_store_is_open_does_not_reach_new_conne
         t.start()
         t.join()
         assert results == [True] and store.stats.write_errors == 0 and store.contains("b")
+
+
+def _chunk_part(text):
+    return {"type": "text", "text": text, "extras": {"cacheblend_chunk": True}}
+
+
+@pytest.mark.parametrize("fields, names", [
+    (dict(messages=[{"role": "user", "content": [_chunk_part(None), "Where?"]}]), "has no text"),
+    (dict(messages=[{"role": "user", "content": [{"type": "text", "extras": {"cacheblend_chunk": True}}, "Where?"]}]), "has no text"),
+    (dict(messages=[{"role": "user", "content": [{"type": "text", "text": {"a": 1}}]}]), "text of type dict"),
+    (dict(max_tokens=True), "max_tokens"),
+    (dict(max_tokens="3"), "max_tokens"),
+    (dict(max_tokens=2.0), "max_tokens"),
+    (dict(seed=True), "seed"),
+    (dict(stream="yes"), "stream"),
+    (dict(temperature=True), "temperature"),
+    (dict(n=True), "n"),
+    (dict(cacheblend={"top_k": True}), "top_k"),
+    (dict(cacheblend={"recompute_ratio": True}), "recompute_ratio"),
+], ids=["null-chunk-text", "chunk-without-text", "dict-text", "bool-max-tokens", "str-max-tokens", "float-max-tokens",
+        "bool-seed", "str-stream", "bool-temperature", "bool-n", "bool-top-k", "bool-ratio"])
+def test_bad_bodies_get_a_400_naming_the_field_not_a_500_or_a_coercion(live, fields, names):
+    """Attack 8: a chunk part without text was a 500 (KeyError); "text": null became the document
+    "None"; max_tokens: true was answered as max_tokens 1."""
+    r = httpx.post(f"{live.url}/v1/chat/completions", json=_chat_body(**fields), timeout=BOUND_S)
+    assert r.status_code == 400, r.text
+    assert names in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("field, value", [("filter_layers", 1.5), ("filter_layers", True), ("boundary_tokens", 0.5)])
+def test_blend_config_refuses_fractional_layer_counts(field, value):
+    """Attack 8: BlendConfig(filter_layers=1.5) was accepted."""
+    from cacheblend_rag.config import BlendConfig
+
+    with pytest.raises(ValueError, match=f"{field}=.* must be an int"):
+        BlendConfig(**{field: value})
