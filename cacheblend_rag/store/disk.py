@@ -41,6 +41,7 @@ Opening a directory that cannot be used at all *does* raise
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -357,7 +358,7 @@ def _repair_settings(directory: str) -> None:
         con.close()
 
 
-class _StoreCache(diskcache.Cache):
+class _StoreCacheMixin:
     """diskcache's Cache with two changes to its per-thread database connections.
 
     * ``close_all`` closes the connections of every thread. ``Cache.close`` closes only the
@@ -369,12 +370,16 @@ class _StoreCache(diskcache.Cache):
       connection, so a row planted while the store is open would still take effect).
     """
 
+    _local: threading.local
+    _directory: str
+    _timeout: float
+
     def __init__(self, directory: str, *, pragmas: dict[str, Any], **kwargs: Any) -> None:
         self._pragmas = pragmas
         self._connections: list[sqlite3.Connection] = []
         self._connections_lock = threading.Lock()
         self._pid = os.getpid()
-        super().__init__(directory, **kwargs)
+        super().__init__(directory, **kwargs)  # type: ignore[call-arg]
 
     @property
     def _con(self) -> sqlite3.Connection:
@@ -392,7 +397,7 @@ class _StoreCache(diskcache.Cache):
             with self._connections_lock:
                 self._connections.append(con)
             for key, value in self._pragmas.items():
-                self.reset(key, value, update=False)
+                self.reset(key, value, update=False)  # type: ignore[attr-defined]
         return con
 
     def close(self) -> None:
@@ -414,6 +419,12 @@ class _StoreCache(diskcache.Cache):
         self._local.con = None
 
 
+@functools.lru_cache(maxsize=None)
+def _store_cache_class(base: type) -> type:
+    # Built on whatever diskcache.Cache is at open time, so a test can put a failing Cache there.
+    return type("_StoreCache", (_StoreCacheMixin, base), {})
+
+
 def _open_cache(directory: str, size_limit: int) -> diskcache.Cache:
     """A writable diskcache on ``directory``; its database handle is closed if the open fails.
 
@@ -422,7 +433,7 @@ def _open_cache(directory: str, size_limit: int) -> diskcache.Cache:
     """
     _repair_settings(directory)
     settings = _settings(size_limit)
-    cls = _StoreCache
+    cls = _store_cache_class(diskcache.Cache)
     cache = cls.__new__(cls)
     try:
         cache.__init__(directory, disk=SafeDisk, pragmas={k: v for k, v in settings.items() if k.startswith("sqlite_")},
