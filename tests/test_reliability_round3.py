@@ -727,3 +727,38 @@ def test_blend_config_refuses_fractional_layer_counts(field, value):
 
     with pytest.raises(ValueError, match=f"{field}=.* must be an int"):
         BlendConfig(**{field: value})
+
+
+def test_an_ape_answer_does_not_pause_the_batched_answers(engine, monkeypatch):
+    """Attack 8: an APE request (per-request attention reweighting, decoded on its own) was
+    decoded to its end before the batch stepped again, pausing every batched answer for its whole
+    decode. Now both advance in turns; answers are unchanged."""
+    import threading
+
+    from cacheblend_rag.batching import Batcher, Ticket
+    from cacheblend_rag.config import BlendConfig
+
+    ape = BlendConfig(context_temperature=0.9, context_scale=0.9)
+    want_ape = engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, config=ape, max_new_tokens=10)
+    want_plain = engine.generate("Where is the Eiffel Tower?", SAMPLE_CHUNKS, max_new_tokens=30)
+    order: list[int] = []
+    lock = threading.Lock()
+    decoding = threading.Event()
+    real_delta = Ticket.delta
+
+    def recording_delta(self, delta):
+        with lock:
+            order.append(id(self))
+        decoding.set()
+        return real_delta(self, delta)
+
+    monkeypatch.setattr(Ticket, "delta", recording_delta)
+    with Batcher(engine, max_batch=4) as batcher:
+        plain = batcher.submit("Where is the Eiffel Tower?", SAMPLE_CHUNKS, max_new_tokens=30)
+        assert decoding.wait(BOUND_S)  # the batched answer is decoding (a bounded wait)
+        solo = batcher.submit(SAMPLE_QUESTION, SAMPLE_CHUNKS, config=ape, max_new_tokens=10)
+        got_ape, got_plain = solo.result(), plain.result()
+    assert got_ape.token_ids == want_ape.token_ids and got_plain.token_ids == want_plain.token_ids
+    ape_at = [i for i, who in enumerate(order) if who == id(solo)]
+    plain_during = [i for i, who in enumerate(order) if who == id(plain) and ape_at[0] < i < ape_at[-1]]
+    assert len(ape_at) >= 3 and len(plain_during) >= 1, order  # before: none, the batch waited
