@@ -142,7 +142,7 @@ def _serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from .server import ServerConfig, create_app
-        from .server.limits import uvicorn_config
+        from .server.limits import uvicorn_settings
     except ImportError as exc:
         raise SystemExit(f"error: serve needs the server extra ({exc.name} is missing): pip install 'cacheblend-rag[server]'")
     from .engine import CacheBlendEngine
@@ -160,7 +160,7 @@ def _serve(args: argparse.Namespace) -> int:
         app = create_app(engine, config)
         # uvicorn stops on SIGINT/SIGTERM gracefully: it stops accepting connections, lets open
         # requests finish, then runs the app's shutdown (which drains the worker).
-        uvicorn.Server(uvicorn_config(app, config, host=args.host, port=args.port, log_level=args.log_level)).run()
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, **uvicorn_settings(config))
     finally:
         engine.close()
     return 0

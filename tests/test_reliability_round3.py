@@ -762,3 +762,31 @@ def test_an_ape_answer_does_not_pause_the_batched_answers(engine, monkeypatch):
     ape_at = [i for i, who in enumerate(order) if who == id(solo)]
     plain_during = [i for i, who in enumerate(order) if who == id(plain) and ape_at[0] < i < ape_at[-1]]
     assert len(ape_at) >= 3 and len(plain_during) >= 1, order  # before: none, the batch waited
+
+
+def test_serve_passes_its_limit_flags_to_the_app_and_to_uvicorn(monkeypatch, tmp_path):
+    """`serve --max-... --timeout-...` reach ServerConfig (request limits) and uvicorn
+    (connection limits and timeouts)."""
+    import uvicorn
+
+    from cacheblend_rag import cli
+    from cacheblend_rag.engine import CacheBlendEngine
+
+    seen: dict = {}
+    monkeypatch.setattr(CacheBlendEngine, "from_pretrained",
+                        classmethod(lambda cls, model=None, **kw: make_engine("llama", seed=0, store_dir=tmp_path / "kv")))
+
+    def fake_run(app, **kwargs):
+        from fastapi.testclient import TestClient
+
+        seen.update(kwargs)
+        seen["stops"] = TestClient(app).post("/v1/chat/completions", json=_chat_body(stop=["a", "b", "c"])).json()
+
+    monkeypatch.setattr(uvicorn, "run", fake_run)
+    assert cli.main(["serve", "--served-model-name", MODEL, "--max-stop-strings", "2", "--timeout-keep-alive", "3", "--max-header-bytes", "4096",
+                     "--max-connections", "7", "--timeout-header", "2.5"]) == 0
+    assert seen["timeout_keep_alive"] == 3 and seen["h11_max_incomplete_event_size"] == 4096
+    assert "limit of 2 (max_stop_strings" in seen["stops"]["error"]["message"]
+    assert seen["http"].__name__ == "GuardedH11Protocol"
+    with pytest.raises(SystemExit, match="max_documents=0 must be an int >= 1"):
+        cli.main(["serve", "--max-documents", "0"])

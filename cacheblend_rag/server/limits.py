@@ -166,16 +166,20 @@ def guarded_protocol(timeout_header_s: float, max_connections: int) -> type[H11P
     return GuardedH11Protocol
 
 
+def uvicorn_settings(config: "ServerConfig") -> dict[str, Any]:
+    """uvicorn's settings (``uvicorn.run``/``uvicorn.Config`` keyword arguments) for ``config``'s
+    connection limits and timeouts."""
+    return {
+        "http": guarded_protocol(config.timeout_header_s, config.max_connections),
+        "timeout_keep_alive": config.timeout_keep_alive_s,
+        "h11_max_incomplete_event_size": config.max_header_bytes,
+    }
+
+
 def uvicorn_config(app: Any, config: "ServerConfig | None" = None, **kwargs: Any) -> uvicorn.Config:
     """A ``uvicorn.Config`` for ``app`` with the limits and timeouts of ``config`` (default: the
     one ``create_app`` stored on the app). ``kwargs`` go to uvicorn (host, port, log_level, ...)."""
     from .app import ServerConfig
 
     config = config or getattr(getattr(app, "state", None), "server_config", None) or ServerConfig()
-    return uvicorn.Config(
-        app,
-        http=guarded_protocol(config.timeout_header_s, config.max_connections),
-        timeout_keep_alive=config.timeout_keep_alive_s,
-        h11_max_incomplete_event_size=config.max_header_bytes,
-        **kwargs,
-    )
+    return uvicorn.Config(app, **uvicorn_settings(config), **kwargs)
