@@ -244,12 +244,19 @@ def test_documents_the_engine_refuses_are_not_kept_by_the_tokenization_cache(eng
                 r = client.post(f"{server.url}/v1/chat/completions", json=_chat_body(documents=[f"{i} {doc}"]))
                 assert r.status_code == 400 and "context window" in r.text, r.text
 
+            import tracemalloc
+
             refuse(0)
-            before = _rss_bytes()
-            for i in range(1, 9):
-                refuse(i)
-            after = _rss_bytes()
-        assert after - before < 50 * 2**20, (before, after)
+            # Python objects kept (the cache's texts and token ids), not the process's resident
+            # size: the tokenizer's native buffers leave allocator arenas that vary run to run.
+            tracemalloc.start()
+            try:
+                for i in range(1, 9):
+                    refuse(i)
+                kept, _ = tracemalloc.get_traced_memory()
+            finally:
+                tracemalloc.stop()
+        assert kept < 16 * 2**20, kept  # each refused document's tokens were ~13 MB
         assert engine.prompts.token_cache.bytes <= engine.prompts.token_cache.max_bytes
         _assert_good_answer(server.url, expected)
     finally:
