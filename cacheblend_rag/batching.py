@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Generator, Iterator, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -189,6 +189,15 @@ _END = object()
 
 
 @dataclass
+class _Solo:
+    """An answer decoded on its own (APE), one delta per round of the batcher's worker."""
+
+    ticket: "Ticket"
+    gen: Generator[str, None, Any]
+    text: str = ""  # streamed so far: all a cancelled answer can report
+
+
+@dataclass
 class Ticket:
     """One submitted request: iterate it for the answer's text deltas, or call ``result()``.
 
@@ -336,9 +345,10 @@ class Batcher:
     def _run(self) -> None:
         eng = self.engine
         batch = DecodeBatch(eng.model, eng.tokenizer)
+        solo: list[_Solo] = []  # APE answers, decoded one step per round beside the batch
         while True:
             with self._cond:
-                while not self._waiting and not len(batch) and not self._closed:
+                while not self._waiting and not len(batch) and not solo and not self._closed:
                     release_team()  # idle: only the thread that runs the model next keeps a team
                     self._cond.wait()
                 # A request cancelled while it waited leaves the line without a prefill.
@@ -346,8 +356,8 @@ class Batcher:
                 dropped: list[Ticket] = []
                 for ticket in self._waiting:
                     (dropped if ticket.cancelled else waiting).append(ticket)
-                stop = self._closed and not waiting and not len(batch)
-                take = max(0, self.max_batch - len(batch))
+                stop = self._closed and not waiting and not len(batch) and not solo
+                take = max(0, self.max_batch - len(batch) - len(solo))
                 admit, self._waiting = waiting[:take], waiting[take:]
             for ticket in dropped:
                 ticket.done(_cancelled([], ""))
@@ -355,9 +365,16 @@ class Batcher:
                 return
             for ticket in admit:
                 try:
-                    self._start(batch, ticket)
+                    own = self._start(batch, ticket)
                 except Exception as exc:  # noqa: BLE001 - the caller gets its own request's error
                     ticket.fail(exc)
+                else:
+                    if own is not None:
+                        solo.append(own)
+            # One step of each APE answer per round, so neither they nor the batch wait for the
+            # other's whole answer (an APE answer decoded to its end inside _start paused every
+            # batched answer for that long).
+            solo = [own for own in solo if self._step_solo(own)]
             if len(batch):
                 try:
                     with engine_lock(eng):
@@ -371,32 +388,43 @@ class Batcher:
                     self.steps += 1
                     self.rows_stepped += n
 
-    def _start(self, batch: DecodeBatch, ticket: Ticket) -> None:
+    def _start(self, batch: DecodeBatch, ticket: Ticket) -> "_Solo | None":
         eng, s = self.engine, ticket.stream
         ticket.started_s = time.perf_counter()
         with engine_lock(eng):
             if ticket.cancelled:  # cancelled after admission, while the worker waited for the lock
                 ticket.done(_cancelled([], ""))
-                return
+                return None
             cached = cached_chunk_tokens(eng, s)
             pre = s.prefill_result = eng.prefill(s.layout, s.mode, s.config, pipelined=s.pipelined, store=s.store)
             ticket.cache_read_tokens = cache_read_tokens(pre.stats, cached)
             if not pre.attention_kwargs:
                 batch.start(pre.cache, pre.logits, len(s.layout), s.params, ticket)
-                return
-            # APE reweighting is a per-request attention change: decode this answer on its own.
+                return None
+            # APE reweighting is a per-request attention change: this answer is decoded on its own,
+            # a step at a time between the batch's steps (_step_solo).
             gen = decode(eng.model, eng.tokenizer, pre.cache, pre.logits, len(s.layout), s.params,
                          ticket.first_token, model_kwargs=pre.attention_kwargs)
-            text = ""  # streamed so far: all a cancelled answer can report, decode() keeps its tokens
-            try:
-                while not ticket.cancelled:
-                    try:
-                        delta = next(gen)
-                    except StopIteration as stop:
-                        ticket.done(stop.value)
-                        return
-                    text += delta
-                    ticket.delta(delta)
-            finally:
-                gen.close()
-            ticket.done(_cancelled([], text))
+            return _Solo(ticket, gen)
+
+    def _step_solo(self, own: "_Solo") -> bool:
+        """Advance an APE answer to its next text delta; False once it is finished."""
+        ticket = own.ticket
+        try:
+            if not ticket.cancelled:
+                with engine_lock(self.engine):
+                    delta = next(own.gen)
+                own.text += delta
+                ticket.delta(delta)
+                return True
+        except StopIteration as stop:
+            own.gen.close()
+            ticket.done(stop.value)
+            return False
+        except Exception as exc:  # noqa: BLE001 - the caller gets its own request's error
+            own.gen.close()
+            ticket.fail(exc)
+            return False
+        own.gen.close()
+        ticket.done(_cancelled([], own.text))  # what was streamed: decode() keeps its tokens
+        return False

@@ -115,6 +115,22 @@ def _ask(args: argparse.Namespace) -> int:
 
 
 WEIGHTS_HELP = "linear layers' format: fp32 (default) or fp16 (CPU only: half the weight bytes per decoded token)"
+# ServerConfig's request limits and connection timeouts as `serve` flags (docs/server.md). The
+# defaults are ServerConfig's (this module must not import the server extra to build its parser);
+# tests/test_reliability_round3.py checks that the help text states them.
+_SERVER_LIMITS: dict[str, tuple[type, str]] = {
+    "max_body_bytes": (int, "largest request body in bytes; larger gets 413 (default 8388608)"),
+    "max_documents": (int, "most documents per request; more gets 400 (default 64)"),
+    "max_document_chars": (int, "most characters per document; more gets 400 (default 100000)"),
+    "max_stop_strings": (int, "most stop strings per request; more gets 400 (default 16)"),
+    "max_stop_chars": (int, "most characters per stop string; more gets 400 (default 256)"),
+    "timeout_header_s": (float, "seconds a connection may take to send a request's headers (default 10.0)"),
+    "timeout_body_s": (float, "seconds a request body may take to arrive; then 408 (default 30.0)"),
+    "timeout_keep_alive_s": (int, "seconds an idle keep-alive connection stays open (default 5)"),
+    "max_connections": (int, "most open connections; one more closes the oldest idle one (default 128)"),
+    "max_header_bytes": (int, "largest request header block in bytes (default 16384)"),
+}
+
 STORE_HELP = ("chunk cache tiers below memory, fastest first, comma-separated: disk, redis://host:6379/0 "
               "(rediss:// for TLS); e.g. disk,redis://cache:6379/0 shares caches through Redis (default: disk)")
 
@@ -129,19 +145,25 @@ def _serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from .server import ServerConfig, create_app
+        from .server.limits import uvicorn_settings
     except ImportError as exc:
         raise SystemExit(f"error: serve needs the server extra ({exc.name} is missing): pip install 'cacheblend-rag[server]'")
     from .engine import CacheBlendEngine
 
     if args.max_queue < 0:
         raise SystemExit(f"error: --max-queue {args.max_queue}: pass how many requests may wait (>= 0)")
+    try:
+        config = ServerConfig(model_name=args.served_model_name, max_queue=args.max_queue,
+                              **{name: getattr(args, name) for name in _SERVER_LIMITS if getattr(args, name) is not None})
+    except ValueError as exc:  # checked before the model loads
+        raise SystemExit(f"error: {exc}") from None
     engine = CacheBlendEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, weights=args.weights,
                                               store_dir=args.store_dir, store=_store(args.store))
     try:
-        app = create_app(engine, ServerConfig(model_name=args.served_model_name, max_queue=args.max_queue))
+        app = create_app(engine, config)
         # uvicorn stops on SIGINT/SIGTERM gracefully: it stops accepting connections, lets open
         # requests finish, then runs the app's shutdown (which drains the worker).
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, **uvicorn_settings(config))
     finally:
         engine.close()
     return 0
@@ -186,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--store-dir", default=None, help="chunk KV store directory (default: <cache home>/kv)")
     serve.add_argument("--store", default=None, help=STORE_HELP)
     serve.add_argument("--max-queue", type=int, default=8, help="requests that may wait while one runs; more get 503 (default 8)")
+    for name, (kind, help_text) in _SERVER_LIMITS.items():
+        serve.add_argument("--" + name.removesuffix("_s").replace("_", "-"), dest=name, type=kind, default=None, help=help_text)
     serve.add_argument("--served-model-name", default=None, help="the name clients pass as model (default: the model's id)")
     serve.add_argument("--device", default="cpu")
     serve.add_argument("--dtype", default="float32")

@@ -124,12 +124,13 @@ class BlendConfig:
                 f"recompute_ratio={self.recompute_ratio} is outside [0, 1]: it is the fraction of "
                 "context tokens recomputed per layer (0.15 is the paper's default)"
             )
-        if self.filter_layers < 1:
-            raise ValueError(f"filter_layers={self.filter_layers} must be >= 1")
+        # An int: 1.5 was accepted and then used as a layer count in the schedule's arithmetic.
+        if isinstance(self.filter_layers, bool) or not isinstance(self.filter_layers, int) or self.filter_layers < 1:
+            raise ValueError(f"filter_layers={self.filter_layers!r} must be an int >= 1 (the number of check layers)")
         if not isinstance(self.attention_groups, int) or self.attention_groups < 1:
             raise ValueError(f"attention_groups={self.attention_groups!r} must be an int >= 1 (1: one attention call)")
-        if self.boundary_tokens < 0:
-            raise ValueError(f"boundary_tokens={self.boundary_tokens} must be >= 0")
+        if isinstance(self.boundary_tokens, bool) or not isinstance(self.boundary_tokens, int) or self.boundary_tokens < 0:
+            raise ValueError(f"boundary_tokens={self.boundary_tokens!r} must be an int >= 0")
         if self.schedule is not None:
             layers = [l for l, _ in self.schedule]
             fracs = [f for _, f in self.schedule]

@@ -44,15 +44,85 @@ def _warpers(params: SamplingParams) -> LogitsProcessorList:
     return procs
 
 
+class StopMatcher:
+    """Finds the first stop string in a growing text, and how much of its end must be held back.
+
+    An Aho-Corasick automaton over the stop strings: each new character costs one transition
+    (amortised), however many stops there are and however long, where checking every stop against
+    the text costs (number of stops x their length) per token, and a request with many long stops
+    held the server for minutes. Building it costs the stops' total length, once per answer.
+
+    The state after a character is the longest suffix of the text that is a prefix of some stop,
+    so its depth is exactly what could still grow into a stop (the held-back length).
+    """
+
+    def __init__(self, stops: tuple[str, ...]):
+        self._goto: list[dict[str, int]] = [{}]
+        self._depth = [0]
+        self._ends = [0]  # length of the longest stop that is a suffix of the state's string
+        for s in stops:
+            state = 0
+            for ch in s:
+                nxt = self._goto[state].get(ch)
+                if nxt is None:
+                    nxt = len(self._goto)
+                    self._goto[state][ch] = nxt
+                    self._goto.append({})
+                    self._depth.append(self._depth[state] + 1)
+                    self._ends.append(0)
+                state = nxt
+            self._ends[state] = len(s)
+        self._fail = [0] * len(self._goto)
+        queue = list(self._goto[0].values())
+        for state in queue:  # breadth first: a state's fail link is shallower, so already known
+            for ch, nxt in self._goto[state].items():
+                f = self._fail[state]
+                while f and ch not in self._goto[f]:
+                    f = self._fail[f]
+                back = self._goto[f].get(ch, 0)
+                self._fail[nxt] = back if back != nxt else 0
+                if not self._ends[nxt]:
+                    self._ends[nxt] = self._ends[self._fail[nxt]]
+                queue.append(nxt)
+        self._text = ""
+        self._states = [0]  # the state after each prefix of the text matched so far
+
+    def _step(self, state: int, ch: str) -> int:
+        goto, fail = self._goto, self._fail
+        while state and ch not in goto[state]:
+            state = fail[state]
+        return goto[state].get(ch, 0)
+
+    def feed(self, text: str) -> tuple[int, int]:
+        """Match ``text`` (the whole answer so far). Returns (cut, hold): the start of the earliest
+        stop in it (-1: none) and how many characters at its end could still grow into one.
+
+        Only characters not matched before are stepped through. A text that changed before its end
+        (a detokenizer that rewrote its last characters) is matched again from where it changed.
+        """
+        keep = len(self._text)
+        if not text.startswith(self._text):
+            keep = 0
+            for a, b in zip(text, self._text):
+                if a != b:
+                    break
+                keep += 1
+        del self._states[keep + 1 :]
+        state, cut = self._states[keep], -1
+        for i in range(keep, len(text)):
+            state = self._step(state, text[i])
+            self._states.append(state)
+            n = self._ends[state]
+            if n and (cut < 0 or i - n + 1 < cut):
+                cut = i - n + 1
+        self._text = text
+        hold = 1 if text.endswith("\ufffd") else 0  # an incomplete UTF-8 sequence
+        return cut, max(hold, min(self._depth[state], len(text)))
+
+
 def _held_back(text: str, stops: tuple[str, ...]) -> int:
     """Characters at the end of ``text`` that could still grow into a stop string."""
-    hold = 1 if text.endswith("\ufffd") else 0  # an incomplete UTF-8 sequence
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:n]):
-                hold = max(hold, n)
-                break
-    return hold
+    return StopMatcher(stops).feed(text)[1]
 
 
 class Decoder:
@@ -66,6 +136,7 @@ class Decoder:
         self.eos = set() if params.ignore_eos else eos
         self.warpers = _warpers(params)
         self.stops = tuple(s for s in params.stop if s)
+        self._matcher = StopMatcher(self.stops)
         self.generator = None
         if params.temperature > 0:
             self.generator = torch.Generator(device=device)
@@ -96,13 +167,13 @@ class Decoder:
             return self._flush()
         self.token_ids.append(token)
         text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        cut = min((text.find(s) for s in self.stops if s in text), default=-1)
+        cut, hold = self._matcher.feed(text)
         if cut >= 0:
             delta = text[self._emitted : cut] if cut > self._emitted else ""
             self.text, self._emitted, self.finish_reason = text[:cut], cut, "stop"
             return delta
         self.text = text
-        safe = len(text) - _held_back(text, self.stops)
+        safe = len(text) - hold
         delta = ""
         if safe > self._emitted:
             delta, self._emitted = text[self._emitted : safe], safe

@@ -37,11 +37,17 @@ def is_chunk_part(part: object) -> bool:
 
 
 def part_text(part: object) -> str:
-    """The text of a plain string or ``type: text`` part; other part types are refused."""
+    """The text of a plain string or ``type: text`` part; other part types, and a text part
+    whose ``text`` is missing or not a string, are refused (``str()`` of it turned a null into
+    the document "None")."""
     if isinstance(part, str):
         return part
     if isinstance(part, Mapping) and part.get("type") == "text":
-        return str(part.get("text", ""))
+        text = part.get("text")
+        if not isinstance(text, str):
+            what = "has no text" if text is None else f"has a text of type {type(text).__name__}"
+            raise ValueError(f"a content part of type 'text' {what}: give its text as a string")
+        return text
     kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
     raise ValueError(f"content part of type {kind!r} is not supported: CacheBlend models read text only")
 
@@ -78,7 +84,7 @@ def split_messages(messages: Sequence[tuple[str, str | Sequence[object]]], regis
         text_parts: list[str] = []
         for part in content if isinstance(content, list) else [content]:
             if is_chunk_part(part):
-                chunks.append(str(part["text"]))
+                chunks.append(part_text(part))
             else:
                 text_parts.append(part_text(part))
         text = "".join(text_parts)

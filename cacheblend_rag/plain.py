@@ -7,6 +7,7 @@ one non-reusable segment, prefilled by the engine's ``full_recompute`` mode and 
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Mapping, Sequence
 
@@ -14,18 +15,73 @@ from .config import SamplingParams
 from .engine import CacheBlendEngine, GenerationStream
 from .prompt import PromptLayout, Segment
 
+log = logging.getLogger("cacheblend_rag.plain")
 
-def chat_text(tokenizer, messages: Sequence[Mapping[str, str]]) -> str:
-    """``messages`` (role/content dicts) rendered with the tokenizer's chat template, ready for
-    the assistant's turn. Templates without a system role get the system text folded into the
-    next user turn; a tokenizer without a template gets the contents joined by blank lines."""
-    msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
-    if not getattr(tokenizer, "chat_template", None):
-        return "\n\n".join(m["content"] for m in msgs) + "\n"
+
+class ChatPrompt(str):
+    """A chat rendered with the model's chat template that remembers which of its parts are the
+    messages' text: :func:`plain_stream` tokenizes those with special-token strings as plain text
+    (a ``<|im_end|>`` typed or pasted into a message cannot close its turn or open a forged
+    system turn), and only the template's own parts with their control tokens. The same rule as
+    chunk prompts (``cacheblend_rag.prompt``)."""
+
+    parts: tuple[tuple[str, bool], ...]
+    """(text, is_message_text) in order; joined they are the string itself."""
+
+    def __new__(cls, parts: Sequence[tuple[str, bool]]) -> "ChatPrompt":
+        self = super().__new__(cls, "".join(text for text, _ in parts))
+        self.parts = tuple((text, content) for text, content in parts if text)
+        return self
+
+
+def _marker(i: int) -> str:
+    return f"\x00CACHEBLEND_MESSAGE_{i}\x00"
+
+
+def _render(tokenizer, msgs: list[dict[str, str]]) -> str:
     try:
         return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     except Exception:  # a template that rejects the system role
         return tokenizer.apply_chat_template(_fold_system(msgs), tokenize=False, add_generation_prompt=True)
+
+
+def _split_at_markers(rendered: str, contents: Sequence[str]) -> list[tuple[str, bool]] | None:
+    """The template's text around each marker, with the messages' text in their place; None when
+    the template does not place every message exactly once and in order."""
+    parts: list[tuple[str, bool]] = []
+    rest = rendered
+    for i, content in enumerate(contents):
+        head, sep, rest = rest.partition(_marker(i))
+        if not sep or _marker(i) in rest:
+            return None
+        parts += [(head, False), (content, True)]
+    parts.append((rest, False))
+    return parts
+
+
+def chat_text(tokenizer, messages: Sequence[Mapping[str, str]]) -> str:
+    """``messages`` (role/content dicts) rendered with the tokenizer's chat template, ready for
+    the assistant's turn, as a :class:`ChatPrompt`. Templates without a system role get the system
+    text folded into the next user turn; a tokenizer without a template gets the contents joined
+    by blank lines."""
+    msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
+    if not getattr(tokenizer, "chat_template", None):
+        return ChatPrompt([("\n\n".join(m["content"] for m in msgs) + "\n", True)])
+    rendered = _render(tokenizer, msgs)
+    # Rendered again with a marker in place of each message's text, to find where the template
+    # put it. Templates that change the text (a trim) are rendered with the changed text in place.
+    marked = _render(tokenizer, [{"role": m["role"], "content": _marker(i)} for i, m in enumerate(msgs)])
+    for contents in ([m["content"] for m in msgs], [m["content"].strip() for m in msgs]):
+        parts = _split_at_markers(marked, contents)
+        if parts is not None and "".join(text for text, _ in parts) == rendered:
+            return ChatPrompt(parts)
+    parts = _split_at_markers(marked, [m["content"] for m in msgs])
+    if parts is not None:
+        # The template changes the text in a way not undone above: keep its layout, the text as given.
+        return ChatPrompt(parts)
+    log.warning("the chat template does not place each message once: the chat is tokenized as rendered, "
+                "so special-token strings inside messages act as control tokens")
+    return rendered
 
 
 def _fold_system(msgs: list[dict[str, str]]) -> list[dict[str, str]]:
@@ -54,12 +110,20 @@ def sampling_params(engine_kwargs: Mapping[str, object]) -> SamplingParams:
 def plain_stream(engine: CacheBlendEngine, text: str, params: SamplingParams) -> GenerationStream:
     """Stream the answer to ``text`` (already in the model's prompt format) with a full prefill.
 
+    A :class:`ChatPrompt` (what :func:`chat_text` returns) has its messages' text tokenized as
+    text; any other string is tokenized as written, special-token strings included.
+
     The stream's stats are the engine's ``full_recompute`` stats with no chunks.
     """
     t0 = time.perf_counter()
     if not text.strip():
         raise ValueError("the prompt is empty: nothing to answer")
-    ids = tuple(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+    if isinstance(text, ChatPrompt):
+        prompts = engine.prompts
+        ids = tuple(t for part, content in text.parts for t in (prompts.encode_text(part) if content else prompts.encode(part)))
+    else:
+        # Text formatted by the caller (a LlamaIndex completion_to_prompt): taken as written.
+        ids = tuple(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
     if len(ids) + params.max_new_tokens > engine.context_window:
         raise ValueError(
             f"the prompt is {len(ids)} tokens plus {params.max_new_tokens} to generate, more than the "

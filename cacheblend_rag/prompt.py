@@ -14,8 +14,10 @@ application) are tokenized with their special tokens.
 from __future__ import annotations
 
 import copy
+import sys
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Iterable, Iterator, Mapping, Sequence
 
 DEFAULT_INSTRUCTION = (
@@ -135,6 +137,54 @@ def check_unicode(texts: Iterable[tuple[str, object]]) -> None:
                 ) from None
 
 
+class TokenCache:
+    """Least-recently-used chunk text -> token ids, bounded by the bytes it holds.
+
+    Chunk texts come from requests, and a request may be refused after its chunks are tokenized
+    (a chunk longer than the context window). Bounded by entries alone (65,536 of them, each as
+    long as a client likes), 60 refused 1 MB documents grew a server by 1.1 GB. Here the whole
+    cache holds at most ``max_bytes`` (text and ids, estimated), and an entry larger than
+    ``max_bytes // 64`` is never kept: a chunk that long is refused or rare, and re-tokenizing it
+    costs little next to its prefill.
+    """
+
+    def __init__(self, max_bytes: int = 64 * 2**20):
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: OrderedDict[str, tuple[tuple[int, ...], int]] = OrderedDict()
+        self._lock = threading.Lock()  # requests tokenize from several threads
+
+    @staticmethod
+    def entry_bytes(text: str, ids: tuple[int, ...]) -> int:
+        # The str, the tuple and one int object per id (small ints are shared; counting them
+        # anyway errs on the side of a smaller cache).
+        return sys.getsizeof(text) + sys.getsizeof(ids) + 32 * len(ids)
+
+    def get(self, text: str) -> tuple[int, ...] | None:
+        with self._lock:
+            hit = self._entries.get(text)
+            if hit is None:
+                return None
+            self._entries.move_to_end(text)
+            return hit[0]
+
+    def put(self, text: str, ids: tuple[int, ...]) -> None:
+        size = self.entry_bytes(text, ids)
+        if size > self.max_bytes // 64:
+            return
+        with self._lock:
+            if text in self._entries:
+                return
+            self._entries[text] = (ids, size)
+            self.bytes += size
+            while self.bytes > self.max_bytes:
+                _, (_, old) = self._entries.popitem(last=False)
+                self.bytes -= old
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 def _text_only(tokenizer):
     """A private copy of ``tokenizer`` that reads special-token strings as plain text.
 
@@ -174,7 +224,7 @@ class PromptBuilder:
         self.prefix_text = head + "Documents:\n"
         self.tail_text = tail
         self.prefix_ids: tuple[int, ...] = self.encode(self.prefix_text)
-        self._chunk_ids = lru_cache(maxsize=65536)(self._encode_chunk)
+        self.token_cache = TokenCache()
 
     def _split_template(self) -> tuple[str, str]:
         tok = self.tokenizer
@@ -201,8 +251,12 @@ class PromptBuilder:
         """Token ids of untrusted text (chunks, question): special-token strings stay text."""
         return tuple(self._text_tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def _encode_chunk(self, text: str) -> tuple[int, ...]:
-        return self.encode_text(text + self.separator)
+    def _chunk_ids(self, text: str) -> tuple[int, ...]:
+        ids = self.token_cache.get(text)
+        if ids is None:
+            ids = self.encode_text(text + self.separator)
+            self.token_cache.put(text, ids)
+        return ids
 
     def chunk_segment(self, text: str) -> Segment:
         return Segment(text, self._chunk_ids(text), reusable=True)

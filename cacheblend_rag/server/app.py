@@ -23,6 +23,7 @@ from starlette.requests import ClientDisconnect
 
 from ..run import Request, Run
 from .inputs import chat_request, completion_request
+from .limits import BodyLimit
 from .outputs import DONE, ChatFormat, CompletionFormat, sse
 from .schemas import (
     ChatCompletionRequest,
@@ -42,15 +43,75 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """How the server presents and protects its engine.
+    """How the server presents and protects its engine (docs/server.md lists every limit).
 
     model_name: the name clients pass as ``model`` (None: the engine's ``model_id``). Any other
         name is answered 404 ``model_not_found``, as OpenAI does.
     max_queue: requests that may wait while one runs; one more gets 503 at once (default 8).
+
+    Request limits (one more is refused with 413 for the body, else 400, naming the limit):
+    max_body_bytes: bytes of one request body (default 8 MiB).
+    max_documents: documents of one request, from ``documents`` or chunk content parts (default 64).
+    max_document_chars: characters of one document (default 100,000).
+    max_stop_strings: stop strings of one request (default 16; OpenAI allows 4).
+    max_stop_chars: characters of one stop string (default 256).
+
+    Connections (uvicorn, through :func:`~.limits.uvicorn_config`):
+    timeout_header_s: seconds a connection may take to send a request's headers, counted from
+        its opening or the previous response; then it is closed (default 10).
+    timeout_body_s: seconds a request's body may take to arrive; then 408 (default 30).
+    timeout_keep_alive_s: seconds an idle keep-alive connection stays open (default 5, uvicorn's).
+    max_connections: open connections; one more closes the oldest one still waiting for its
+        headers, or itself if every other one is busy (default 128).
+    max_header_bytes: bytes of a request's headers (h11's ``max_incomplete_event_size``; default
+        16 KiB); more gets 400 from uvicorn.
     """
 
     model_name: str | None = None
     max_queue: int = 8
+    max_body_bytes: int = 8 * 2**20
+    max_documents: int = 64
+    max_document_chars: int = 100_000
+    max_stop_strings: int = 16
+    max_stop_chars: int = 256
+    timeout_header_s: float = 10.0
+    timeout_body_s: float = 30.0
+    timeout_keep_alive_s: int = 5
+    max_connections: int = 128
+    max_header_bytes: int = 16 * 1024
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_documents", "max_document_chars", "max_stop_strings", "max_stop_chars",
+                     "max_connections", "max_header_bytes", "timeout_keep_alive_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ServerConfig.{name}={value!r} must be an int >= 1")
+        for name in ("timeout_header_s", "timeout_body_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"ServerConfig.{name}={value!r} must be a number of seconds > 0")
+
+
+def check_limits(config: ServerConfig, stops: list[str], documents: tuple[str, ...]) -> None:
+    """Refuse (400, naming the limit and its setting) what would make one request expensive."""
+    if len(stops) > config.max_stop_strings:
+        raise APIError(400, f"invalid request: stop has {len(stops)} strings, more than this server's limit of "
+                       f"{config.max_stop_strings} (max_stop_strings, --max-stop-strings): send fewer", param="stop",
+                       code="limit_exceeded")
+    for i, s in enumerate(stops):
+        if len(s) > config.max_stop_chars:
+            raise APIError(400, f"invalid request: stop string {i} is {len(s)} characters, more than this server's limit "
+                           f"of {config.max_stop_chars} (max_stop_chars, --max-stop-chars): shorten it", param="stop",
+                           code="limit_exceeded")
+    if len(documents) > config.max_documents:
+        raise APIError(400, f"invalid request: {len(documents)} documents, more than this server's limit of "
+                       f"{config.max_documents} (max_documents, --max-documents): retrieve fewer", param="documents",
+                       code="limit_exceeded")
+    for i, d in enumerate(documents):
+        if len(d) > config.max_document_chars:
+            raise APIError(400, f"invalid request: document {i} is {len(d)} characters, more than this server's limit of "
+                           f"{config.max_document_chars} (max_document_chars, --max-document-chars): split it into "
+                           "shorter chunks", param="documents", code="limit_exceeded")
 
 
 class APIError(Exception):
@@ -77,6 +138,8 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         await asyncio.to_thread(worker.close)
 
     app = FastAPI(title="cacheblend-rag", lifespan=lifespan)
+    app.state.server_config = config  # read by limits.uvicorn_config
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, timeout_s=config.timeout_body_s)
     _install_error_handlers(app)
 
     def check_model(requested: str) -> None:
@@ -85,6 +148,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
                            param="model", code="model_not_found")
 
     async def answer(body: GenerationRequest, request: Request, fmt: ChatFormat | CompletionFormat, http: HTTPRequest):
+        check_limits(config, body.stops, request.chunks)
         try:
             job = worker.submit(_producer(engine, request, body.engine_kwargs()))
         except Overloaded as exc:

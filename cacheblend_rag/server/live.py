@@ -12,6 +12,8 @@ import time
 
 import uvicorn
 
+from .limits import uvicorn_config
+
 
 class BackgroundServer:
     """``start()`` returns once uvicorn accepts connections; ``stop()`` shuts it down gracefully
@@ -24,7 +26,8 @@ class BackgroundServer:
         self.port = self.sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
         self.timeout_s = timeout_s
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on"))
+        # The app's ServerConfig limits and timeouts (limits.uvicorn_config), as `serve` runs it.
+        self.server = uvicorn.Server(uvicorn_config(app, log_level=log_level, lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
                                        name="cacheblend-background-server")
 

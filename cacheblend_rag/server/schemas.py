@@ -24,14 +24,14 @@ class CacheBlendOptions(BaseModel):
     mode: Literal[MODES] = "cacheblend"  # type: ignore[valid-type]
     """One of cacheblend, full_recompute (the exact full prefill), full_recompute_saved (the same with the
     fused modes' last-layer saving), prefix_caching, full_reuse."""
-    recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
+    recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0, strict=True)
     """Fraction of chunk tokens recomputed per layer (None: the engine's configured one)."""
-    top_k: int = Field(default=0, ge=0)
+    top_k: int = Field(default=0, ge=0, strict=True)
     """Sample from the k most likely tokens only (0: off)."""
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: bool = Field(default=False, strict=True)
     """Send a last chunk with ``usage`` (and empty ``choices``) before ``[DONE]``, as OpenAI does."""
 
 
@@ -62,22 +62,25 @@ _OFF = {"best_of": 1}
 
 
 class GenerationRequest(BaseModel):
-    """Fields both endpoints share."""
+    """Fields both endpoints share.
+
+    Numbers and switches are strict: ``max_tokens: true`` or ``"3"`` is a 400 naming the field,
+    not coerced to 1 or 3 (a client bug would otherwise be answered as if it were meant)."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, strict=True)
     """Most tokens to generate (default 128)."""
-    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0, strict=True)
     """0 (the default here, unlike OpenAI's 1) decodes greedily."""
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, strict=True)
+    seed: int | None = Field(default=None, strict=True)
     """Sampling seed (used when temperature > 0)."""
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool = Field(default=False, strict=True)
     stream_options: StreamOptions | None = None
-    n: int | None = 1
+    n: int | None = Field(default=1, strict=True)
     user: str | None = None  # accepted and ignored, as a single-tenant server has no use for it
     documents: list[str] | None = None
     """The retrieved chunks, one string each (extension field; each one's KV is cached)."""
@@ -140,7 +143,7 @@ class GenerationRequest(BaseModel):
 
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, strict=True)
     """OpenAI's newer name for ``max_tokens`` (what LangChain's ChatOpenAI sends); wins if both are set."""
 
     @property

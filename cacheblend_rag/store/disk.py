@@ -41,6 +41,7 @@ Opening a directory that cannot be used at all *does* raise
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -60,6 +61,7 @@ from .dtypes import dtype_name
 from .meta import ChunkMeta, decode_chunk_layer, decode_meta, encode_meta
 from .protocol import KV, StoreStats
 from .record import HEADER_SIZE, CorruptRecordError, encode_layer, record_size, validate_chunk
+from .seal import sealer
 
 __all__ = ["KVStore", "KVStoreOpenError", "SafeDisk", "UnsafePathError", "UnsafeRecordError"]
 
@@ -87,6 +89,24 @@ _VALUE_NAME = re.compile(r"[0-9a-f]{2}[/\\][0-9a-f]{2}[/\\][0-9a-f]{28}\.val")
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
+_CHECK_MEMORY_ABOVE = 16 * 2**20  # records below this are read without asking the kernel
+
+
+def available_memory() -> int:
+    """Bytes of memory the kernel says can be allocated without swapping (MemAvailable)."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return 2**62  # unknown: the store's size limit is the only bound
+
+
 class SafeDisk(diskcache.Disk):
     """diskcache Disk that stores and loads only raw values, never unpickles and never touches a
     file outside its directory.
@@ -107,6 +127,8 @@ class SafeDisk(diskcache.Disk):
     # Upper bound on one value file; the store sets it to its size limit (a record larger than the
     # whole store was not written by it). Stops a planted 1 TiB sparse file from being read.
     max_record_bytes: int = 2**40
+    # Bytes after a record's own size (its MAC when the store has a key: store/seal.py).
+    trailer_bytes: int = 0
 
     def __init__(self, directory: str, **kwargs: Any) -> None:
         super().__init__(directory, **kwargs)
@@ -178,15 +200,25 @@ class SafeDisk(diskcache.Disk):
             return reader
         with reader:
             header = reader.read(HEADER_SIZE)
-            if len(header) == HEADER_SIZE and record_size(header) != size:
-                kind = "truncated" if size < record_size(header) else "oversized"
+            if len(header) == HEADER_SIZE and record_size(header) + self.trailer_bytes != size:
+                want = record_size(header) + self.trailer_bytes
+                kind = "truncated" if size < want else "oversized"
+                raise CorruptRecordError(f"{kind} record file: {size} bytes on disk, its header says {want}")
+            if size > _CHECK_MEMORY_ABOVE and size > available_memory() // 2:
+                # A forged header can claim any size up to the store's limit; reading it would take
+                # the memory (a MemoryError on every request, or the machine's swap) before the
+                # checksum could refuse it. Our own records are a small part of memory.
                 raise CorruptRecordError(
-                    f"{kind} record file: {size} bytes on disk, its header says {record_size(header)}"
+                    f"record file of {size} bytes is more than half the memory available "
+                    f"({available_memory()} bytes): not reading it"
                 )
             # Read straight into a writable buffer: decode_layer then wraps it without a second
             # copy (bytes are immutable and would have to be copied into tensor memory). A KV
             # layer is read on every request, and that copy was a third of the load time.
-            buf = bytearray(size)
+            try:
+                buf = bytearray(size)
+            except MemoryError:
+                raise CorruptRecordError(f"record file of {size} bytes does not fit in memory") from None
             buf[: len(header)] = header
             got = len(header) + (reader.readinto(memoryview(buf)[len(header):]) if size > len(header) else 0)
         if got != size:
@@ -270,29 +302,145 @@ def _check_size_limit(value: object) -> int:
     return int(value)
 
 
+def _settings(size_limit: int) -> dict[str, Any]:
+    """Every diskcache setting this store runs with, passed explicitly: diskcache takes any setting
+    it finds in the database's ``Settings`` table unless told otherwise, and that table is as
+    untrusted as the rest of the directory."""
+    return {
+        **diskcache.DEFAULT_SETTINGS,
+        "size_limit": size_limit,
+        "eviction_policy": "least-recently-used",
+        "tag_index": True,  # chunk discard is evict(tag=key)
+        "statistics": False,
+        # The write-ahead log is store bytes too: checkpoint it every 64 pages and truncate it
+        # back to 256 KiB, instead of letting it grow to sqlite's default 1000 pages and stay.
+        "sqlite_wal_autocheckpoint": _WAL_PAGES,
+        "sqlite_journal_size_limit": _WAL_BYTES,
+    }
+
+
+def _repair_settings(directory: str) -> None:
+    """Remove ``Settings`` rows this store did not write, before diskcache reads them.
+
+    diskcache passes every ``disk_*`` row to the Disk as a keyword argument (a planted one made the
+    open fail with a TypeError) and runs every ``sqlite_*`` row as a PRAGMA (a planted
+    ``sqlite_query_only`` left the store read-only for good). Known settings are overridden by
+    :func:`_settings` anyway; unknown rows are deleted and the counters diskcache keeps there
+    (count, size, hits, misses) are recomputed if they are not integers. The store then opens with
+    its own settings; a database that cannot be repaired (read-only) is opened read-only.
+    """
+    db = os.path.join(directory, diskcache.core.DBNAME)
+    if not os.path.isfile(db):
+        return
+    con = sqlite3.connect(db, timeout=10)
+    try:
+        try:
+            rows = con.execute("SELECT key, value FROM Settings").fetchall()
+        except sqlite3.OperationalError:  # no table yet: diskcache creates it
+            return
+        known = _settings(1)
+        unknown = [k for k, _ in rows if k not in known and k not in diskcache.core.METADATA]
+        bad_counters = [k for k, v in rows if k in diskcache.core.METADATA and (type(v) is not int or v < 0)]
+        if not unknown and not bad_counters:
+            return
+        logger.warning(
+            "KV store %s: its Settings table holds rows this store does not write (%s): removing them and "
+            "opening with the store's own settings", directory,
+            ", ".join(repr(k) for k in (unknown + bad_counters)[:10]),
+        )
+        with con:
+            con.executemany("DELETE FROM Settings WHERE key = ?", [(k,) for k in unknown + bad_counters])
+            if bad_counters:
+                count, size = con.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM Cache").fetchone()
+                fresh = {"count": count, "size": size, "hits": 0, "misses": 0}
+                con.executemany("INSERT INTO Settings VALUES (?, ?)", [(k, fresh[k]) for k in bad_counters])
+    finally:
+        con.close()
+
+
+class _StoreCacheMixin:
+    """diskcache's Cache with two changes to its per-thread database connections.
+
+    * ``close_all`` closes the connections of every thread. ``Cache.close`` closes only the
+      calling thread's, so the engine's write-back thread and the server's worker kept the
+      database (and its log) open after ``engine.close()`` until garbage collection: an unmount
+      of the store's disk failed as busy.
+    * A new connection applies this store's own ``sqlite_*`` settings, not the ``Settings`` rows
+      it finds in the database (diskcache runs every ``sqlite_*`` row as a PRAGMA on every new
+      connection, so a row planted while the store is open would still take effect).
+    """
+
+    _local: threading.local
+    _directory: str
+    _timeout: float
+
+    def __init__(self, directory: str, *, pragmas: dict[str, Any], **kwargs: Any) -> None:
+        self._pragmas = pragmas
+        self._connections: list[sqlite3.Connection] = []
+        self._connections_lock = threading.Lock()
+        self._pid = os.getpid()
+        super().__init__(directory, **kwargs)  # type: ignore[call-arg]
+
+    @property
+    def _con(self) -> sqlite3.Connection:
+        if self._pid != os.getpid():
+            # Forked: the parent's connections are not this process's to use or close.
+            self._pid, self._local, self._connections = os.getpid(), threading.local(), []
+        con = getattr(self._local, "con", None)
+        if con is None:
+            # check_same_thread=False only so that close_all may close it from another thread;
+            # each connection is still used by its own thread alone.
+            con = self._local.con = sqlite3.connect(
+                os.path.join(self._directory, diskcache.core.DBNAME), timeout=self._timeout,
+                isolation_level=None, check_same_thread=False,
+            )
+            with self._connections_lock:
+                self._connections.append(con)
+            for key, value in self._pragmas.items():
+                self.reset(key, value, update=False)  # type: ignore[attr-defined]
+        return con
+
+    def close(self) -> None:
+        con = getattr(self._local, "con", None)
+        if con is None:
+            return
+        con.close()
+        self._local.con = None
+        with self._connections_lock:
+            self._connections = [c for c in self._connections if c is not con]
+
+    def close_all(self) -> None:
+        """Close every thread's connection (the store is closed: later use fails as a storage error)."""
+        with self._connections_lock:
+            cons, self._connections = self._connections, []
+        for con in cons:
+            with contextlib.suppress(sqlite3.Error):
+                con.close()
+        self._local.con = None
+
+
+@functools.lru_cache(maxsize=None)
+def _store_cache_class(base: type) -> type:
+    # Built on whatever diskcache.Cache is at open time, so a test can put a failing Cache there.
+    return type("_StoreCache", (_StoreCacheMixin, base), {})
+
+
 def _open_cache(directory: str, size_limit: int) -> diskcache.Cache:
     """A writable diskcache on ``directory``; its database handle is closed if the open fails.
 
     diskcache connects before it writes its settings, so an open that fails half way (full disk,
     read-only database) would otherwise leave that connection open until garbage collection.
     """
-    cls = diskcache.Cache
+    _repair_settings(directory)
+    settings = _settings(size_limit)
+    cls = _store_cache_class(diskcache.Cache)
     cache = cls.__new__(cls)
     try:
-        cache.__init__(
-            directory,
-            size_limit=size_limit,
-            eviction_policy="least-recently-used",
-            tag_index=True,  # chunk discard is evict(tag=key)
-            disk=SafeDisk,
-            # The write-ahead log is store bytes too: checkpoint it every 64 pages and truncate it
-            # back to 256 KiB, instead of letting it grow to sqlite's default 1000 pages and stay.
-            sqlite_wal_autocheckpoint=_WAL_PAGES,
-            sqlite_journal_size_limit=_WAL_BYTES,
-        )
+        cache.__init__(directory, disk=SafeDisk, pragmas={k: v for k, v in settings.items() if k.startswith("sqlite_")},
+                       **settings)
     except BaseException:
         with contextlib.suppress(Exception):
-            cache.close()
+            cache.close_all()
         raise
     return cache
 
@@ -380,13 +528,17 @@ class KVStore:
         *,
         size_limit: int = 8 * 2**30,
         fingerprint: str = "",
+        key: bytes | str | None = None,
     ) -> None:
         """Open (creating if needed) a store in ``directory``.
 
         ``directory=None`` uses a fresh temporary directory that ``close`` deletes.
+        ``key``: a secret that every record is MACed with (default: ``$CACHEBLEND_RAG_STORE_KEY``
+        if set, else none); records without a valid MAC are misses (store/seal.py).
         Raises :class:`KVStoreOpenError` if the directory cannot be used.
         """
         size_limit = _check_size_limit(size_limit)
+        self._sealer = sealer(key)
         self._owns_directory = directory is None
         if directory is None:
             directory = tempfile.mkdtemp(prefix="cacheblend-kv-")
@@ -407,9 +559,13 @@ class KVStore:
         except (*_STORAGE_ERRORS, ValueError) as exc:
             self._cache = self._open_read_only(exc)
             self.read_only = True
-        self._cache.disk.max_record_bytes = size_limit
+        self._configure(self._cache.disk)
         if not self.read_only:
             self._fit_limit()
+
+    def _configure(self, disk: SafeDisk) -> None:
+        disk.max_record_bytes = self._size_limit
+        disk.trailer_bytes = self._sealer.trailer
 
     def _open_read_only(self, exc: BaseException) -> _ReadOnlyCache:
         try:
@@ -440,7 +596,7 @@ class KVStore:
                 cache = _open_cache(str(self.directory), self._size_limit)
             except (*_STORAGE_ERRORS, ValueError):
                 return False
-            cache.disk.max_record_bytes = self._size_limit
+            self._configure(cache.disk)
             old, self._cache, self.read_only = self._cache, cache, False
             self._folders_counted_at = -_FOLDER_RECOUNT_S  # a new Disk counts its folders from 0
         old.close()
@@ -553,7 +709,7 @@ class KVStore:
                     self._reader = _ReadOnlyCache(str(self.directory))
                 except (KVStoreOpenError, OSError, sqlite3.Error):
                     return None
-                self._reader.disk.max_record_bytes = self._size_limit
+                self._configure(self._reader.disk)
                 logger.warning("KV store %s refuses writes (%s): reading it read-only", self.directory, exc)
             return self._reader
 
@@ -563,7 +719,7 @@ class KVStore:
             blob = self._get(f"{key}/meta")
             if blob is None:
                 return None, False
-            return decode_meta(blob, self.fingerprint, key), False
+            return decode_meta(self._sealer.open_meta(f"{key}/meta", blob), self.fingerprint, key), False
         except diskcache.Timeout:
             logger.warning("KV store busy reading meta of chunk %s; treating as a miss", key)
             return None, False
@@ -610,7 +766,7 @@ class KVStore:
             return False
         if self.contains(key):
             return True
-        need = sum(HEADER_SIZE + 2 * k.numel() * k.element_size() for k, _ in layers)
+        need = sum(HEADER_SIZE + self._sealer.trailer + 2 * k.numel() * k.element_size() for k, _ in layers)
         if not self._has_room(key, need):
             return False
         meta = ChunkMeta(num_tokens=num_tokens, num_layers=len(layers), dtype=dtype_name(dtype))
@@ -618,10 +774,10 @@ class KVStore:
         with self._cache.disk.tracking_writes() as files:
             try:
                 for i, (k, v) in enumerate(layers):
-                    blob = encode_layer(k, v, self.fingerprint, chunk=key, layer=i)
+                    blob = self._sealer.seal(f"{key}/{i}", encode_layer(k, v, self.fingerprint, chunk=key, layer=i))
                     self._cache.set(f"{key}/{i}", blob, tag=key)
                     written += len(blob)
-                blob = encode_meta(meta, self.fingerprint, key)
+                blob = self._sealer.seal(f"{key}/meta", encode_meta(meta, self.fingerprint, key))
                 self._cache.set(f"{key}/meta", blob, tag=key)  # last: publishes the chunk
                 written += len(blob)
             except _STORAGE_ERRORS as exc:
@@ -703,7 +859,7 @@ class KVStore:
             self._discard(key, meta.num_layers)
             return None
         try:
-            k, v = decode_chunk_layer(blob, meta, self.fingerprint, key, layer)
+            k, v = decode_chunk_layer(self._sealer.open(record, blob), meta, self.fingerprint, key, layer)
         except (CorruptRecordError, ValueError, RuntimeError) as exc:
             self._on_corrupt(key, record, exc, meta.num_layers)
             return None
@@ -728,7 +884,7 @@ class KVStore:
         if self._closed:
             return
         self._closed = True
-        self._cache.close()
+        getattr(self._cache, "close_all", self._cache.close)()  # every thread's connection
         if self._reader is not None:
             self._reader.close()
         if self._owns_directory:

@@ -48,6 +48,7 @@ from .dtypes import dtype_name
 from .meta import ChunkMeta, decode_chunk_layer, decode_meta, encode_meta
 from .protocol import KV, StoreStats
 from .record import CorruptRecordError, encode_layer, validate_chunk
+from .seal import sealer
 
 __all__ = ["RedisAuthError", "RedisConfig", "RedisStore", "is_redis_url"]
 
@@ -112,8 +113,11 @@ class RedisStore:
 
     tier_name = "redis"
 
-    def __init__(self, config: RedisConfig | str, *, fingerprint: str = "") -> None:
+    def __init__(self, config: RedisConfig | str, *, fingerprint: str = "", key: bytes | str | None = None) -> None:
         """Connect to ``config`` (a :class:`RedisConfig` or a URL) and check the credentials.
+
+        ``key``: a secret that every record is MACed with (default: ``$CACHEBLEND_RAG_STORE_KEY``
+        if set, else none); records without a valid MAC are misses (store/seal.py).
 
         Raises :class:`RedisAuthError` if Redis refuses them. A Redis that cannot be reached now is
         logged and used once it answers (its tier is skipped until then)."""
@@ -121,6 +125,7 @@ class RedisStore:
             raise ImportError("a Redis tier needs redis-py: pip install 'cacheblend-rag[redis]'")
         self.config = config if isinstance(config, RedisConfig) else RedisConfig(config)
         self.fingerprint = fingerprint
+        self._sealer = sealer(key)
         self.stats = StoreStats()
         self._lock = threading.Lock()
         self._warned_full = False
@@ -205,7 +210,7 @@ class RedisStore:
         if blob is None:
             return None
         try:
-            return decode_meta(blob, self.fingerprint, key)
+            return decode_meta(self._sealer.open_meta(f"{key}/meta", blob), self.fingerprint, key)
         except CorruptRecordError as exc:
             self._on_corrupt(key, "meta", exc, 0)
             return None
@@ -221,10 +226,10 @@ class RedisStore:
         pipe = self.client.pipeline(transaction=True)  # MULTI/EXEC: the chunk appears all at once
         written = 0
         for i, (k, v) in enumerate(layers):
-            blob = encode_layer(k, v, self.fingerprint, chunk=key, layer=i)
+            blob = self._sealer.seal(f"{key}/{i}", encode_layer(k, v, self.fingerprint, chunk=key, layer=i))
             pipe.set(self.record_name(key, i), blob, ex=ttl)
             written += len(blob)
-        blob = encode_meta(ChunkMeta(num_tokens, len(layers), dtype_name(dtype)), self.fingerprint, key)
+        blob = self._sealer.seal(f"{key}/meta", encode_meta(ChunkMeta(num_tokens, len(layers), dtype_name(dtype)), self.fingerprint, key))
         pipe.set(self.record_name(key), blob, ex=ttl)  # last: publishes the chunk
         try:
             pipe.execute()
@@ -268,7 +273,7 @@ class RedisStore:
             self._delete(key, meta.num_layers)
             return None
         try:
-            k, v = decode_chunk_layer(blob, meta, self.fingerprint, key, layer)
+            k, v = decode_chunk_layer(self._sealer.open(f"{key}/{layer}", blob), meta, self.fingerprint, key, layer)
         except (CorruptRecordError, ValueError, RuntimeError) as exc:
             self._on_corrupt(key, str(layer), exc, meta.num_layers)
             return None

@@ -209,6 +209,7 @@ class TieredStats:
     bytes_read: int = 0
     bytes_written: int = 0
     write_errors: int = 0
+    corrupt: int = 0  # chunks a tier held whose meta claims fewer layers than read: discarded
     tier_hits: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -376,7 +377,7 @@ class TieredStore:
                 continue
             asked = [keys[j] for j in todo]
             what = f"read of {asked[0][:16]}/{layer}" + (f" and {len(asked) - 1} more chunks" if len(asked) > 1 else "")
-            got = self._call(i, what, read_layers, t.store, asked, layer, device, timed=True)
+            got = self._call(i, what, self._read_layers, t, asked, layer, device, timed=True)
             if got is _FAILED:
                 continue
             left = []
@@ -394,6 +395,28 @@ class TieredStore:
             todo = left
         with self._lock:
             self.stats.misses += len(todo)
+        return out
+
+    def _read_layers(self, tier: "Tier", keys: list[str], layer: int, device) -> list[KV | None]:
+        """``read_layers`` on one tier, where a chunk whose meta record claims fewer layers than
+        asked for (IndexError: a forged meta, or another model's) is that chunk's fault, not the
+        tier's: it is discarded from the tier and read as a miss. Benching the tier instead left
+        the record in place (a benched tier is not cleaned), so it benched the tier again after
+        every cool-down."""
+        try:
+            return read_layers(tier.store, keys, layer, device)
+        except IndexError:
+            pass
+        out: list[KV | None] = []
+        for key in keys:
+            try:
+                out.append(tier.store.get_layer(key, layer, device))
+            except IndexError as exc:
+                log.warning("storage tier %r: chunk %s: %s; discarding it", tier.name, key[:16], exc)
+                with self._lock:
+                    self.stats.corrupt += 1
+                tier.store.discard(key)
+                out.append(None)
         return out
 
     def _promote(self, src: int, key: str, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -1,0 +1,185 @@
+"""What one client may ask of the server: request sizes, connection counts and timeouts.
+
+The server answers one request at a time, so anything a single request can make expensive (a
+huge body, thousands of stop strings, megabyte documents) or a single client can hold (idle or
+slow connections) is bounded here, and refused with OpenAI's error body naming the limit.
+
+* :class:`BodyLimit` (ASGI middleware): a body over ``max_body_bytes`` is refused with 413 before
+  it is read (its Content-Length) or as soon as it grows past the limit (a chunked body), and a
+  body that does not arrive within ``timeout_body_s`` gets 408. Nothing past the limit is kept.
+* :func:`guarded_protocol`: uvicorn's h11 protocol with a deadline for a request's headers (a
+  fresh connection that sends nothing, or headers one byte a second, is closed after
+  ``timeout_header_s``) and a cap on open connections that closes the oldest connection still
+  waiting for its headers first, so idle connections cannot lock a working client out.
+* :func:`uvicorn_config`: uvicorn's own settings (keep-alive timeout, header size) from the
+  :class:`~.app.ServerConfig`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+import h11
+import uvicorn
+from starlette.exceptions import HTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+if TYPE_CHECKING:
+    from .app import ServerConfig
+
+log = logging.getLogger("cacheblend_rag.server")
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+def error_body(message: str, param: str | None = None, code: str | None = None) -> bytes:
+    """OpenAI's error body, for answers sent before the app (and its handlers) sees the request."""
+    return json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}).encode()
+
+
+class BodyRefused(HTTPException):
+    """Raised from ``receive``: FastAPI lets an HTTPException out of its body parsing (any other
+    exception becomes a vague 400), and the app's handler answers it in OpenAI's error shape."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(status, message, headers={"connection": "close"})
+
+
+class BodyLimit:
+    """ASGI middleware: refuses bodies over ``max_bytes`` (413) and bodies slower than
+    ``timeout_s`` (408), for every HTTP request."""
+
+    def __init__(self, app: Callable, max_bytes: int, timeout_s: float):
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
+        self.too_large = (
+            f"the request body is larger than this server's limit of {max_bytes} bytes "
+            "(max_body_bytes, --max-body-bytes): send fewer or shorter documents"
+        )
+        self.too_slow = (
+            f"the request body did not arrive within {timeout_s:g} s (timeout_body_s, --timeout-body): "
+            "send the whole body at once"
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                return await _reply(send, 400, error_body("invalid request: the Content-Length header is not a number"), close=True)
+            if declared > self.max_bytes:
+                # Refused unread, and the connection closed, so the body's bytes are never taken in.
+                return await _reply(send, 413, error_body(self.too_large, code="request_too_large"), close=True)
+        deadline = time.monotonic() + self.timeout_s
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received, deadline
+            if deadline == float("inf"):  # the body is in: only the disconnect is left to wait for
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise BodyRefused(408, self.too_slow) from None
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise BodyRefused(413, self.too_large)
+                if not message.get("more_body", False):
+                    deadline = float("inf")
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+async def _reply(send: Send, status: int, body: bytes, close: bool = False) -> None:
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def guarded_protocol(timeout_header_s: float, max_connections: int) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a header deadline and a connection cap (see the module doc).
+
+    uvicorn's own ``timeout_keep_alive`` only starts after a response, so a connection that never
+    sends a request, or sends its headers slowly, is never closed; and its ``limit_concurrency``
+    counts idle connections, so idle connections would make it answer a working client 503.
+    """
+
+    class GuardedH11Protocol(H11Protocol):
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._opened_at = time.monotonic()
+            self._header_timer: asyncio.TimerHandle | None = None
+            self._arm_header_timer()
+            if len(self.connections) > max_connections:
+                self._shed()
+
+        def _shed(self) -> None:
+            # Close the oldest connection still waiting for a request's headers (idle or slow);
+            # if every other one is busy with a request, close this new one.
+            waiting = [c for c in self.connections if c is not self and getattr(c, "_waiting_for_headers", lambda: False)()]
+            victim = min(waiting, key=lambda c: c._opened_at) if waiting else self
+            log.warning("%d connections open (max_connections %d): closing %s", len(self.connections), max_connections,
+                        "the oldest idle one" if victim is not self else "the new one")
+            victim._close()
+
+        def _waiting_for_headers(self) -> bool:
+            return self.conn.their_state is h11.IDLE and not self.transport.is_closing()
+
+        def _arm_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            self._header_timer = self.loop.call_later(timeout_header_s, self._header_deadline)
+
+        def _header_deadline(self) -> None:
+            self._header_timer = None
+            if self._waiting_for_headers():
+                log.info("closing a connection that sent no complete request headers within %g s", timeout_header_s)
+                self._close()
+
+        def _close(self) -> None:
+            if not self.transport.is_closing():
+                self.transport.close()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm_header_timer()  # the next request's headers get the same deadline
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+            super().connection_lost(exc)
+
+    return GuardedH11Protocol
+
+
+def uvicorn_settings(config: "ServerConfig") -> dict[str, Any]:
+    """uvicorn's settings (``uvicorn.run``/``uvicorn.Config`` keyword arguments) for ``config``'s
+    connection limits and timeouts."""
+    return {
+        "http": guarded_protocol(config.timeout_header_s, config.max_connections),
+        "timeout_keep_alive": config.timeout_keep_alive_s,
+        "h11_max_incomplete_event_size": config.max_header_bytes,
+    }
+
+
+def uvicorn_config(app: Any, config: "ServerConfig | None" = None, **kwargs: Any) -> uvicorn.Config:
+    """A ``uvicorn.Config`` for ``app`` with the limits and timeouts of ``config`` (default: the
+    one ``create_app`` stored on the app). ``kwargs`` go to uvicorn (host, port, log_level, ...)."""
+    from .app import ServerConfig
+
+    config = config or getattr(getattr(app, "state", None), "server_config", None) or ServerConfig()
+    return uvicorn.Config(app, **uvicorn_settings(config), **kwargs)
