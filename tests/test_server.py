@@ -451,8 +451,8 @@ def test_serve_subcommand_builds_the_app_from_its_flags(monkeypatch, tmp_path):
     monkeypatch.setattr(CacheBlendEngine, "from_pretrained", classmethod(fake_from_pretrained))
     monkeypatch.setattr(uvicorn, "run", fake_run)
     assert cli.main(["serve", "--model", "m.gguf", "--port", "9123", "--max-queue", "3", "--store-dir", str(tmp_path / "s"),
-                     "--served-model-name", "rag", "--store", "disk, redis://cache:6379/0"]) == 0
-    assert seen["load"] == ("m.gguf", {"device": "cpu", "dtype": "float32", "store_dir": str(tmp_path / "s"),
+                     "--served-model-name", "rag", "--store", "disk, redis://cache:6379/0", "--weights", "fp16"]) == 0
+    assert seen["load"] == ("m.gguf", {"device": "cpu", "dtype": "float32", "weights": "fp16", "store_dir": str(tmp_path / "s"),
                                        "store": ["disk", "redis://cache:6379/0"]})
     assert seen["run"]["host"] == "127.0.0.1" and seen["run"]["port"] == 9123
     assert seen["health"]["max_queue"] == 3 and seen["health"]["model"] == "rag"
