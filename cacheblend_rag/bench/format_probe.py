@@ -67,6 +67,15 @@ def probe(model: nn.Module, ids: torch.Tensor) -> dict[str, dict[str, float]]:
     return out
 
 
+def probe_table(result: dict) -> str:
+    """A :func:`probe` result (as written by ``main``) as a markdown table."""
+    lines = ["| format | next-token KL to float32, mean | 95th percentile | most likely token = float32's |",
+             "|---|---|---|---|"]
+    for name, r in result["formats"].items():
+        lines.append(f"| {name} | {r['kl_mean']:.2g} | {r['kl_p95']:.2g} | {r['top1_agreement']:.1%} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     from ..models import load_model
 

@@ -98,6 +98,15 @@ def run_whole_answer(cfg: WholeAnswerConfig) -> list[dict]:
     retriever, count = ds.Retriever(), ds.token_counter(first.tokenizer)
     try:
         _warm_up(engines, llamas, cfg)
+        # The step's parts first, on the first question, so that a run stopped early has them.
+        ex = todo[0]
+        chunks = ds.retrieve(ex, retriever, count, cfg.chunk_tokens, cfg.top_k)
+        steps = {}
+        for fmt, engine in engines.items():
+            engine.precompute(chunks, progress=False)
+            engine.flush()
+            steps[fmt] = decode_step_parts(engine, ex.question, chunks)
+        (out / "decode_step.json").write_text(json.dumps(steps, indent=1), encoding="utf-8")
         with path.open("a", encoding="utf-8") as sink:
             for ex in tqdm(todo, desc="whole answers", unit="question", disable=not cfg.progress):
                 chunks = ds.retrieve(ex, retriever, count, cfg.chunk_tokens, cfg.top_k)
@@ -130,8 +139,6 @@ def run_whole_answer(cfg: WholeAnswerConfig) -> list[dict]:
                     sink.write(json.dumps(row) + "\n")
                     sink.flush()
                     rows.append(row)
-        steps = {fmt: decode_step_parts(engine, ex.question, chunks) for fmt, engine in engines.items()}
-        (out / "decode_step.json").write_text(json.dumps(steps, indent=1), encoding="utf-8")
     finally:
         for b in llamas.values():
             b.close()
@@ -281,6 +288,19 @@ def markdown_table(summary: list[dict], lengths: Sequence[int], reference: str =
                  f"{e['same_32_tokens_as_fp32_full_prefill']:.0%}" if "same_32_tokens_as_fp32_full_prefill" in e else "-",
                  f"{e['kl_vs_fp32_full_prefill']:.2g}"]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def decode_step_table(steps: dict[str, dict[str, Any]]) -> str:
+    """``decode_step.json`` as a markdown table: per format, the step and its parts against bytes."""
+    lines = ["| weights | step through the forward | fast step | linears | attention | the rest |",
+             "|---|---|---|---|---|---|"]
+    for fmt, p in steps.items():
+        fast = f"{p['fast_step_ms']:.1f} ms" if "fast_step_ms" in p else "-"
+        lines.append(
+            f"| {fmt} | {p['forward_step_ms']:.1f} ms | {fast} | {p['linear_ms']:.1f} ms: {p['weight_mb']:.0f} MB at "
+            f"{p['linear_gb_s']:.1f} GB/s | {p['attention_ms']:.1f} ms: {p['kv_mb']:.0f} MB at {p['attention_gb_s']:.1f} GB/s "
+            f"| {p['rest_ms']:.1f} ms |")
     return "\n".join(lines)
 
 
