@@ -42,6 +42,8 @@ def _format_probe(path: Path) -> str:
 TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "whole-answer-smollm2": ("whole_answer_smollm2.jsonl", _whole_answer),
     "decode-step-smollm2": ("decode_step_smollm2.json", _decode_step),
+    "whole-answer-qwen05": ("whole_answer_qwen05.jsonl", _whole_answer),
+    "decode-step-qwen05": ("decode_step_qwen05.json", _decode_step),
     "format-probe-smollm2": ("weight_formats_probe_smollm2.json", _format_probe),
 }
 
