@@ -77,7 +77,10 @@ class BodyLimit:
             except ValueError:
                 return await _reply(send, 400, error_body("invalid request: the Content-Length header is not a number"), close=True)
             if declared > self.max_bytes:
-                # Refused unread, and the connection closed, so the body's bytes are never taken in.
+                # Refused unread: the body's bytes are discarded as they arrive (memory stays flat)
+                # until it ends or its time is up. Closing with the body still arriving would make
+                # the kernel reset the connection, and the client could lose the 413 itself.
+                await self._discard_body(receive)
                 return await _reply(send, 413, error_body(self.too_large, code="request_too_large"), close=True)
         deadline = time.monotonic() + self.timeout_s
         received = 0
@@ -99,6 +102,17 @@ class BodyLimit:
             return message
 
         await self.app(scope, limited_receive, send)
+
+
+    async def _discard_body(self, receive: Receive) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                return
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                return
 
 
 async def _reply(send: Send, status: int, body: bytes, close: bool = False) -> None:
