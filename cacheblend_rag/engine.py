@@ -27,6 +27,7 @@ from .generation import DecodeState, decode
 from .planner import PrefixRequest
 from .prompt import DEFAULT_INSTRUCTION, PromptBuilder, PromptLayout, Segment, check_texts, check_unicode, named_chunks
 from .selector import resolve_criterion
+from .self_test import self_test
 from .store.disk import KVStore
 from .store.loader import ChunkLost, LayerAssembler
 from .store.protocol import KV, ChunkStore
@@ -90,7 +91,7 @@ class CacheBlendEngine:
 
         # Refused here, before anything is cached, if the fused path cannot be exact for it.
         self.backbone = Backbone.adapt(model.eval())
-        self.backbone.self_test()
+        self_test(self.backbone)
         # One decoded token in few operations where the model's layers allow it (checked against
         # the model's own forward here, else None: decoding uses the forward).
         self.fast_step = FastDecodeStep.build(model, self.backbone.window)
