@@ -60,9 +60,9 @@ def retrieve(question: str, chunks: list[str], top_k: int) -> list[str]:
     every chunk when ``top_k`` is 0 or at least their number."""
     if top_k == 0 or top_k >= len(dict.fromkeys(chunks)):
         return chunks
-    from .bench.datasets import Retriever
+    from .embedder import most_similar
 
-    return Retriever().top_k(question, chunks, top_k)
+    return most_similar(question, chunks, top_k)
 
 
 def _ask(args: argparse.Namespace) -> int:
