@@ -31,7 +31,7 @@ from .threads import helper_pool
 
 __all__ = ["ChunkCache"]
 
-log = logging.getLogger("cacheblend_rag.chunk_cache")
+log = logging.getLogger(__name__)
 
 
 def _report_failure(fut: Future) -> None:

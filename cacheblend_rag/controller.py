@@ -41,7 +41,7 @@ from .device_profile import DeviceProfile, FusedCost, TierProfile, default_profi
 
 __all__ = ["Decision", "DeviceProfile", "FusedCost", "LoadingController", "TierProfile"]
 
-log = logging.getLogger("cacheblend_rag.controller")
+log = logging.getLogger(__name__)
 
 @dataclass
 class Decision:

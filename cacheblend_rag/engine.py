@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from .controller import LoadingController
     from .store.spec import StoreSpec
 
-log = logging.getLogger("cacheblend_rag.engine")
+log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -46,7 +46,7 @@ __all__ = [
     "measure_tier_read", "profile_engine",
 ]
 
-log = logging.getLogger("cacheblend_rag.profile")
+log = logging.getLogger(__name__)
 
 DEFAULT_LENGTHS = (128, 512, 1024, 2048)
 DEFAULT_TIER_COSTS = TIER_COSTS  # relative price per stored byte (RAM, shared Redis RAM, SSD)

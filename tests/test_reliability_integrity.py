@@ -67,7 +67,7 @@ def _assert_healed(e, chunks) -> None:
 
 
 def _warnings_about(caplog, key: str) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "cacheblend_rag.kv_store" and key in r.getMessage()]
+    return [r.getMessage() for r in caplog.records if r.name == "cacheblend_rag.store.disk" and key in r.getMessage()]
 
 
 # ------------------------------------------------------------------ detected at contains/meta time

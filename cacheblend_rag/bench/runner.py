@@ -26,7 +26,7 @@ from .baselines import make_baseline
 from .methods import DEFAULT_METHODS, DEFAULT_RATIOS, Method, parse_methods, run_kv
 from .summary import summarize, write_summary
 
-log = logging.getLogger("cacheblend_rag.bench")
+log = logging.getLogger(__name__)
 
 SUMMARY_INSTRUCTION = (
     "You are a helpful assistant. Answer the request using the documents the user gives. "

@@ -65,7 +65,7 @@ from .seal import sealer
 
 __all__ = ["KVStore", "KVStoreOpenError", "SafeDisk", "UnsafePathError", "UnsafeRecordError"]
 
-logger = logging.getLogger("cacheblend_rag.kv_store")
+logger = logging.getLogger(__name__)
 
 # Storage faults that must degrade to "no cache" rather than crash a request.
 _STORAGE_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)

@@ -22,7 +22,7 @@ from ..rope import apply_rotation, rotation
 from ..threads import helper_pool
 from .protocol import KV, batched_reader
 
-log = logging.getLogger("cacheblend_rag.loader")
+log = logging.getLogger(__name__)
 
 
 def thread_clock() -> tuple[float, float]:

@@ -52,7 +52,7 @@ from .seal import sealer
 
 __all__ = ["RedisAuthError", "RedisConfig", "RedisStore", "is_redis_url"]
 
-log = logging.getLogger("cacheblend_rag.redis_tier")
+log = logging.getLogger(__name__)
 
 _URL_SCHEMES = ("redis://", "rediss://", "unix://")
 _PREFIX = re.compile(r"[A-Za-z0-9._-]+")

@@ -22,7 +22,7 @@ from .tiers import MemoryTier, Tier, TieredStore
 
 __all__ = ["StoreSpec", "open_store"]
 
-log = logging.getLogger("cacheblend_rag.store_spec")
+log = logging.getLogger(__name__)
 
 StoreSpec = str | RedisConfig | Any
 # Relative price per stored byte (the loading controller compares them): RAM in this process,

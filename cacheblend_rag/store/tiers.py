@@ -39,7 +39,7 @@ from .protocol import KV, kv_bytes, read_layers
 
 __all__ = ["MemoryTier", "Tier", "TieredStats", "TieredStore"]
 
-log = logging.getLogger("cacheblend_rag.tiers")
+log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------ memory tier

@@ -22,7 +22,7 @@ from cacheblend_rag.threads import helper_pool
 
 from ._base import CacheBlendParams
 
-log = logging.getLogger("langchain_cacheblend")
+log = logging.getLogger(__name__)
 
 
 def _resolve(llm_or_engine: Any) -> tuple[CacheBlendEngine, ChunkRegistry]:

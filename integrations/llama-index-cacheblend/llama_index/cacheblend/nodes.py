@@ -18,7 +18,7 @@ from cacheblend_rag import CacheBlendEngine
 from cacheblend_rag.matching import ChunkRegistry
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore
 
-log = logging.getLogger("llama_index.cacheblend")
+log = logging.getLogger(__name__)
 
 DEFAULT_METADATA_MODE = MetadataMode.LLM
 
