@@ -488,7 +488,7 @@ def test_forged_record_size_is_refused_before_it_is_read(tmp_path, monkeypatch):
     import struct
     import tracemalloc
 
-    from cacheblend_rag.store import disk
+    from cacheblend_rag.store import disk, safe_disk
 
     layers = _layers()
     with disk.KVStore(tmp_path, size_limit=2**31, fingerprint="f") as store:
@@ -502,7 +502,7 @@ def test_forged_record_size_is_refused_before_it_is_read(tmp_path, monkeypatch):
         f.seek(88)  # the payload length field of the header (store/record.py)
         f.write(struct.pack("<Q", forged_size - 100))
         f.truncate(forged_size)  # sparse: costs no disk
-    monkeypatch.setattr(disk, "available_memory", lambda: 256 * 2**20, raising=False)
+    monkeypatch.setattr(safe_disk, "available_memory", lambda: 256 * 2**20)
     with disk.KVStore(tmp_path, size_limit=2**31, fingerprint="f") as store:
         tracemalloc.start()
         try:
