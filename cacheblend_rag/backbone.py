@@ -15,8 +15,9 @@ rather than answered wrongly.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -204,7 +205,7 @@ class Backbone:
     layer_cache_kwarg: str = "cache"
 
     @classmethod
-    def adapt(cls, model: Any) -> "Backbone":
+    def adapt(cls, model: Any) -> Backbone:
         """Check ``model`` (:func:`check_support`) and route its attention through the fused
         path's dispatch (``attention.install``, which the model's own forward also uses)."""
         from . import attention

@@ -146,7 +146,7 @@ def _serve(args: argparse.Namespace) -> int:
         from .server import ServerConfig, create_app
         from .server.limits import uvicorn_settings
     except ImportError as exc:
-        raise SystemExit(f"error: serve needs the server extra ({exc.name} is missing): pip install 'cacheblend-rag[server]'")
+        raise SystemExit(f"error: serve needs the server extra ({exc.name} is missing): pip install 'cacheblend-rag[server]'") from None
     from .engine import CacheBlendEngine
 
     if args.max_queue < 0:

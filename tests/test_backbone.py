@@ -13,10 +13,10 @@ import transformers
 from cacheblend_rag import BlendConfig
 from cacheblend_rag.backbone import Backbone, check_support, sliding_window
 from cacheblend_rag.engine import CacheBlendEngine
-from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.models import UnsupportedModelError
 from cacheblend_rag.rope import shift_keys
 from cacheblend_rag.self_test import self_test
+from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tokenizer
 
 BASE = dict(vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,

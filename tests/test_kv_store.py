@@ -12,10 +12,10 @@ import diskcache
 import pytest
 import torch
 
-from cacheblend_rag.store.record import CorruptRecordError, HEADER_SIZE, decode_layer, encode_layer
 from cacheblend_rag.store.disk import KVStore, KVStoreOpenError, SafeDisk, UnsafeRecordError
 from cacheblend_rag.store.keys import chunk_key
 from cacheblend_rag.store.meta import ChunkMeta
+from cacheblend_rag.store.record import HEADER_SIZE, CorruptRecordError, decode_layer, encode_layer
 
 FP = "model-fingerprint-abc123"
 
@@ -409,7 +409,7 @@ def test_concurrent_threads_and_two_handles_on_one_directory(tmp_path: Path) -> 
                 assert store.put(key, layers)
                 got = store.get_layer(key, 1)
                 assert got is not None and torch.equal(got[0], layers[1][0])
-        except BaseException as exc:  # surfaced below; threads swallow exceptions
+        except BaseException as exc:  # noqa: BLE001 - surfaced below; threads swallow exceptions
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(s, i)) for i, s in enumerate([a, b, a, b])]

@@ -24,13 +24,13 @@ import torch
 redis = pytest.importorskip("redis", reason="redis-py is not installed (pip install 'cacheblend-rag[redis]')")
 
 from cacheblend_rag import CacheBlendEngine  # noqa: E402
-from cacheblend_rag.store.record import encode_layer  # noqa: E402
+from cacheblend_rag.store import tiers as tiers_module  # noqa: E402
 from cacheblend_rag.store.disk import KVStore  # noqa: E402
+from cacheblend_rag.store.record import encode_layer  # noqa: E402
 from cacheblend_rag.store.redis_tier import RedisAuthError, RedisConfig, RedisStore  # noqa: E402
 from cacheblend_rag.store.spec import open_store  # noqa: E402
-from cacheblend_rag.testing import make_model  # noqa: E402
-from cacheblend_rag.store import tiers as tiers_module  # noqa: E402
 from cacheblend_rag.store.tiers import MemoryTier, Tier, TieredStore  # noqa: E402
+from cacheblend_rag.testing import make_model  # noqa: E402
 
 REDIS_SERVER = shutil.which("redis-server")
 pytestmark = pytest.mark.skipif(
@@ -64,7 +64,7 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> "RedisServer":
+    def start(self) -> RedisServer:
         # Later arguments win: ``extra`` may turn the plain port off for a TLS-only server.
         cmd = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                "--dir", str(self.directory), *self.extra]

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from cacheblend_rag import CacheBlendEngine
-from cacheblend_rag.store.disk import KVStore
-from cacheblend_rag.testing import make_model
 from cacheblend_rag.bench.throttle import ThrottledStore
+from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.store.spec import open_store
 from cacheblend_rag.store.tiers import MemoryTier, Tier, TieredStore
+from cacheblend_rag.testing import make_model
 
 CHUNKS = [
     "The Eiffel Tower is in Paris, the capital of France.",

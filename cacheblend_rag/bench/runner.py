@@ -13,10 +13,11 @@ import json
 import logging
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from itertools import zip_longest
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -300,7 +301,7 @@ def _run_cases(cfg, engine, retriever, methods, todo, results_path: Path, total:
                 "support_recall": _support_recall(ex, chunks),
             }
             kv_results = _timed_rounds(eng, [m for m in pending if m.is_kv], ex.question, chunks, budget, cfg.repeats,
-                                       lambda m: bar.set_postfix_str(f"{ex.dataset} {m.name}"))
+                                       lambda m: bar.set_postfix_str(f"{ex.dataset} {m.name}"))  # noqa: B023 - called in this iteration
             for m in pending:
                 if m.is_kv:
                     res, logits = kv_results[m.name]

@@ -50,8 +50,9 @@ import sqlite3
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import diskcache
 import torch

@@ -159,7 +159,7 @@ class _StoreCacheMixin:
         self._local.con = None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _store_cache_class(base: type) -> type:
     # Built on whatever diskcache.Cache is at open time, so a test can put a failing Cache there.
     return type("_StoreCache", (_StoreCacheMixin, base), {})
@@ -228,7 +228,7 @@ class ReadOnlyCache:
         mode, filename, value = rows[0]
         try:
             return self.disk.fetch(mode, filename, value, False)
-        except IOError:  # value file gone: a miss, as in diskcache
+        except OSError:  # value file gone: a miss, as in diskcache
             return None
 
     def volume(self) -> int:

@@ -32,8 +32,9 @@ import hashlib
 import logging
 import re
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -316,7 +317,7 @@ class RedisStore:
     def close(self) -> None:
         self.client.close()
 
-    def __enter__(self) -> "RedisStore":
+    def __enter__(self) -> RedisStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
