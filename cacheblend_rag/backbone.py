@@ -6,10 +6,10 @@ whose forward is "embed, decoder layers, norm, lm_head" with standard RoPE; ever
 step outside the decoder layers (an embedding multiplier, a logit scale) must be applied here too.
 
 :func:`check_support` decides at load, from the model type and config, whether that holds, and
-refuses with a message naming the feature and what to use instead. :func:`.self_test.self_test` then
-checks it numerically on a few tokens (the fused path against the model's own forward, a shifted
-key against one computed at the new position), so a model this module does not know is refused
-rather than answered wrongly.
+refuses with a message naming the feature and what to use instead.
+:func:`cacheblend_rag.self_test.self_test` then checks it numerically on a few tokens (the fused
+path against the model's own forward, a shifted key against one computed at the new position), so
+a model this module does not know is refused rather than answered wrongly.
 """
 
 from __future__ import annotations
