@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install cacheblend-rag, its LangChain and LlamaIndex integrations, the HTTP server, and what the
-# tests, notebooks, benchmarks and the documentation site use. Safe to re-run.
+# tests (with ruff, the linter), notebooks, benchmarks and the documentation site use. Safe to re-run.
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}

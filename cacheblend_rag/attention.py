@@ -58,7 +58,7 @@ class ContextAttention:
     scale: float = 1.0
     rows: int | None = None
 
-    def with_rows(self, rows: int | None) -> "ContextAttention":
+    def with_rows(self, rows: int | None) -> ContextAttention:
         return ContextAttention(self.start, self.end, self.temperature, self.scale, rows)
 
 

@@ -6,17 +6,18 @@ whose forward is "embed, decoder layers, norm, lm_head" with standard RoPE; ever
 step outside the decoder layers (an embedding multiplier, a logit scale) must be applied here too.
 
 :func:`check_support` decides at load, from the model type and config, whether that holds, and
-refuses with a message naming the feature and what to use instead. :meth:`Backbone.self_test` then
-checks it numerically on a few tokens (the fused path against the model's own forward, a shifted
-key against one computed at the new position), so a model this module does not know is refused
-rather than answered wrongly.
+refuses with a message naming the feature and what to use instead.
+:func:`cacheblend_rag.self_test.self_test` then checks it numerically on a few tokens (the fused
+path against the model's own forward, a shifted key against one computed at the new position), so
+a model this module does not know is refused rather than answered wrongly.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -185,11 +186,6 @@ def check_support(model: Any) -> None:
             )
 
 
-def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """Largest absolute difference relative to the largest magnitude of ``want`` (nan stays nan)."""
-    return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6))
-
-
 @dataclass(frozen=True)
 class Backbone:
     """What the fusor and the chunk precompute need of a model, model-specific scales included.
@@ -209,7 +205,7 @@ class Backbone:
     layer_cache_kwarg: str = "cache"
 
     @classmethod
-    def adapt(cls, model: Any) -> "Backbone":
+    def adapt(cls, model: Any) -> Backbone:
         """Check ``model`` (:func:`check_support`) and route its attention through the fused
         path's dispatch (``attention.install``, which the model's own forward also uses)."""
         from . import attention
@@ -290,53 +286,3 @@ class Backbone:
         """Last layer's output [1, tokens, hidden] -> float32 logits [tokens, vocab]."""
         logits = self.model.lm_head(self.model.model.norm(hidden))[0].float()
         return logits / self.logits_divisor if self.logits_divisor != 1.0 else logits
-
-    @torch.inference_mode()
-    def self_test(self, tokens: int = 12, shift: int = 37) -> None:
-        """Refuse the model unless, on ``tokens`` token ids, (1) the layer-by-layer path
-        (``embed``, each layer with an exact causal mask over fresh K/V, ``logits``) gives the
-        model's own forward's logits and (2) a layer-0 key computed at position p and moved by
-        ``shift`` with the model's rotary embedding equals the key computed at p + shift.
-        Cheap (three forwards of a few tokens); catches model-specific steps and RoPE layouts
-        that :func:`check_support` does not name."""
-        from .fusor import FusionPlan, fuse
-        from .rope import shift_keys
-        from .selector import resolve_criterion
-
-        model, config = self.model, self.model.config
-        if self.window is not None:
-            tokens = min(tokens, self.window - 1)  # the model's own cache keeps window - 1 tokens
-        device = next(model.parameters()).device
-        ids = (torch.arange(tokens, device=device) * 7919 + 11) % int(config.vocab_size)
-        kw = self.model_cache_kwarg
-
-        def forward(start: int) -> tuple[torch.Tensor, Any]:
-            cache = DynamicCache(config=config)
-            out = model(input_ids=ids[None], position_ids=torch.arange(start, start + tokens, device=device)[None],
-                        use_cache=True, **{kw: cache})
-            return out.logits[0, -1].float(), cache
-
-        ref, cache = forward(0)
-        heads, dim = cache.layers[0].keys.shape[1], cache.layers[0].keys.shape[-1]
-        empty = torch.zeros(1, heads, tokens, dim, dtype=cache.layers[0].keys.dtype, device=device)
-        every = torch.ones(tokens, dtype=torch.bool, device=device)
-        plan = FusionPlan(input_ids=ids, always=every, candidate=~every, forced=~every, recompute_first_layer=False)
-        fused = fuse(self, plan, lambda i: (empty.clone(), empty.clone()), resolve_criterion("value")).logits
-        tol = 1e-3 if empty.dtype == torch.float32 else 5e-2  # half precision rounds every layer
-        arch = _architecture_name(model)
-        err = _relative_error(fused, ref)
-        if not err <= tol:
-            raise UnsupportedModelError(
-                f"{arch}: the layer-by-layer prefill differs from the model's own forward (relative logit "
-                f"difference {err:.2g} on a {tokens}-token self-test), so this model computes something "
-                f"outside its decoder layers that CacheBlend does not know. {_USE_INSTEAD}."
-            )
-        _, moved = forward(shift)
-        k0, k1 = cache.layers[0].keys[0], moved.layers[0].keys[0]  # [kv_heads, tokens, head_dim]
-        err = _relative_error(shift_keys(self.rotary_emb, k0, shift), k1)
-        if not err <= tol:
-            raise UnsupportedModelError(
-                f"{arch}: a cached key moved by {shift} positions with the model's rotary embedding differs "
-                f"from the key computed there (relative difference {err:.2g}), so chunk caches could not be "
-                f"re-rotated exactly. {_USE_INSTEAD}."
-            )

@@ -37,7 +37,7 @@ class QualityProfile:
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> "QualityProfile":
+    def load(cls, path: str | os.PathLike[str]) -> QualityProfile:
         data = json.loads(Path(path).read_text())
         profile = cls(**data)
         BlendConfig(strategy=profile.strategy, recompute_ratio=profile.recompute_ratio)  # validates

@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
 from types import MappingProxyType
-from typing import Callable, Mapping, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -31,7 +31,7 @@ from .threads import helper_pool
 
 __all__ = ["ChunkCache"]
 
-log = logging.getLogger("cacheblend_rag.chunk_cache")
+log = logging.getLogger(__name__)
 
 
 def _report_failure(fut: Future) -> None:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 
 from . import __version__
@@ -13,11 +13,10 @@ from .config import MODES
 from .paths import DataFileError
 from .weights import WEIGHT_FORMATS
 
-# Subcommand modules; each defines ``register(subparsers)``.
-SUBCOMMANDS = (
-    "cacheblend_rag.bench.sweep", "cacheblend_rag.bench.cli", "cacheblend_rag.bench.fidelity", "cacheblend_rag.bench.calibrate",
-    "cacheblend_rag.bench.profile_cli", "cacheblend_rag.bench.pipeline_bench",
-)
+# Commands beyond ask and serve come from entry points of this group (pyproject.toml: the
+# benchmarks' sweep, bench, fidelity, calibrate, profile, pipeline-bench), so the core does not
+# import the packages that build on it. Each names a function ``register(subparsers)``.
+COMMANDS_GROUP = "cacheblend_rag.commands"
 
 
 def split_text(text: str, tokenizer, max_tokens: int) -> list[str]:
@@ -60,9 +59,9 @@ def retrieve(question: str, chunks: list[str], top_k: int) -> list[str]:
     every chunk when ``top_k`` is 0 or at least their number."""
     if top_k == 0 or top_k >= len(dict.fromkeys(chunks)):
         return chunks
-    from .bench.datasets import Retriever
+    from .embedder import most_similar
 
-    return Retriever().top_k(question, chunks, top_k)
+    return most_similar(question, chunks, top_k)
 
 
 def _ask(args: argparse.Namespace) -> int:
@@ -147,7 +146,7 @@ def _serve(args: argparse.Namespace) -> int:
         from .server import ServerConfig, create_app
         from .server.limits import uvicorn_settings
     except ImportError as exc:
-        raise SystemExit(f"error: serve needs the server extra ({exc.name} is missing): pip install 'cacheblend-rag[server]'")
+        raise SystemExit(f"error: serve needs the server extra ({exc.name} is missing): pip install 'cacheblend-rag[server]'") from None
     from .engine import CacheBlendEngine
 
     if args.max_queue < 0:
@@ -216,8 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--weights", default="fp32", choices=list(WEIGHT_FORMATS), help=WEIGHTS_HELP)
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.set_defaults(func=_serve)
-    for name in SUBCOMMANDS:
-        importlib.import_module(name).register(sub)
+    for entry in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
+        entry.load()(sub)
     return parser
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence, Union
 
 # full_recompute is the model's own forward; full_recompute_saved the same exact prefill with the
 # last-layer saving the fused modes get (only the last position runs attention and the MLP there).
@@ -79,7 +79,7 @@ class BlendConfig:
     """
 
     recompute_ratio: float = 0.15
-    criterion: Union[str, Callable] = "query_value"
+    criterion: str | Callable = "query_value"
     filter_layers: int = 3
     schedule: tuple[tuple[int, float], ...] | None = None
     boundary_tokens: int = 0
@@ -132,7 +132,7 @@ class BlendConfig:
         if isinstance(self.boundary_tokens, bool) or not isinstance(self.boundary_tokens, int) or self.boundary_tokens < 0:
             raise ValueError(f"boundary_tokens={self.boundary_tokens!r} must be an int >= 0")
         if self.schedule is not None:
-            layers = [l for l, _ in self.schedule]
+            layers = [layer for layer, _ in self.schedule]
             fracs = [f for _, f in self.schedule]
             if not self.schedule or layers != sorted(set(layers)) or layers[0] < 0:
                 raise ValueError(
@@ -148,7 +148,7 @@ class BlendConfig:
     def reweights_context(self) -> bool:
         return self.context_temperature != 1.0 or self.context_scale != 1.0
 
-    def with_ratio(self, ratio: float | None) -> "BlendConfig":
+    def with_ratio(self, ratio: float | None) -> BlendConfig:
         return self if ratio is None else replace(self, recompute_ratio=ratio, schedule=None)
 
     def check_points(self) -> list[tuple[int, float]]:

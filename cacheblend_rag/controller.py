@@ -33,15 +33,16 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from .device_profile import DeviceProfile, FusedCost, TierProfile, default_profile_path, fused_code_matches
 
 __all__ = ["Decision", "DeviceProfile", "FusedCost", "LoadingController", "TierProfile"]
 
-log = logging.getLogger("cacheblend_rag.controller")
+log = logging.getLogger(__name__)
 
 @dataclass
 class Decision:
@@ -241,7 +242,7 @@ class LoadingController:
         return self.decide(layout.num_context_tokens, loads)
 
     @classmethod
-    def for_engine(cls, engine, path: str | Path | None = None, *, measure: bool = True, **kwargs: Any) -> "LoadingController":
+    def for_engine(cls, engine, path: str | Path | None = None, *, measure: bool = True, **kwargs: Any) -> LoadingController:
         """Controller from the saved profile of ``engine``'s model on its device (measured and saved
         first when missing and ``measure``)."""
         from .profile import profile_engine

@@ -94,7 +94,7 @@ class FastDecodeStep:
         self.embed, self.head, self.rotary = model.model.embed_tokens, model.lm_head, model.model.rotary_emb
 
     @classmethod
-    def build(cls, model: Any, window: int | None) -> "FastDecodeStep | None":
+    def build(cls, model: Any, window: int | None) -> FastDecodeStep | None:
         """The fast step for ``model``, or None where it would not be the model's own arithmetic."""
         reason = _unsupported(model, window)
         if reason is None:

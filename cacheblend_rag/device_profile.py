@@ -9,9 +9,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -63,7 +64,7 @@ class FusedCost:
         return self.fixed + self.per_ratio * ratio
 
     @classmethod
-    def fit(cls, points: Sequence[tuple[int, float, float]], prefill_s: Callable[[int], float]) -> "FusedCost":
+    def fit(cls, points: Sequence[tuple[int, float, float]], prefill_s: Callable[[int], float]) -> FusedCost:
         """Least-squares line through (ratio, seconds / prefill_s(tokens)) for measured
         ``(context tokens, ratio, seconds)``; the intercept is clamped at 0 (then the slope is refitted
         through the origin). Raises ValueError unless there are two distinct ratios and the time grows
@@ -153,7 +154,7 @@ class DeviceProfile:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "DeviceProfile":
+    def from_json(cls, text: str) -> DeviceProfile:
         data = json.loads(text)
         if data.get("version") not in READABLE_VERSIONS:
             raise ValueError(
@@ -171,7 +172,7 @@ class DeviceProfile:
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> "DeviceProfile":
+    def load(cls, path: str | Path) -> DeviceProfile:
         return cls.from_json(Path(path).read_text())
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import DynamicCache
@@ -27,6 +28,7 @@ from .generation import DecodeState, decode
 from .planner import PrefixRequest
 from .prompt import DEFAULT_INSTRUCTION, PromptBuilder, PromptLayout, Segment, check_texts, check_unicode, named_chunks
 from .selector import resolve_criterion
+from .self_test import self_test
 from .store.disk import KVStore
 from .store.loader import ChunkLost, LayerAssembler
 from .store.protocol import KV, ChunkStore
@@ -35,7 +37,7 @@ if TYPE_CHECKING:
     from .controller import LoadingController
     from .store.spec import StoreSpec
 
-log = logging.getLogger("cacheblend_rag.engine")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -90,7 +92,7 @@ class CacheBlendEngine:
 
         # Refused here, before anything is cached, if the fused path cannot be exact for it.
         self.backbone = Backbone.adapt(model.eval())
-        self.backbone.self_test()
+        self_test(self.backbone)
         # One decoded token in few operations where the model's layers allow it (checked against
         # the model's own forward here, else None: decoding uses the forward).
         self.fast_step = FastDecodeStep.build(model, self.backbone.window)

@@ -24,13 +24,21 @@ chosen tokens on every layer (``FusionPlan.forced``, no checks).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from .attention import (
-    APE_KWARG, GROUPS_KWARG, PAD_KWARG, PROBE_KWARG, AttentionProbe, ContextAttention, StopAfterProjection, row_groups,
+    APE_KWARG,
+    GROUPS_KWARG,
+    PAD_KWARG,
+    PROBE_KWARG,
+    AttentionProbe,
+    ContextAttention,
+    StopAfterProjection,
+    row_groups,
 )
 from .selector import Criterion, Deviation, top_k
 

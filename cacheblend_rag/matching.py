@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 DEFAULT_PREFIX_CHARS = 32
 DEFAULT_MAX_CHUNKS = 100_000

@@ -13,8 +13,9 @@ instruction, "Documents:" + chunks, "Question: ...").
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from .matching import ChunkRegistry
 

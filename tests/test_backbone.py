@@ -13,9 +13,10 @@ import transformers
 from cacheblend_rag import BlendConfig
 from cacheblend_rag.backbone import Backbone, check_support, sliding_window
 from cacheblend_rag.engine import CacheBlendEngine
-from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.models import UnsupportedModelError
 from cacheblend_rag.rope import shift_keys
+from cacheblend_rag.self_test import self_test
+from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tokenizer
 
 BASE = dict(vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -131,10 +132,10 @@ def test_self_test_refuses_a_model_whose_scales_the_adapter_misses():
     # Granite's embedding multiplier and logit scaling are applied outside the decoder layers: an
     # adapter that skipped them would answer differently, and the self-test says so.
     model = build(*EXACT["granite"])
-    Backbone.adapt(model).self_test()
+    self_test(Backbone.adapt(model))
     blind = dataclasses.replace(Backbone.adapt(model), embedding_multiplier=1.0, logits_divisor=1.0)
     with pytest.raises(UnsupportedModelError, match="differs from the model's own forward"):
-        blind.self_test()
+        self_test(blind)
 
 
 def test_self_test_refuses_a_rotary_layout_the_key_shift_gets_wrong(monkeypatch):
@@ -143,4 +144,4 @@ def test_self_test_refuses_a_rotary_layout_the_key_shift_gets_wrong(monkeypatch)
     monkeypatch.setattr("cacheblend_rag.backbone._INTERLEAVED_ROPE_MODELS", frozenset())
     check_support(model)
     with pytest.raises(UnsupportedModelError, match="could not be re-rotated exactly"):
-        Backbone.adapt(model).self_test()
+        self_test(Backbone.adapt(model))

@@ -353,9 +353,8 @@ def _greedy_plain(engine, prompt: str, max_new_tokens: int) -> str:
 
 @pytest.mark.parametrize("kind", ["map_reduce", "map_rerank"])
 def test_chain_answers_ttft_and_token_counts(kind):
-    from langchain_cacheblend import CacheBlendLLM
-
     from cacheblend_rag.matching import ChunkRegistry
+    from langchain_cacheblend import CacheBlendLLM
 
     engine = tiny_engine()
     # Chunks known to the engine's shared registry must not turn the chain's prompts into

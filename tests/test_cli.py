@@ -94,6 +94,28 @@ def test_version_is_single_sourced_and_py_typed_is_shipped(project, module_file)
         assert cacheblend_rag.__version__.startswith("0.2.")
 
 
+def _commands(parser) -> list[str]:
+    import argparse
+
+    return list(next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices)
+
+
+def test_benchmark_commands_plug_in_through_the_entry_point(monkeypatch):
+    from importlib.metadata import entry_points
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"][cli.COMMANDS_GROUP]
+    assert declared == {"bench": "cacheblend_rag.bench.commands:register"}
+    installed = {e.name: e.value for e in entry_points(group=cli.COMMANDS_GROUP)}
+    assert installed == declared, (
+        f"the installed cacheblend-rag metadata has {installed} for {cli.COMMANDS_GROUP}, pyproject.toml {declared}: "
+        "re-run `pip install -e .` (or install.sh) so the command line finds its commands"
+    )
+    assert _commands(cli.build_parser()) == ["ask", "serve", "sweep", "bench", "fidelity", "calibrate", "profile", "pipeline-bench"]
+    # Without the entry point (the core alone) the parser has only its own commands.
+    monkeypatch.setattr(cli, "entry_points", lambda group: [])
+    assert _commands(cli.build_parser()) == ["ask", "serve"]
+
+
 # ---------------------------------------------------------------------- ask
 def test_ask_json_matches_the_engine_called_directly(docs, tiny_from_pretrained, capsys):
     assert cli.main(["ask", QUESTION, str(docs), "--json", "--top-k", "0", "--chunk-tokens", "1", "--max-new-tokens", str(N)]) == 0

@@ -13,6 +13,10 @@ import pytest
 import torch
 
 from cacheblend_rag import BlendConfig, CacheBlendEngine
+from cacheblend_rag import profile as profile_module
+from cacheblend_rag.bench import throttle as throttle_module
+from cacheblend_rag.bench.profile_cli import describe
+from cacheblend_rag.bench.throttle import ThrottledStore
 from cacheblend_rag.cli import build_parser
 from cacheblend_rag.controller import (
     DeviceProfile,
@@ -20,15 +24,11 @@ from cacheblend_rag.controller import (
     LoadingController,
     TierProfile,
 )
-from cacheblend_rag.store.disk import KVStore
-from cacheblend_rag.bench.profile_cli import describe
 from cacheblend_rag.profile import measure_fused, measure_tier_read, profile_engine
-from cacheblend_rag.testing import make_model
-from cacheblend_rag.bench import throttle as throttle_module
-from cacheblend_rag.bench.throttle import ThrottledStore
-from cacheblend_rag import profile as profile_module
+from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.store.protocol import kv_bytes
 from cacheblend_rag.store.tiers import MemoryTier
+from cacheblend_rag.testing import make_model
 
 MB = 1e6
 # Without the safety headroom: these tests check the equal-delay rule itself.

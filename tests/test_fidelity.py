@@ -11,7 +11,13 @@ import torch
 
 from cacheblend_rag import BlendConfig
 from cacheblend_rag.bench.fidelity import (
-    FidelityConfig, agreement_f1, first_token_margin, bootstrap_mean_ci, neighbours_in_prompt, run_fidelity, summarize,
+    FidelityConfig,
+    agreement_f1,
+    bootstrap_mean_ci,
+    first_token_margin,
+    neighbours_in_prompt,
+    run_fidelity,
+    summarize,
     teacher_forced_loglik,
 )
 from cacheblend_rag.bench.methods import parse_methods

@@ -6,8 +6,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cacheblend_rag.store.record import CorruptRecordError, decode_layer, encode_layer
 from cacheblend_rag.store.keys import chunk_key
+from cacheblend_rag.store.record import CorruptRecordError, decode_layer, encode_layer
 
 FP = "fuzz-fingerprint"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

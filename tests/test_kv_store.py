@@ -12,10 +12,10 @@ import diskcache
 import pytest
 import torch
 
-from cacheblend_rag.store.record import CorruptRecordError, HEADER_SIZE, decode_layer, encode_layer
 from cacheblend_rag.store.disk import KVStore, KVStoreOpenError, SafeDisk, UnsafeRecordError
 from cacheblend_rag.store.keys import chunk_key
 from cacheblend_rag.store.meta import ChunkMeta
+from cacheblend_rag.store.record import HEADER_SIZE, CorruptRecordError, decode_layer, encode_layer
 
 FP = "model-fingerprint-abc123"
 
@@ -216,7 +216,7 @@ def test_corrupt_record_on_disk_discards_chunk(store: KVStore, caplog: pytest.Lo
     assert store.put(key, layers) and store.put(other, _layers(1))
     with diskcache.Cache(str(store.directory)) as raw:
         raw.set(f"{key}/1", _flip(raw.get(f"{key}/1"), HEADER_SIZE + 3))
-    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.kv_store"):
+    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.store.disk"):
         assert store.get_layer(key, 1) is None
         assert store.stats.corrupt == 1 and store.stats.hits == 0
         assert not store.contains(key)
@@ -330,7 +330,7 @@ def test_chunk_under_the_limit_but_over_what_the_database_leaves_is_not_written(
         assert store.put(small, _layers(2, tokens=16, dtype=torch.float32))
         layers = _layers(8, tokens=120, heads=2, dim=64, dtype=torch.float32)  # 8 x 123 KB: 0.94 MiB
         assert sum(HEADER_SIZE + 2 * k.numel() * 4 for k, _ in layers) < limit
-        with caplog.at_level(logging.WARNING, logger="cacheblend_rag.kv_store"):
+        with caplog.at_level(logging.WARNING, logger="cacheblend_rag.store.disk"):
             assert store.put(big, layers) is False
         assert f"more than the store's size limit of {limit} bytes" in caplog.text
         assert store.contains(small) and store.get_layer(small, 1) is not None  # nothing flushed for it
@@ -353,7 +353,7 @@ def test_put_degrades_on_storage_fault(store: KVStore, monkeypatch, fault: Excep
 
     key = chunk_key(FP, [], [1])
     monkeypatch.setattr(store._cache, "set", failing_set)
-    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.kv_store"):
+    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.store.disk"):
         assert store.put(key, _layers(2)) is False
     assert store.stats.write_errors == 1
     assert "could not write" in caplog.text
@@ -409,7 +409,7 @@ def test_concurrent_threads_and_two_handles_on_one_directory(tmp_path: Path) -> 
                 assert store.put(key, layers)
                 got = store.get_layer(key, 1)
                 assert got is not None and torch.equal(got[0], layers[1][0])
-        except BaseException as exc:  # surfaced below; threads swallow exceptions
+        except BaseException as exc:  # noqa: BLE001 - surfaced below; threads swallow exceptions
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(s, i)) for i, s in enumerate([a, b, a, b])]

@@ -8,7 +8,16 @@ import torch
 from cacheblend_rag import BlendConfig
 from cacheblend_rag.attention import row_groups
 from cacheblend_rag.planner import (
-    COMPUTE, MASKED_KEY_COST, PREFIX, STORE, causal_plan, context_attention, guide, plan_fusion, plan_prefix, suffix_blocks_pay,
+    COMPUTE,
+    MASKED_KEY_COST,
+    PREFIX,
+    STORE,
+    causal_plan,
+    context_attention,
+    guide,
+    plan_fusion,
+    plan_prefix,
+    suffix_blocks_pay,
 )
 from cacheblend_rag.prompt import PromptLayout, Segment
 from cacheblend_rag.store.keys import chunk_key
@@ -97,7 +106,7 @@ def test_fusion_plan_marks_exact_candidate_and_always_positions():
     req = _fusion(layout, stored)
     plan = req.plan
     assert plan.input_ids.tolist() == layout.token_ids
-    assert [(l.spec.start, l.spec.length, l.spec.delta, l.source) for l in req.loads] == [
+    assert [(load.spec.start, load.spec.length, load.spec.delta, load.source) for load in req.loads] == [
         (0, 3, 0, STORE), (3, 4, 0, STORE), (7, 3, 4, STORE), (10, 5, 7, STORE),
     ]
     # The first chunk sits behind exactly the prefix it was cached behind: reused as is.
@@ -111,10 +120,10 @@ def test_fusion_plan_computes_misses_and_uses_the_process_prefix_when_the_store_
     layout = _layout()
     stored = {_plain_key(CHUNKS[0])}
     req = _fusion(layout, stored, avoid={_plain_key(CHUNKS[0])})  # lost during an earlier attempt
-    assert [l.source for l in req.loads] == [PREFIX, COMPUTE, COMPUTE, COMPUTE]
+    assert [load.source for load in req.loads] == [PREFIX, COMPUTE, COMPUTE, COMPUTE]
     assert (req.hits, req.misses) == (0, 3)
     req = _fusion(layout, stored)
-    assert [l.source for l in req.loads] == [PREFIX, STORE, COMPUTE, COMPUTE]
+    assert [load.source for load in req.loads] == [PREFIX, STORE, COMPUTE, COMPUTE]
 
 
 def test_fusion_plan_reads_neighbour_aware_caches_except_for_the_first_chunk():
@@ -122,10 +131,10 @@ def test_fusion_plan_reads_neighbour_aware_caches_except_for_the_first_chunk():
     nb = {_plain_key(c): f"nb-{i}" for i, c in enumerate(CHUNKS)}
     stored = {_prefix_key(), *map(_plain_key, CHUNKS), "nb-0", "nb-1"}  # chunk 2's is gone
     req = _fusion(layout, stored, neighbour_keys=nb)
-    assert [l.spec.key for l in req.loads[1:]] == [_plain_key(CHUNKS[0]), "nb-1", _plain_key(CHUNKS[2])]
+    assert [load.spec.key for load in req.loads[1:]] == [_plain_key(CHUNKS[0]), "nb-1", _plain_key(CHUNKS[2])]
     assert req.neighbour_hits == 1 and req.hits == 3
     off = _fusion(layout, stored, config=BlendConfig(strategy="hkvd", neighbour_caches=False), neighbour_keys=nb)
-    assert off.neighbour_hits == 0 and [l.spec.key for l in off.loads[1:]] == list(map(_plain_key, CHUNKS))
+    assert off.neighbour_hits == 0 and [load.spec.key for load in off.loads[1:]] == list(map(_plain_key, CHUNKS))
 
 
 def test_hkvd_plans_checks_and_boundary_tokens():
@@ -148,7 +157,7 @@ def test_checks_past_the_last_layer_are_dropped():
 def test_a_prompt_without_the_cached_prefix_recomputes_its_head():
     layout = _layout(prefix=(9, 9, 9))
     req = _fusion(layout, {_prefix_key()})
-    assert req.plan.always[:3].all() and [l.spec.start for l in req.loads] == [3, 7, 10]
+    assert req.plan.always[:3].all() and [load.spec.start for load in req.loads] == [3, 7, 10]
     assert req.plan.candidate[3:7].all()  # no chunk is exact behind another prefix
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from cacheblend_rag import CacheBlendEngine
-from cacheblend_rag.kv_store import KVStore
 from cacheblend_rag.prompt import DEFAULT_INSTRUCTION, SHORT_ANSWER_HINT, PromptBuilder
+from cacheblend_rag.store import KVStore
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_model
 
 

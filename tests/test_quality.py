@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from cacheblend_rag import BlendConfig, CacheBlendEngine
-from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.selector import pick_chunks, pick_tokens
+from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_model
 
 CHUNKS = SAMPLE_CHUNKS
@@ -99,7 +99,10 @@ def test_hybrid_narrows_the_question_seed_on_layer_one(qengine):
     layout = qengine.build_layout(Q, CHUNKS)
     q_start = layout.offsets()[-1]
     k = -(-3 * layout.num_context_tokens // 10)  # ceil(0.3 * context tokens)
-    context = lambda sel: sel[sel < q_start].tolist()
+
+    def context(sel):
+        return sel[sel < q_start].tolist()
+
     seed_ratio = (2 * k - 0.5) / layout.num_context_tokens  # "question" at exactly 2k tokens
     seed = qengine.prefill(layout, "cacheblend", BlendConfig(recompute_ratio=seed_ratio, strategy="question"))
     hybrid = qengine.prefill(layout, "cacheblend", BlendConfig(recompute_ratio=0.3, strategy="hybrid", hybrid_seed=2.0))

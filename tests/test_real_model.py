@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from cacheblend_rag import BlendConfig, CacheBlendEngine
-from cacheblend_rag.metrics import next_token_kl
 from cacheblend_rag.bench.datasets import Retriever, load_musique, musique_path
 from cacheblend_rag.bench.sweep import SweepConfig, question_chunks
+from cacheblend_rag.metrics import next_token_kl
 
 pytestmark = pytest.mark.slow
 QUESTIONS = 8

@@ -24,13 +24,13 @@ import torch
 redis = pytest.importorskip("redis", reason="redis-py is not installed (pip install 'cacheblend-rag[redis]')")
 
 from cacheblend_rag import CacheBlendEngine  # noqa: E402
-from cacheblend_rag.store.record import encode_layer  # noqa: E402
+from cacheblend_rag.store import tiers as tiers_module  # noqa: E402
 from cacheblend_rag.store.disk import KVStore  # noqa: E402
+from cacheblend_rag.store.record import encode_layer  # noqa: E402
 from cacheblend_rag.store.redis_tier import RedisAuthError, RedisConfig, RedisStore  # noqa: E402
 from cacheblend_rag.store.spec import open_store  # noqa: E402
-from cacheblend_rag.testing import make_model  # noqa: E402
-from cacheblend_rag.store import tiers as tiers_module  # noqa: E402
 from cacheblend_rag.store.tiers import MemoryTier, Tier, TieredStore  # noqa: E402
+from cacheblend_rag.testing import make_model  # noqa: E402
 
 REDIS_SERVER = shutil.which("redis-server")
 pytestmark = pytest.mark.skipif(
@@ -64,7 +64,7 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> "RedisServer":
+    def start(self) -> RedisServer:
         # Later arguments win: ``extra`` may turn the plain port off for a TLS-only server.
         cmd = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                "--dir", str(self.directory), *self.extra]
@@ -340,7 +340,7 @@ def test_corrupt_and_foreign_model_records_are_discarded_and_recomputed(tokenize
     # ... and chunk 2's layer 3 replaced by an intact record of the same shape made for another model.
     k, v = redis_store.get_layer(keys[2], 3)
     client.set(redis_store.record_name(keys[2], 3), encode_layer(k, v, "another-model", chunk=keys[2], layer=3))
-    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.redis_tier"):
+    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.store.redis_tier"):
         res = _assert_same_answer(eng, clean)
     assert redis_store.stats.corrupt == 2
     assert "checksum mismatch" in caplog.text and "fingerprint mismatch" in caplog.text
@@ -373,7 +373,7 @@ def test_a_layer_evicted_after_the_lookup_is_a_miss_and_drops_the_chunk(server):
 
 
 def test_eviction_settings_are_checked_at_open(server, caplog):
-    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.redis_tier"):
+    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.store.redis_tier"):
         RedisStore(_config(server.url)).close()  # the test server runs with Redis's defaults
     assert "maxmemory=0 and maxmemory-policy=noeviction" in caplog.text and "allkeys-lru" in caplog.text
 
@@ -381,7 +381,7 @@ def test_eviction_settings_are_checked_at_open(server, caplog):
 def test_an_lru_evicting_redis_keeps_answers_correct(tokenizer, tmp_path, clean, caplog):
     srv = RedisServer(tmp_path / "redis", "--maxmemory", "2mb", "--maxmemory-policy", "allkeys-lru").start()
     try:
-        with caplog.at_level(logging.WARNING, logger="cacheblend_rag.redis_tier"):
+        with caplog.at_level(logging.WARNING, logger="cacheblend_rag.store.redis_tier"):
             redis_store = RedisStore(_config(srv.url))
         assert "maxmemory" not in caplog.text  # configured as documented: no warning
         store = TieredStore([Tier(redis_store, "redis")])
@@ -399,7 +399,7 @@ def test_a_full_redis_under_noeviction_refuses_writes_and_reads_go_on(tmp_path, 
     srv = RedisServer(tmp_path / "redis", "--maxmemory", "1", "--maxmemory-policy", "noeviction").start()
     try:
         store = RedisStore(_config(srv.url))
-        with caplog.at_level(logging.WARNING, logger="cacheblend_rag.redis_tier"):
+        with caplog.at_level(logging.WARNING, logger="cacheblend_rag.store.redis_tier"):
             assert store.put("a", _layers()) is False and store.put("b", _layers()) is False
         assert store.stats.write_errors == 2 and caplog.text.count("refused to store chunk") == 1
         assert "maxmemory" in caplog.text
@@ -480,7 +480,7 @@ def test_tls_url_with_the_servers_ca_works(tmp_path, caplog):
         assert store.put("k", layers) and torch.equal(store.get_layer("k", 1)[1], layers[1][1])
         store.close()
         # Without the CA the certificate does not verify: unreachable, a warning, no crash.
-        with caplog.at_level(logging.WARNING, logger="cacheblend_rag.redis_tier"):
+        with caplog.at_level(logging.WARNING, logger="cacheblend_rag.store.redis_tier"):
             RedisStore(_config(f"rediss://127.0.0.1:{srv.port}/0")).close()
         assert "is not reachable" in caplog.text and "certificate" in caplog.text.lower()
     finally:

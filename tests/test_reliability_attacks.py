@@ -22,9 +22,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "reliability_helpers"))
-from rel_common import CHUNKS, answer, engine, fully_decodable, keys_of  # noqa: E402
+from rel_common import CHUNKS, answer, engine, fully_decodable, keys_of
 
-from cacheblend_rag.store.record import CorruptRecordError, decode_layer, encode_layer  # noqa: E402
+from cacheblend_rag.store.record import CorruptRecordError, decode_layer, encode_layer
 
 LAYERS = 8
 LONG = " ".join(["The river Thames flows through London and Oxford."] * 14)  # >32 KiB/layer: file-backed

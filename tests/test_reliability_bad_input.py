@@ -11,10 +11,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "reliability_helpers"))
-from rel_common import CHUNKS, QUESTION, answer, engine, tokenizer  # noqa: E402
+from rel_common import CHUNKS, QUESTION, answer, engine, tokenizer
 
-import cacheblend_rag  # noqa: E402
-from cacheblend_rag import CacheBlendEngine  # noqa: E402
+import cacheblend_rag
+from cacheblend_rag import CacheBlendEngine
 
 PACKAGE = Path(cacheblend_rag.__file__).parent
 LONG = " ".join(f"word{i}" for i in range(1200))  # > 1024 tokens on its own

@@ -49,7 +49,7 @@ def _run_threads(fn, n: int) -> list:
         try:
             barrier.wait()
             results[i] = fn(i)
-        except BaseException as exc:  # threads swallow exceptions: collect and re-raise
+        except BaseException as exc:  # noqa: BLE001 - threads swallow exceptions: collect and re-raise
             errors.append(exc)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]

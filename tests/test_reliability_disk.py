@@ -18,10 +18,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "reliability_helpers"))
-from rel_common import CHUNKS, answer, engine, fully_decodable, keys_of  # noqa: E402
+from rel_common import CHUNKS, answer, engine, fully_decodable, keys_of
 
-from cacheblend_rag.store import disk as kv_store  # noqa: E402
-from cacheblend_rag.store.disk import KVStore, KVStoreOpenError  # noqa: E402
+from cacheblend_rag.store import disk as kv_store
+from cacheblend_rag.store.disk import KVStore, KVStoreOpenError
 
 LONG = " ".join(["The river Thames flows through London and Oxford."] * 14)  # >32 KiB/layer: file-backed
 FILE_CHUNKS = [LONG, *CHUNKS[:2]]

@@ -17,13 +17,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from cacheblend_rag.matching import ChunkRegistry
-from cacheblend_rag.store.record import CorruptRecordError, encode_layer
 from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.store.keys import chunk_key
 from cacheblend_rag.store.meta import ChunkMeta, decode_meta, encode_meta
+from cacheblend_rag.store.record import CorruptRecordError
 
 FP = "fuzz-fingerprint"
 KEYS = [chunk_key(FP, [], [i]) for i in range(4)]

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "reliability_helpers"))
-from rel_common import CHUNKS, answer, engine, fully_decodable, keys_of  # noqa: E402
+from rel_common import CHUNKS, answer, engine, fully_decodable, keys_of
 
-from cacheblend_rag.store.record import HEADER_SIZE, encode_layer  # noqa: E402
-from cacheblend_rag.store.disk import KVStore  # noqa: E402
+from cacheblend_rag.store.disk import KVStore
+from cacheblend_rag.store.record import HEADER_SIZE, encode_layer
 
 LAYERS = 8
 MID = 5  # a middle layer: layers 0..4 load fine, then this one fails
@@ -67,7 +67,7 @@ def _assert_healed(e, chunks) -> None:
 
 
 def _warnings_about(caplog, key: str) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "cacheblend_rag.kv_store" and key in r.getMessage()]
+    return [r.getMessage() for r in caplog.records if r.name == "cacheblend_rag.store.disk" and key in r.getMessage()]
 
 
 # ------------------------------------------------------------------ detected at contains/meta time

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "reliability_helpers"))
-from rel_common import CHUNKS, REPO, answer, engine, fully_decodable, keys_of  # noqa: E402
+from rel_common import CHUNKS, REPO, answer, engine, fully_decodable, keys_of
 
 
 class Evil:

@@ -173,7 +173,7 @@ def _chat_body(**fields) -> dict:
 @pytest.mark.parametrize("fields, status, names", [
     (dict(stop=["zz" + "a" * 100] * 2000), 400, "max_stop_strings"),
     (dict(stop=["a" * 5000]), 400, "max_stop_chars"),
-    (dict(documents=["doc %d" % i for i in range(200)]), 400, "max_documents"),
+    (dict(documents=[f"doc {i}" for i in range(200)]), 400, "max_documents"),
     (dict(documents=["x" * 200_000]), 400, "max_document_chars"),
     (dict(documents=["x" * 100_000] * 90), 413, "max_body_bytes"),
 ], ids=["stop-count", "stop-length", "documents", "document-chars", "body-bytes"])
@@ -273,7 +273,7 @@ def _closed_by_server(sock: socket.socket) -> bool:
                 return True
     except (ConnectionResetError, BrokenPipeError):
         return True
-    except socket.timeout:
+    except TimeoutError:
         return False
 
 
@@ -344,10 +344,10 @@ def test_serve_flags_state_the_server_config_defaults():
     from cacheblend_rag import cli
 
     defaults = {f.name: f.default for f in dataclasses.fields(ServerConfig)}
-    for name, (kind, help_text) in cli._SERVER_LIMITS.items():
+    for name, (_kind, help_text) in cli._SERVER_LIMITS.items():
         assert f"(default {defaults[name]})" in help_text, (name, help_text)
     docs = open("docs/server.md").read()
-    for name, default in defaults.items():
+    for name in defaults:
         if name != "model_name":
             assert f"`{name}`" in docs, name
 
@@ -488,7 +488,7 @@ def test_forged_record_size_is_refused_before_it_is_read(tmp_path, monkeypatch):
     import struct
     import tracemalloc
 
-    from cacheblend_rag.store import disk
+    from cacheblend_rag.store import disk, safe_disk
 
     layers = _layers()
     with disk.KVStore(tmp_path, size_limit=2**31, fingerprint="f") as store:
@@ -502,7 +502,7 @@ def test_forged_record_size_is_refused_before_it_is_read(tmp_path, monkeypatch):
         f.seek(88)  # the payload length field of the header (store/record.py)
         f.write(struct.pack("<Q", forged_size - 100))
         f.truncate(forged_size)  # sparse: costs no disk
-    monkeypatch.setattr(disk, "available_memory", lambda: 256 * 2**20, raising=False)
+    monkeypatch.setattr(safe_disk, "available_memory", lambda: 256 * 2**20)
     with disk.KVStore(tmp_path, size_limit=2**31, fingerprint="f") as store:
         tracemalloc.start()
         try:

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "reliability_helpers"))
-from rel_common import CHUNKS, answer, engine, fully_decodable, keys_of, model, tokenizer  # noqa: E402
+from rel_common import CHUNKS, answer, engine, fully_decodable, keys_of, model, tokenizer
 
-from cacheblend_rag import CacheBlendEngine  # noqa: E402
+from cacheblend_rag import CacheBlendEngine
 
 
 @pytest.fixture(scope="module")

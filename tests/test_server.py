@@ -38,7 +38,7 @@ class LiveServer(BackgroundServer):
     def __init__(self, app):
         super().__init__(app, timeout_s=TIMEOUT)
 
-    def client(self) -> "openai.OpenAI":
+    def client(self) -> openai.OpenAI:
         # No retries: a 503 must reach the test, not be retried away.
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="dummy", max_retries=0, timeout=TIMEOUT)
 

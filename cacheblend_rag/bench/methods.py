@@ -12,8 +12,9 @@ and ``llama_cpp_prefix[:QUANT]`` (llama.cpp on the model's GGUF, optionally requ
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ..config import MODES, BlendConfig
 from .baselines import QUANTS
@@ -143,7 +144,7 @@ def parse_methods(specs: Sequence[str], ratios: Sequence[float] = DEFAULT_RATIOS
     return list(out.values())
 
 
-def answer_with_logits(engine, question: str, chunks: list[str], **kwargs: Any) -> tuple["GenerationResult", "torch.Tensor"]:
+def answer_with_logits(engine, question: str, chunks: list[str], **kwargs: Any) -> tuple[GenerationResult, torch.Tensor]:
     """``engine.generate(question, chunks, **kwargs)`` plus the prefill's next-token logits."""
     stream = engine.stream(question, chunks, **kwargs)
     for _ in stream:
@@ -153,7 +154,7 @@ def answer_with_logits(engine, question: str, chunks: list[str], **kwargs: Any) 
 
 
 def run_kv(engine, method: Method, question: str, chunks: list[str], max_new_tokens: int,
-           keep_writeback: bool = True) -> tuple[dict, "torch.Tensor"]:
+           keep_writeback: bool = True) -> tuple[dict, torch.Tensor]:
     """One greedy answer with an engine prefill mode; chunk caches must be precomputed first.
 
     Returns the row fields and the prefill's next-token logits (for fidelity to full prefill, taken

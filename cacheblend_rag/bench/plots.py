@@ -7,7 +7,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # files only; never needs a display
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 COLORS = {
     "full_recompute": "tab:red", "full_recompute_saved": "tab:pink", "prefix_caching": "tab:orange", "full_reuse": "tab:gray",

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from ..controller import LoadingController
 from ..device_profile import DeviceProfile, default_profile_path, fused_code_matches

@@ -13,10 +13,11 @@ import json
 import logging
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from itertools import zip_longest
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -26,7 +27,7 @@ from .baselines import make_baseline
 from .methods import DEFAULT_METHODS, DEFAULT_RATIOS, Method, parse_methods, run_kv
 from .summary import summarize, write_summary
 
-log = logging.getLogger("cacheblend_rag.bench")
+log = logging.getLogger(__name__)
 
 SUMMARY_INSTRUCTION = (
     "You are a helpful assistant. Answer the request using the documents the user gives. "
@@ -300,7 +301,7 @@ def _run_cases(cfg, engine, retriever, methods, todo, results_path: Path, total:
                 "support_recall": _support_recall(ex, chunks),
             }
             kv_results = _timed_rounds(eng, [m for m in pending if m.is_kv], ex.question, chunks, budget, cfg.repeats,
-                                       lambda m: bar.set_postfix_str(f"{ex.dataset} {m.name}"))
+                                       lambda m: bar.set_postfix_str(f"{ex.dataset} {m.name}"))  # noqa: B023 - called in this iteration
             for m in pending:
                 if m.is_kv:
                     res, logits = kv_results[m.name]

@@ -13,9 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -25,6 +26,7 @@ from ..metrics import next_token_kl, qa_f1
 from ..paths import data_file
 from .datasets import Example, Retriever, chunk_documents, load_musique, token_counter
 from .methods import answer_with_logits, settle
+
 
 @dataclass
 class SweepConfig:

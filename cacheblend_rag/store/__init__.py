@@ -5,6 +5,8 @@
 * ``dtypes``: the one table of storable K/V dtypes (record codes, names, tier aliases);
 * ``record``, ``meta``: the checksummed raw-bytes layer record and a chunk's meta record;
 * ``disk``: ``KVStore``, the diskcache store (never unpickles, survives a full or read-only disk);
+* ``safe_disk``: ``SafeDisk``, its value files (raw bytes only, never a file outside the directory);
+* ``disk_db``: how its database is opened (the store's own settings, read-only when it must be);
 * ``tiers``: ``MemoryTier`` and ``TieredStore`` (memory in front of disk and/or Redis, failover);
 * ``redis_tier``: ``RedisStore``, shared by workers and machines;
 * ``spec``: ``open_store``, the tier list ``CacheBlendEngine.from_pretrained(store=...)`` names;

@@ -9,8 +9,10 @@ orphaned layer records are eventually evicted by LRU (or overwritten by the next
 dropped in one call even when its meta record is gone.
 
 Nothing is ever pickled: values are ``bytes`` (stored raw by diskcache) and
-:class:`SafeDisk` refuses to unpickle anything found in the directory, because
-the directory may be shared with other, less trusted processes.
+:class:`SafeDisk` (``safe_disk.py``) refuses to unpickle anything found in the
+directory, because the directory may be shared with other, less trusted processes.
+The database is opened by ``disk_db.py`` with this store's own settings, never those
+found in it, and read-only when it cannot be written.
 
 Eviction is diskcache's: ``size_limit`` with ``least-recently-used`` policy,
 culled (up to 10 records at a time) on every write. Reads go through
@@ -41,258 +43,36 @@ Opening a directory that cannot be used at all *does* raise
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
-import re
 import shutil
 import sqlite3
-import stat
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import diskcache
 import torch
 
+from .disk_db import WAL_BOUND, KVStoreOpenError, ReadOnlyCache, open_cache
 from .dtypes import dtype_name
 from .meta import ChunkMeta, decode_chunk_layer, decode_meta, encode_meta
 from .protocol import KV, StoreStats
-from .record import HEADER_SIZE, CorruptRecordError, encode_layer, record_size, validate_chunk
+from .record import HEADER_SIZE, CorruptRecordError, encode_layer, validate_chunk
+from .safe_disk import SafeDisk, UnsafePathError, UnsafeRecordError
 from .seal import sealer
 
 __all__ = ["KVStore", "KVStoreOpenError", "SafeDisk", "UnsafePathError", "UnsafeRecordError"]
 
-logger = logging.getLogger("cacheblend_rag.kv_store")
+logger = logging.getLogger(__name__)
 
 # Storage faults that must degrade to "no cache" rather than crash a request.
 _STORAGE_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)
 _MAX_WARNED_KEYS = 10_000  # bounds memory of the warn-once set on a very sick disk
-
-
-# ------------------------------------------------------------------- safe disk
-
-
-class UnsafeRecordError(CorruptRecordError):
-    """A pickled key or value was found; it is refused, never loaded."""
-
-
-class UnsafePathError(CorruptRecordError):
-    """A database row names a file the store did not write (outside it, a FIFO, a link, too big)."""
-
-
-# diskcache names value files "<2 hex>/<2 hex>/<28 hex>.val" (Disk.filename); anything else in the
-# filename column was put there by someone else.
-_VALUE_NAME = re.compile(r"[0-9a-f]{2}[/\\][0-9a-f]{2}[/\\][0-9a-f]{28}\.val")
-_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-
-
-_CHECK_MEMORY_ABOVE = 16 * 2**20  # records below this are read without asking the kernel
-
-
-def available_memory() -> int:
-    """Bytes of memory the kernel says can be allocated without swapping (MemAvailable)."""
-    try:
-        with open("/proc/meminfo", "rb") as f:
-            for line in f:
-                if line.startswith(b"MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, AttributeError):
-        return 2**62  # unknown: the store's size limit is the only bound
-
-
-class SafeDisk(diskcache.Disk):
-    """diskcache Disk that stores and loads only raw values, never unpickles and never touches a
-    file outside its directory.
-
-    diskcache's default Disk pickles any non-primitive key/value and unpickles
-    whatever it finds, so anyone who can write the directory could run code in
-    the server. This subclass raises :class:`UnsafeRecordError` instead.
-
-    The database's ``filename`` column is untrusted too: diskcache would open (and on delete or
-    eviction remove, with its empty parent folders) whatever path a row names. Here a row's file
-    must have diskcache's own name pattern (so no ``..``, no absolute path), sit in real folders
-    (not symlinks) and, to be read, be a regular file (no FIFO that blocks ``open``, no device, no symlink) no larger than
-    ``max_record_bytes`` whose size matches its record header. Anything else raises
-    :class:`UnsafePathError`, which the store counts as corruption; removal only ever unlinks
-    inside the directory.
-    """
-
-    # Upper bound on one value file; the store sets it to its size limit (a record larger than the
-    # whole store was not written by it). Stops a planted 1 TiB sparse file from being read.
-    max_record_bytes: int = 2**40
-    # Bytes after a record's own size (its MAC when the store has a key: store/seal.py).
-    trailer_bytes: int = 0
-
-    def __init__(self, directory: str, **kwargs: Any) -> None:
-        super().__init__(directory, **kwargs)
-        self._written = threading.local()  # value files written by this thread's current put
-        self._lock = threading.Lock()
-        # Value folders this process made minus those it removed (the store's size accounting).
-        self.folders_created = 0
-
-    # ---------------------------------------------------------------- paths
-    def _checked_path(self, filename: Any) -> str:
-        if not isinstance(filename, str) or not _VALUE_NAME.fullmatch(filename):
-            raise UnsafePathError(f"record file name {filename!r} is not one this store writes; refusing to open it")
-        full = os.path.join(self._directory, filename)
-        # The name has no "..": it can leave the store only through a folder that is a symlink.
-        # Two lstat calls check that (realpath would cost a call per path component, per read).
-        sub = os.path.dirname(full)
-        for folder in (os.path.dirname(sub), sub):
-            mode = os.lstat(folder).st_mode  # FileNotFoundError: the value is gone, a miss
-            if not stat.S_ISDIR(mode):
-                raise UnsafePathError(f"record folder of {filename!r} is a link or not a folder; refusing to open it")
-        return full
-
-    def _open_regular(self, filename: Any) -> tuple[int, int]:
-        """(fd, size) of a value file that is a regular file inside the store. Never blocks."""
-        full = self._checked_path(filename)
-        mode = os.lstat(full).st_mode  # FileNotFoundError: an evicted value, diskcache's miss
-        if not stat.S_ISREG(mode):
-            raise UnsafePathError(f"record file {filename!r} is not a regular file (mode {stat.filemode(mode)})")
-        # O_NOFOLLOW/O_NONBLOCK: a file swapped for a link or FIFO after the lstat cannot hang or escape.
-        fd = os.open(full, _OPEN_FLAGS)
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            os.close(fd)
-            raise UnsafePathError(f"record file {filename!r} is not a regular file")
-        if st.st_size > self.max_record_bytes:
-            os.close(fd)
-            raise UnsafePathError(
-                f"record file {filename!r} is {st.st_size} bytes, more than the store's limit of {self.max_record_bytes}"
-            )
-        return fd, st.st_size
-
-    # ---------------------------------------------------------------- diskcache hooks
-    def put(self, key: Any) -> tuple[Any, bool]:
-        if type(key) not in (str, bytes, int, float):
-            raise TypeError(f"SafeDisk keys must be str/bytes/int/float, got {type(key).__name__}")
-        return super().put(key)
-
-    def get(self, key: Any, raw: bool) -> Any:
-        if not raw:
-            raise UnsafeRecordError("refusing to unpickle a pickled cache key")
-        return super().get(key, raw)
-
-    def store(self, value: Any, read: bool, key: Any = diskcache.core.UNKNOWN) -> tuple:
-        if not read and type(value) not in (bytes, str, int, float):
-            raise TypeError(f"SafeDisk stores only raw values, got {type(value).__name__}")
-        return super().store(value, read, key=key)
-
-    def fetch(self, mode: int, filename: str | None, value: Any, read: bool) -> Any:
-        if mode == diskcache.core.MODE_PICKLE:
-            # Never open the file or call pickle.load: a planted pickle is treated as corrupt.
-            raise UnsafeRecordError("refusing to unpickle a pickled cache value")
-        if mode == diskcache.core.MODE_RAW:
-            return super().fetch(mode, filename, value, read)
-        if mode != diskcache.core.MODE_BINARY:
-            raise UnsafeRecordError(f"unexpected value mode {mode!r}: this store writes only raw bytes")
-        fd, size = self._open_regular(filename)
-        reader = os.fdopen(fd, "rb")
-        if read:
-            return reader
-        with reader:
-            header = reader.read(HEADER_SIZE)
-            if len(header) == HEADER_SIZE and record_size(header) + self.trailer_bytes != size:
-                want = record_size(header) + self.trailer_bytes
-                kind = "truncated" if size < want else "oversized"
-                raise CorruptRecordError(f"{kind} record file: {size} bytes on disk, its header says {want}")
-            if size > _CHECK_MEMORY_ABOVE and size > available_memory() // 2:
-                # A forged header can claim any size up to the store's limit; reading it would take
-                # the memory (a MemoryError on every request, or the machine's swap) before the
-                # checksum could refuse it. Our own records are a small part of memory.
-                raise CorruptRecordError(
-                    f"record file of {size} bytes is more than half the memory available "
-                    f"({available_memory()} bytes): not reading it"
-                )
-            # Read straight into a writable buffer: decode_layer then wraps it without a second
-            # copy (bytes are immutable and would have to be copied into tensor memory). A KV
-            # layer is read on every request, and that copy was a third of the load time.
-            try:
-                buf = bytearray(size)
-            except MemoryError:
-                raise CorruptRecordError(f"record file of {size} bytes does not fit in memory") from None
-            buf[: len(header)] = header
-            got = len(header) + (reader.readinto(memoryview(buf)[len(header):]) if size > len(header) else 0)
-        if got != size:
-            raise OSError(f"short read of {filename}: {got} of {size} bytes")
-        return buf
-
-    def remove(self, file_path: str) -> None:
-        # diskcache would unlink any path a row names and then its empty parent folders, up to the
-        # file system root: only ever unlink inside the store, and stop at its directory.
-        try:
-            full = self._checked_path(file_path)
-        except UnsafePathError as exc:
-            logger.warning("not deleting %s", exc)
-            return
-        except OSError:  # its folder is gone: nothing to delete
-            return
-        with contextlib.suppress(OSError):
-            os.remove(full)
-        sub = os.path.dirname(full)
-        for _ in range(2):  # the two hex levels of diskcache's layout, never the store itself
-            try:
-                os.rmdir(sub)
-            except OSError:  # not empty (or already gone): so is its parent
-                break
-            with self._lock:
-                self.folders_created -= 1
-            sub = os.path.dirname(sub)
-
-    def _write(self, full_path: str, iterator: Any, mode: str, encoding: str | None = None) -> int:
-        # On disk-full diskcache would leave a half-written value file with no row
-        # pointing at it (leaked space); remove it before re-raising.
-        sub = os.path.dirname(full_path)
-        new_folders = (not os.path.isdir(os.path.dirname(sub))) + (not os.path.isdir(sub))
-        try:
-            size = super()._write(full_path, iterator, mode, encoding)
-        except BaseException:
-            try:
-                os.remove(full_path)
-            except OSError:
-                pass
-            raise
-        if new_folders:
-            with self._lock:
-                self.folders_created += new_folders
-        files = getattr(self._written, "files", None)
-        if files is not None:
-            files.append(full_path)
-        return size
-
-    @contextlib.contextmanager
-    def tracking_writes(self):
-        """Collect the value files this thread writes inside the block (to undo a failed put
-        by unlinking them: that frees space without writing to the database)."""
-        self._written.files = files = []
-        try:
-            yield files
-        finally:
-            self._written.files = None
-
-
-# ------------------------------------------------------------------------ store
-
-
-class KVStoreOpenError(OSError):
-    """The store directory cannot be created/opened (read-only, not a directory, broken DB)."""
-
-
-_READ_ONLY = sqlite3.OperationalError("attempt to write a readonly database")
 _REOPEN_S = 30.0  # how often a store opened read-only tries to become writable again
-_WAL_BYTES = 256 * 1024
-_WAL_PAGES = 64
-# What the log may reach between checkpoints. Counted as a constant, not its current size, so the
-# space left for records does not swing with every write (it culled extra chunks when it did).
-_WAL_BOUND = _WAL_BYTES + _WAL_PAGES * 4096
 _FOLDER_RECOUNT_S = 2.0
 
 
@@ -300,216 +80,6 @@ def _check_size_limit(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value < float("inf"):
         raise ValueError(f"size_limit={value!r} must be a positive number of bytes, e.g. 8 * 2**30")
     return int(value)
-
-
-def _settings(size_limit: int) -> dict[str, Any]:
-    """Every diskcache setting this store runs with, passed explicitly: diskcache takes any setting
-    it finds in the database's ``Settings`` table unless told otherwise, and that table is as
-    untrusted as the rest of the directory."""
-    return {
-        **diskcache.DEFAULT_SETTINGS,
-        "size_limit": size_limit,
-        "eviction_policy": "least-recently-used",
-        "tag_index": True,  # chunk discard is evict(tag=key)
-        "statistics": False,
-        # The write-ahead log is store bytes too: checkpoint it every 64 pages and truncate it
-        # back to 256 KiB, instead of letting it grow to sqlite's default 1000 pages and stay.
-        "sqlite_wal_autocheckpoint": _WAL_PAGES,
-        "sqlite_journal_size_limit": _WAL_BYTES,
-    }
-
-
-def _repair_settings(directory: str) -> None:
-    """Remove ``Settings`` rows this store did not write, before diskcache reads them.
-
-    diskcache passes every ``disk_*`` row to the Disk as a keyword argument (a planted one made the
-    open fail with a TypeError) and runs every ``sqlite_*`` row as a PRAGMA (a planted
-    ``sqlite_query_only`` left the store read-only for good). Known settings are overridden by
-    :func:`_settings` anyway; unknown rows are deleted and the counters diskcache keeps there
-    (count, size, hits, misses) are recomputed if they are not integers. The store then opens with
-    its own settings; a database that cannot be repaired (read-only) is opened read-only.
-    """
-    db = os.path.join(directory, diskcache.core.DBNAME)
-    if not os.path.isfile(db):
-        return
-    con = sqlite3.connect(db, timeout=10)
-    try:
-        try:
-            rows = con.execute("SELECT key, value FROM Settings").fetchall()
-        except sqlite3.OperationalError:  # no table yet: diskcache creates it
-            return
-        known = _settings(1)
-        unknown = [k for k, _ in rows if k not in known and k not in diskcache.core.METADATA]
-        bad_counters = [k for k, v in rows if k in diskcache.core.METADATA and (type(v) is not int or v < 0)]
-        if not unknown and not bad_counters:
-            return
-        logger.warning(
-            "KV store %s: its Settings table holds rows this store does not write (%s): removing them and "
-            "opening with the store's own settings", directory,
-            ", ".join(repr(k) for k in (unknown + bad_counters)[:10]),
-        )
-        with con:
-            con.executemany("DELETE FROM Settings WHERE key = ?", [(k,) for k in unknown + bad_counters])
-            if bad_counters:
-                count, size = con.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM Cache").fetchone()
-                fresh = {"count": count, "size": size, "hits": 0, "misses": 0}
-                con.executemany("INSERT INTO Settings VALUES (?, ?)", [(k, fresh[k]) for k in bad_counters])
-    finally:
-        con.close()
-
-
-class _StoreCacheMixin:
-    """diskcache's Cache with two changes to its per-thread database connections.
-
-    * ``close_all`` closes the connections of every thread. ``Cache.close`` closes only the
-      calling thread's, so the engine's write-back thread and the server's worker kept the
-      database (and its log) open after ``engine.close()`` until garbage collection: an unmount
-      of the store's disk failed as busy.
-    * A new connection applies this store's own ``sqlite_*`` settings, not the ``Settings`` rows
-      it finds in the database (diskcache runs every ``sqlite_*`` row as a PRAGMA on every new
-      connection, so a row planted while the store is open would still take effect).
-    """
-
-    _local: threading.local
-    _directory: str
-    _timeout: float
-
-    def __init__(self, directory: str, *, pragmas: dict[str, Any], **kwargs: Any) -> None:
-        self._pragmas = pragmas
-        self._connections: list[sqlite3.Connection] = []
-        self._connections_lock = threading.Lock()
-        self._pid = os.getpid()
-        super().__init__(directory, **kwargs)  # type: ignore[call-arg]
-
-    @property
-    def _con(self) -> sqlite3.Connection:
-        if self._pid != os.getpid():
-            # Forked: the parent's connections are not this process's to use or close.
-            self._pid, self._local, self._connections = os.getpid(), threading.local(), []
-        con = getattr(self._local, "con", None)
-        if con is None:
-            # check_same_thread=False only so that close_all may close it from another thread;
-            # each connection is still used by its own thread alone.
-            con = self._local.con = sqlite3.connect(
-                os.path.join(self._directory, diskcache.core.DBNAME), timeout=self._timeout,
-                isolation_level=None, check_same_thread=False,
-            )
-            with self._connections_lock:
-                self._connections.append(con)
-            for key, value in self._pragmas.items():
-                self.reset(key, value, update=False)  # type: ignore[attr-defined]
-        return con
-
-    def close(self) -> None:
-        con = getattr(self._local, "con", None)
-        if con is None:
-            return
-        con.close()
-        self._local.con = None
-        with self._connections_lock:
-            self._connections = [c for c in self._connections if c is not con]
-
-    def close_all(self) -> None:
-        """Close every thread's connection (the store is closed: later use fails as a storage error)."""
-        with self._connections_lock:
-            cons, self._connections = self._connections, []
-        for con in cons:
-            with contextlib.suppress(sqlite3.Error):
-                con.close()
-        self._local.con = None
-
-
-@functools.lru_cache(maxsize=None)
-def _store_cache_class(base: type) -> type:
-    # Built on whatever diskcache.Cache is at open time, so a test can put a failing Cache there.
-    return type("_StoreCache", (_StoreCacheMixin, base), {})
-
-
-def _open_cache(directory: str, size_limit: int) -> diskcache.Cache:
-    """A writable diskcache on ``directory``; its database handle is closed if the open fails.
-
-    diskcache connects before it writes its settings, so an open that fails half way (full disk,
-    read-only database) would otherwise leave that connection open until garbage collection.
-    """
-    _repair_settings(directory)
-    settings = _settings(size_limit)
-    cls = _store_cache_class(diskcache.Cache)
-    cache = cls.__new__(cls)
-    try:
-        cache.__init__(directory, disk=SafeDisk, pragmas={k: v for k, v in settings.items() if k.startswith("sqlite_")},
-                       **settings)
-    except BaseException:
-        with contextlib.suppress(Exception):
-            cache.close_all()
-        raise
-    return cache
-
-
-class _ReadOnlyCache:
-    """The read side of a diskcache store that cannot be opened for writing (read-only mount, full
-    disk): its chunks are still served. Values go through :class:`SafeDisk` like any other read;
-    every write raises sqlite's read-only error, which the store treats as a failed write."""
-
-    def __init__(self, directory: str) -> None:
-        db = os.path.join(directory, diskcache.core.DBNAME)
-        if not os.path.isfile(db):
-            raise KVStoreOpenError(f"no KV store database in {directory!r}")
-        self.disk = SafeDisk(directory)
-        self._lock = threading.Lock()  # one connection shared by the engine's threads
-        uri = Path(db).absolute().as_uri()
-        self._con: sqlite3.Connection | None = None
-        # mode=ro reads the write-ahead log as well; immutable=1 is for a directory where sqlite
-        # cannot even create the log's index file (a read-only mount).
-        for query in ("?mode=ro", "?immutable=1"):
-            con = None
-            try:
-                con = sqlite3.connect(uri + query, uri=True, check_same_thread=False, timeout=10)
-                con.execute("SELECT key FROM Cache LIMIT 1").fetchall()
-            except sqlite3.Error:
-                if con is not None:
-                    con.close()
-                continue
-            self._con = con
-            break
-        if self._con is None:
-            raise KVStoreOpenError(f"cannot read the KV store database in {directory!r}")
-
-    def get(self, key: str) -> Any:
-        with self._lock:
-            if self._con is None:
-                # Closed: by close(), or by the store switching to a writable cache while this
-                # read was on its way (KVStore._try_writable). A miss, as any failed read is.
-                return None
-            rows = self._con.execute(
-                "SELECT mode, filename, value FROM Cache WHERE key = ? AND raw = 1", (key,)
-            ).fetchall()
-        if not rows:
-            return None
-        mode, filename, value = rows[0]
-        try:
-            return self.disk.fetch(mode, filename, value, False)
-        except IOError:  # value file gone: a miss, as in diskcache
-            return None
-
-    def volume(self) -> int:
-        with self._lock:
-            if self._con is None:  # closed (see get): it holds nothing any more
-                return 0
-            ((pages,),) = self._con.execute("PRAGMA page_count").fetchall()
-            ((page_size,),) = self._con.execute("PRAGMA page_size").fetchall()
-            ((files,),) = self._con.execute("SELECT COALESCE(SUM(size), 0) FROM Cache").fetchall()
-        return pages * page_size + files
-
-    def set(self, *args: Any, **kwargs: Any) -> None:
-        raise _READ_ONLY
-
-    delete = evict = clear = cull = set
-
-    def close(self) -> None:
-        with self._lock:
-            if self._con is not None:
-                self._con.close()
-                self._con = None
 
 
 class KVStore:
@@ -550,11 +120,11 @@ class KVStore:
         self._closed = False
         self._size_limit = size_limit
         self._last_open_try = 0.0
-        self._reader: _ReadOnlyCache | None = None  # reads on a disk that refuses writes
+        self._reader: ReadOnlyCache | None = None  # reads on a disk that refuses writes
         # See _folder_bytes: bytes at the last count, when it ran, folders made by then, folder size.
         self._folders, self._folders_counted_at, self._folders_created, self._per_folder = 0, -_FOLDER_RECOUNT_S, 0, 4096
         try:
-            self._cache: diskcache.Cache | _ReadOnlyCache = _open_cache(str(self.directory), size_limit)
+            self._cache: diskcache.Cache | ReadOnlyCache = open_cache(str(self.directory), size_limit)
             self.read_only = False
         except (*_STORAGE_ERRORS, ValueError) as exc:
             self._cache = self._open_read_only(exc)
@@ -567,9 +137,9 @@ class KVStore:
         disk.max_record_bytes = self._size_limit
         disk.trailer_bytes = self._sealer.trailer
 
-    def _open_read_only(self, exc: BaseException) -> _ReadOnlyCache:
+    def _open_read_only(self, exc: BaseException) -> ReadOnlyCache:
         try:
-            cache = _ReadOnlyCache(str(self.directory))
+            cache = ReadOnlyCache(str(self.directory))
         except (KVStoreOpenError, OSError, sqlite3.Error):
             raise KVStoreOpenError(
                 f"cannot open KV store directory {str(self.directory)!r}: {exc}. "
@@ -593,7 +163,7 @@ class KVStore:
                 return not self.read_only
             self._last_open_try = time.monotonic()
             try:
-                cache = _open_cache(str(self.directory), self._size_limit)
+                cache = open_cache(str(self.directory), self._size_limit)
             except (*_STORAGE_ERRORS, ValueError):
                 return False
             self._configure(cache.disk)
@@ -625,7 +195,7 @@ class KVStore:
                 sizes[suffix] = os.stat(self.directory / (diskcache.core.DBNAME + suffix)).st_size
             except OSError:
                 sizes[suffix] = 0
-        return max(sizes["-wal"], _WAL_BOUND) + sizes["-shm"] + self._folder_bytes()
+        return max(sizes["-wal"], WAL_BOUND) + sizes["-shm"] + self._folder_bytes()
 
     def _folder_bytes(self) -> int:
         """Bytes of diskcache's value folders, recounted at most every ``_FOLDER_RECOUNT_S``.
@@ -699,14 +269,14 @@ class KVStore:
                 raise
         return reader.get(name)
 
-    def _read_only_reader(self, exc: sqlite3.OperationalError) -> _ReadOnlyCache | None:
+    def _read_only_reader(self, exc: sqlite3.OperationalError) -> ReadOnlyCache | None:
         msg = str(exc).lower()
         if "full" not in msg and "readonly" not in msg and "read-only" not in msg:
             return None
         with self._lock:
             if self._reader is None:
                 try:
-                    self._reader = _ReadOnlyCache(str(self.directory))
+                    self._reader = ReadOnlyCache(str(self.directory))
                 except (KVStoreOpenError, OSError, sqlite3.Error):
                     return None
                 self._configure(self._reader.disk)

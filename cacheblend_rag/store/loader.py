@@ -10,11 +10,13 @@ computes layer i; calling the loader for layer i is the synchronisation point (p
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -22,7 +24,7 @@ from ..rope import apply_rotation, rotation
 from ..threads import helper_pool
 from .protocol import KV, batched_reader
 
-log = logging.getLogger("cacheblend_rag.loader")
+log = logging.getLogger(__name__)
 
 
 def thread_clock() -> tuple[float, float]:
@@ -139,7 +141,7 @@ class LayerAssembler:
             if batch is not None:
                 got = next(batch)
             else:
-                got = self._read(spec.key, layer, lambda: self.store.get_layer(spec.key, layer, device=self.device))
+                got = self._read(spec.key, layer, functools.partial(self.store.get_layer, spec.key, layer, device=self.device))
             if got is None:
                 self._lost = spec.key
                 raise ChunkLost(spec.key)
@@ -164,7 +166,7 @@ class LayerAssembler:
     def _read(self, key: str, layer: int, read: Callable[[], Any]) -> Any:
         try:
             return read()
-        except Exception as exc:  # noqa: BLE001 - any storage fault means "recompute this chunk"
+        except Exception as exc:  # any storage fault means "recompute this chunk"
             log.warning("reading layer %d of chunk %s failed: %r", layer, key[:16], exc)
             self._lost = key
             raise ChunkLost(key) from exc

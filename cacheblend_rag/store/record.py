@@ -38,7 +38,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import zlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

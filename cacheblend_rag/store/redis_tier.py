@@ -32,8 +32,9 @@ import hashlib
 import logging
 import re
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -52,7 +53,7 @@ from .seal import sealer
 
 __all__ = ["RedisAuthError", "RedisConfig", "RedisStore", "is_redis_url"]
 
-log = logging.getLogger("cacheblend_rag.redis_tier")
+log = logging.getLogger(__name__)
 
 _URL_SCHEMES = ("redis://", "rediss://", "unix://")
 _PREFIX = re.compile(r"[A-Za-z0-9._-]+")
@@ -316,7 +317,7 @@ class RedisStore:
     def close(self) -> None:
         self.client.close()
 
-    def __enter__(self) -> "RedisStore":
+    def __enter__(self) -> RedisStore:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -14,7 +14,8 @@ failing an answer; a single disk store without a memory tier is returned bare, a
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .disk import KVStore, KVStoreOpenError
 from .redis_tier import RedisConfig, RedisStore, is_redis_url
@@ -22,7 +23,7 @@ from .tiers import MemoryTier, Tier, TieredStore
 
 __all__ = ["StoreSpec", "open_store"]
 
-log = logging.getLogger("cacheblend_rag.store_spec")
+log = logging.getLogger(__name__)
 
 StoreSpec = str | RedisConfig | Any
 # Relative price per stored byte (the loading controller compares them): RAM in this process,

@@ -24,10 +24,11 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -39,7 +40,7 @@ from .protocol import KV, kv_bytes, read_layers
 
 __all__ = ["MemoryTier", "Tier", "TieredStats", "TieredStore"]
 
-log = logging.getLogger("cacheblend_rag.tiers")
+log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------ memory tier

@@ -8,8 +8,8 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import FancyBboxPatch  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.patches import FancyBboxPatch
 
 OUT = Path(__file__).with_name("how_it_works.png")
 GREY, BLUE, ORANGE, GREEN = "#d9d9d9", "#9ecae1", "#fdae6b", "#a1d99b"

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from rel_common import CHUNKS, engine, fully_decodable, keys_of  # noqa: E402
+from rel_common import CHUNKS, engine, fully_decodable, keys_of
 
 
 def main() -> None:

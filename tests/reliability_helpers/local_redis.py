@@ -32,10 +32,10 @@ class LocalRedis:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
                     return
-            except OSError:
+            except OSError as exc:
                 if time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError(f"redis-server did not listen on port {self.port} within {WAIT_S}s")
+                    raise RuntimeError(f"redis-server did not listen on port {self.port} within {WAIT_S}s") from exc
                 time.sleep(0.05)
 
     @property

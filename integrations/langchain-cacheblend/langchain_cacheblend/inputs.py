@@ -12,7 +12,8 @@ Three equivalent ways to hand the models chunks explicitly:
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from langchain_core.documents import Document
 from langchain_core.messages import BaseMessage, HumanMessage
@@ -65,7 +66,7 @@ class ChunkedText(str):
     chunks: tuple[str, ...]
 
     @classmethod
-    def of(cls, question: str, chunks: Sequence[str]) -> "ChunkedText":
+    def of(cls, question: str, chunks: Sequence[str]) -> ChunkedText:
         text = cls("\n\n".join([*chunks, question]))
         text.question, text.chunks = question, tuple(chunks)
         return text
@@ -88,7 +89,7 @@ class RAGPromptValue(PromptValue):
         return False  # not in LangChain's load() namespace
 
     @classmethod
-    def from_input(cls, data: Mapping[str, Any]) -> "RAGPromptValue":
+    def from_input(cls, data: Mapping[str, Any]) -> RAGPromptValue:
         question = next((data[k] for k in QUESTION_KEYS if k in data), None)
         docs = next((data[k] for k in CONTEXT_KEYS if k in data), None)
         if not isinstance(question, str) or docs is None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterable, Literal
+from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
@@ -22,7 +23,7 @@ from cacheblend_rag.threads import helper_pool
 
 from ._base import CacheBlendParams
 
-log = logging.getLogger("langchain_cacheblend")
+log = logging.getLogger(__name__)
 
 
 def _resolve(llm_or_engine: Any) -> tuple[CacheBlendEngine, ChunkRegistry]:
@@ -70,7 +71,7 @@ class CacheBlendRetriever(BaseRetriever):
     _pending_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)  # batch() registers from threads
 
     @model_validator(mode="after")
-    def _needs_a_model(self) -> "CacheBlendRetriever":
+    def _needs_a_model(self) -> CacheBlendRetriever:
         if self.llm is None and self.engine is None and (self.registry is None or self.precompute):
             raise ValueError(
                 "CacheBlendRetriever needs llm= (a CacheBlendLLM or ChatCacheBlend) or engine= "

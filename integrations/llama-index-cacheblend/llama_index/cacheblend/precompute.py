@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Union
+from typing import Any
 
-from cacheblend_rag import CacheBlendEngine
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle
 
+from cacheblend_rag import CacheBlendEngine
+
 from .llm import CacheBlendLLM
 from .nodes import DEFAULT_METADATA_MODE, node_chunks
 
-EngineLike = Union[CacheBlendEngine, CacheBlendLLM]
+EngineLike = CacheBlendEngine | CacheBlendLLM
 
 
 def as_engine(obj: EngineLike) -> CacheBlendEngine:
@@ -23,7 +24,7 @@ def as_engine(obj: EngineLike) -> CacheBlendEngine:
     raise TypeError(f"expected a CacheBlendEngine or CacheBlendLLM, got {type(obj).__name__}")
 
 
-def index_nodes(index: Any) -> List[BaseNode]:
+def index_nodes(index: Any) -> list[BaseNode]:
     """The nodes an index retrieves from (for a VectorStoreIndex: its docstore entries)."""
     docstore = getattr(index, "docstore", None)
     if docstore is None:
@@ -91,8 +92,8 @@ class CacheBlendPrecompute(BaseNodePostprocessor):
         return self._engine
 
     def _postprocess_nodes(
-        self, nodes: List[NodeWithScore], query_bundle: Optional[QueryBundle] = None
-    ) -> List[NodeWithScore]:
+        self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
+    ) -> list[NodeWithScore]:
         # Empty retrievals pass through: the synthesizer reports them with a clear error.
         chunks = node_chunks(self._engine, nodes, self.metadata_mode, allow_none=True)
         if chunks:

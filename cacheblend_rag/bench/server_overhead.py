@@ -1,6 +1,6 @@
 """What the HTTP server adds to time to first token, measured side by side in one process.
 
-    python -m cacheblend_rag.server.overhead [--questions 4] [--chunks 6] [--rounds 5]
+    python -m cacheblend_rag.bench.server_overhead [--questions 4] [--chunks 6] [--rounds 5]
 
 One engine (default: the bundled model) answers each HotpotQA question over its first
 ``--chunks`` paragraphs (cached beforehand) twice per round: in process (``engine.stream``, time
@@ -26,11 +26,11 @@ from typing import Any
 
 import httpx
 
-from ..bench.datasets import load_hotpotqa
 from ..engine import CacheBlendEngine
+from ..server.app import ServerConfig, create_app
+from ..server.live import BackgroundServer
 from ..threads import release_team
-from .app import ServerConfig, create_app
-from .live import BackgroundServer
+from .datasets import load_hotpotqa
 
 
 def _in_process(engine: CacheBlendEngine, question: str, chunks: list[str], max_tokens: int) -> tuple[float, str]:
@@ -131,7 +131,7 @@ def report(res: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cacheblend_rag.server.overhead", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m cacheblend_rag.bench.server_overhead", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
     p.add_argument("--questions", type=int, default=4)
