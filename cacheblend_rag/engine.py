@@ -24,6 +24,7 @@ from .config import BlendConfig, SamplingParams, check_mode
 from .decode_step import FastDecodeStep
 from .fusor import FusionStats, fuse, question_pass
 from .generation import DecodeState, decode
+from .learned_neighbours import LearnConfig, NeighbourLearner
 from .planner import PrefixRequest
 from .prompt import DEFAULT_INSTRUCTION, PromptBuilder, PromptLayout, Segment, check_texts, check_unicode, named_chunks
 from .selector import resolve_criterion
@@ -115,6 +116,8 @@ class CacheBlendEngine:
         self.kv_shape = self.backbone.kv_shape  # (kv_heads, head_dim)
         self.context_window = self.backbone.context_window
         self.chunk_cache = ChunkCache(self.backbone, self.prompts, self.fingerprint, self.device)
+        self.learner: NeighbourLearner | None = None
+        """Learns neighbours from the requests once :meth:`learn_neighbours` is called."""
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -247,6 +250,30 @@ class CacheBlendEngine:
         return self.chunk_cache.precompute(self._store(store), texts, neighbours=neighbours, embed=embed, corpus=pool,
                                            progress=progress)
 
+    def learn_neighbours(self, config: LearnConfig | None = None) -> NeighbourLearner:
+        """Learn each chunk's neighbours from the requests this engine answers, and cache chunks
+        behind the chunks they are retrieved with, in the background (``learned_neighbours.py``).
+
+        Every fused request's chunks are counted; a chunk retrieved behind other chunks gets a
+        cache prefilled behind its most frequent predecessors, computed between requests under the
+        engine's lock, and later prompts use the cache whose prefix best matches the chunks in
+        front of the chunk. Costs one chunk prefill (behind ``config.neighbours`` chunks) per new
+        learned cache and its storage (about ``max_caches_per_chunk`` times a chunk's at most).
+        Counts and the cache index are saved beside a disk store. Calling it again returns the
+        running learner.
+        """
+        if self.learner is None:
+            from .run import engine_lock  # late: run.py imports this module
+
+            directory = getattr(self.store, "directory", None)
+            self.learner = NeighbourLearner(
+                self.chunk_cache.neighbours,
+                compute=lambda store, seg, behind: self.chunk_cache.compute_behind(store, seg, behind, learned=True)[0],
+                key=self.chunk_cache.key, lock=lambda: engine_lock(self), config=config or LearnConfig(),
+                directory=directory,
+            )
+        return self.learner
+
     def flush(self) -> None:
         """Wait for background write-backs to finish."""
         self.chunk_cache.flush()
@@ -338,7 +365,7 @@ class CacheBlendEngine:
         self.chunk_cache.store_prefix(store)
         req = planner.plan_fusion(
             layout, mode, config, fingerprint=self.fingerprint, prefix_ids=self.prompts.prefix_ids, contains=store.contains,
-            num_layers=self.num_layers, neighbour_keys=self.chunk_cache.neighbour_keys, avoid=avoid, device=self.device,
+            num_layers=self.num_layers, neighbours=self.chunk_cache.neighbours, avoid=avoid, device=self.device,
         )
         specs, miss_s = self.chunk_cache.fill(req.loads, store)
         loader = LayerAssembler(
@@ -362,6 +389,8 @@ class CacheBlendEngine:
         cache = cache_from(list(zip(out.keys, out.values)), adopt=True)
         stats = self._stats(mode, layout, req.hits, req.misses, out.stats.recomputed_per_layer, out.stats.computed_per_layer)
         stats["neighbour_hits"] = req.neighbour_hits
+        if self.learner is not None:
+            self.learner.observe(store, [seg for seg in layout.segments if seg.reusable])
         stats.update(_load_stats(loader, out.stats, miss_s, scoring_s), prefill_s=time.perf_counter() - t0)
         if mode == "cacheblend":
             stats.update(criterion=getattr(config.criterion, "__name__", config.criterion), recompute_ratio=config.recompute_ratio,
@@ -450,6 +479,8 @@ class CacheBlendEngine:
     def close(self, *, close_store: bool = True) -> None:
         """Finish the background write-backs and close the store (``close_store=False``: an
         engine sharing another's store leaves it open)."""
+        if self.learner is not None:
+            self.learner.close()
         self.chunk_cache.close()
         if close_store:
             self.store.close()
