@@ -11,16 +11,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
-from types import MappingProxyType
 
 import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from .backbone import Backbone, cache_from, cache_layers
+from .neighbour_index import NeighbourCache, NeighbourIndex
 from .planner import COMPUTE, PREFIX, Load
 from .prompt import PromptBuilder, Segment
 from .rope import shift_keys
@@ -46,10 +46,9 @@ class ChunkCache:
     def __init__(self, backbone: Backbone, prompts: PromptBuilder, fingerprint: str, device: torch.device):
         self.backbone, self.prompts, self.fingerprint, self.device = backbone, prompts, fingerprint, device
         self._prefix_kv: list[KV] | None = None  # [layers](K, V) [1, kv_heads, prefix, head_dim]
-        # Plain chunk key -> key of the chunk's cross-chunk-aware cache (precompute(neighbours=n)).
-        # Kept per engine: precompute recomputes the neighbour sets (embeddings only) and finds
-        # stored caches again, so a changed corpus points a chunk at a new cache, never an old one.
-        self._neighbour_keys: dict[str, str] = {}
+        # Plain chunk key -> its cross-chunk-aware caches (precompute(neighbours=n), learned ones).
+        # Named by content keys, so a changed chunk text never finds an old cache.
+        self.neighbours = NeighbourIndex()
         self._lock = threading.Lock()
         self._writer = helper_pool("cacheblend-writeback")
 
@@ -62,11 +61,6 @@ class ChunkCache:
     def prefix_key(self) -> str:
         """The instruction prefix's key: a segment behind an empty context, as prefix caching finds it."""
         return chunk_key(self.fingerprint, (), self.prompts.prefix_ids)
-
-    @property
-    def neighbour_keys(self) -> Mapping[str, str]:
-        """Plain chunk key -> key of its cross-chunk-aware cache (read-only)."""
-        return MappingProxyType(self._neighbour_keys)
 
     # ------------------------------------------------------------------ computing
     def prefix_cache(self) -> DynamicCache:
@@ -145,14 +139,21 @@ class ChunkCache:
                 if j not in pool_segments:
                     pool_segments[j] = self.prompts.chunk_segment(pool[j])
             behind = [pool_segments[j] for j in idx]
-            context = list(self.prompts.prefix_ids) + [t for b in behind for t in b.token_ids]
-            self.backbone.check_fits(len(context) + len(seg), f"chunk {seg.text[:40]!r}... behind its {len(idx)} neighbours (use fewer neighbours)")
-            nb_key = self.key(seg, context_ids=context)
-            if not store.contains(nb_key):
-                store.put(nb_key, self.compute(seg, behind))
-                computed += 1
-            self._neighbour_keys[self.key(seg)] = nb_key
+            _, fresh = self.compute_behind(store, seg, behind, learned=False)
+            computed += fresh
         return computed
+
+    def compute_behind(self, store: ChunkStore, segment: Segment, behind: Sequence[Segment], *, learned: bool) -> tuple[str, bool]:
+        """Store ``segment``'s cache prefilled behind ``behind`` (unless stored already) and index it
+        as one of its neighbour-aware caches; returns its key and whether it was computed now."""
+        context = list(self.prompts.prefix_ids) + [t for b in behind for t in b.token_ids]
+        self.backbone.check_fits(len(context) + len(segment), f"chunk {segment.text[:40]!r}... behind {len(behind)} neighbours (use fewer neighbours)")
+        nb_key = self.key(segment, context_ids=context)
+        fresh = not store.contains(nb_key)
+        if fresh:
+            store.put(nb_key, self.compute(segment, behind))
+        self.neighbours.add(self.key(segment), NeighbourCache(nb_key, tuple(self.key(b) for b in behind), learned))
+        return nb_key, fresh
 
     def fill(self, loads: Sequence[Load], store: ChunkStore) -> tuple[list[LoadSpec], float]:
         """The loader's specs for a plan's ``loads``: a miss is computed now (and written back), the

@@ -9,6 +9,7 @@ selected tokens layer by layer, and ``generation`` decodes.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from .config import BlendConfig, SamplingParams, check_mode
 from .decode_step import FastDecodeStep
 from .fusor import FusionStats, fuse, question_pass
 from .generation import DecodeState, decode
+from .learned_neighbours import LearnConfig, NeighbourLearner
 from .planner import PrefixRequest
 from .prompt import DEFAULT_INSTRUCTION, PromptBuilder, PromptLayout, Segment, check_texts, check_unicode, named_chunks
 from .selector import resolve_criterion
@@ -86,7 +88,7 @@ class CacheBlendEngine:
         model_id: str = "custom",
         fingerprint: str | None = None,
         pipelined: bool | None = None,
-        controller: "LoadingController | None" = None,
+        controller: LoadingController | None = None,
     ):
         from .models import model_fingerprint
 
@@ -117,6 +119,12 @@ class CacheBlendEngine:
         self.kv_shape = self.backbone.kv_shape  # (kv_heads, head_dim)
         self.context_window = self.backbone.context_window
         self.chunk_cache = ChunkCache(self.backbone, self.prompts, self.fingerprint, self.device)
+        # Serializes model work on this engine between threads: the serving layer (a Run, the
+        # Batcher) holds it for each prefill and decode step, the LangChain retriever for
+        # precompute. One forward at a time is also what the hardware does.
+        self.lock = threading.Lock()
+        self.learner: NeighbourLearner | None = None
+        """Learns neighbours from the requests once :meth:`learn_neighbours` is called."""
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -131,9 +139,9 @@ class CacheBlendEngine:
         store_dir: str | None = None,
         store_size_limit: int = 8 * 2**30,
         memory_bytes: int = 2 * 2**30,
-        store: "StoreSpec | Sequence[StoreSpec] | None" = None,
+        store: StoreSpec | Sequence[StoreSpec] | None = None,
         **kwargs: Any,
-    ) -> "CacheBlendEngine":
+    ) -> CacheBlendEngine:
         """Load ``model`` (default: the bundled SmolLM2-135M-Instruct) and open its KV store.
 
         The store lives in ``store_dir`` (default ``<cache home>/kv``) so chunk caches outlive
@@ -249,6 +257,28 @@ class CacheBlendEngine:
         return self.chunk_cache.precompute(self._store(store), texts, neighbours=neighbours, embed=embed, corpus=pool,
                                            progress=progress)
 
+    def learn_neighbours(self, config: LearnConfig | None = None) -> NeighbourLearner:
+        """Learn each chunk's neighbours from the requests this engine answers, and cache chunks
+        behind the chunks they are retrieved with, in the background (``learned_neighbours.py``).
+
+        Every fused request's chunks are counted; a chunk retrieved behind other chunks gets a
+        cache prefilled behind its most frequent predecessors, computed between requests under the
+        engine's lock, and later prompts use the cache whose prefix best matches the chunks in
+        front of the chunk. Costs one chunk prefill (behind ``config.neighbours`` chunks) per new
+        learned cache and its storage (about ``max_caches_per_chunk`` times a chunk's at most).
+        Counts and the cache index are saved beside a disk store. Calling it again returns the
+        running learner.
+        """
+        if self.learner is None:
+            directory = getattr(self.store, "directory", None)
+            self.learner = NeighbourLearner(
+                self.chunk_cache.neighbours,
+                compute=lambda store, seg, behind: self.chunk_cache.compute_behind(store, seg, behind, learned=True)[0],
+                key=self.chunk_cache.key, lock=lambda: self.lock, config=config or LearnConfig(),
+                directory=directory,
+            )
+        return self.learner
+
     def flush(self) -> None:
         """Wait for background write-backs to finish."""
         self.chunk_cache.flush()
@@ -286,7 +316,7 @@ class CacheBlendEngine:
         if mode == "full_recompute_saved":
             return self._causal_prefill(layout, mode, planner.plan_full(layout, self.device), store, t0)
         lost_keys: set[str] = set()
-        for attempt in range(len(layout.segments) + 1):
+        for _attempt in range(len(layout.segments) + 1):
             try:
                 if mode == "prefix_caching":
                     return self._prefix_prefill(layout, store, t0, avoid=lost_keys)
@@ -340,7 +370,7 @@ class CacheBlendEngine:
         self.chunk_cache.store_prefix(store)
         req = planner.plan_fusion(
             layout, mode, config, fingerprint=self.fingerprint, prefix_ids=self.prompts.prefix_ids, contains=store.contains,
-            num_layers=self.num_layers, neighbour_keys=self.chunk_cache.neighbour_keys, avoid=avoid, device=self.device,
+            num_layers=self.num_layers, neighbours=self.chunk_cache.neighbours, avoid=avoid, device=self.device,
         )
         specs, miss_s = self.chunk_cache.fill(req.loads, store)
         loader = LayerAssembler(
@@ -364,6 +394,8 @@ class CacheBlendEngine:
         cache = cache_from(list(zip(out.keys, out.values)), adopt=True)
         stats = self._stats(mode, layout, req.hits, req.misses, out.stats.recomputed_per_layer, out.stats.computed_per_layer)
         stats["neighbour_hits"] = req.neighbour_hits
+        if self.learner is not None:
+            self.learner.observe(store, [seg for seg in layout.segments if seg.reusable])
         stats.update(_load_stats(loader, out.stats, miss_s, scoring_s), prefill_s=time.perf_counter() - t0)
         if mode == "cacheblend":
             stats.update(criterion=getattr(config.criterion, "__name__", config.criterion), recompute_ratio=config.recompute_ratio,
@@ -417,8 +449,8 @@ class CacheBlendEngine:
         ignore_eos: bool = False,
         store: ChunkStore | None = None,
         pipelined: bool | None = None,
-        controller: "LoadingController | None" = None,
-    ) -> "GenerationStream":
+        controller: LoadingController | None = None,
+    ) -> GenerationStream:
         """Iterate over the answer's text deltas; ``.result`` holds the full result afterwards.
 
         ``store``, ``pipelined`` and ``controller`` replace the engine's own for this answer only
@@ -452,6 +484,8 @@ class CacheBlendEngine:
     def close(self, *, close_store: bool = True) -> None:
         """Finish the background write-backs and close the store (``close_store=False``: an
         engine sharing another's store leaves it open)."""
+        if self.learner is not None:
+            self.learner.close()
         self.chunk_cache.close()
         if close_store:
             self.store.close()
@@ -528,7 +562,7 @@ def _load_stats(loader: LayerAssembler, fused: FusionStats, miss_s: float, scori
         load_s_per_layer=list(loader.load_s_per_layer),
         load_exposed_s_per_layer=list(exposed),
         # Load time that ran behind the previous layer's compute (0 when not pipelined).
-        load_hidden_s_per_layer=[max(0.0, l - e) if overlapped else 0.0 for l, e in zip(loader.load_s_per_layer, exposed)],
+        load_hidden_s_per_layer=[max(0.0, load - e) if overlapped else 0.0 for load, e in zip(loader.load_s_per_layer, exposed)],
         compute_s_per_layer=fused.compute_s_per_layer,
         pipelined=bool(loader.pipelined),  # as run: automatic mode decides on layer 0
     )

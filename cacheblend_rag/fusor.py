@@ -222,7 +222,6 @@ def fuse(backbone: "Backbone", plan: FusionPlan, load: LayerLoader, criterion: C
     check layers (a plan without checks needs none)."""
     layers = backbone.layers
     length = plan.input_ids.numel()
-    device = plan.input_ids.device
     cache_kw = backbone.layer_cache_kwarg
     stats = FusionStats()
     keys_out: list[torch.Tensor] = []

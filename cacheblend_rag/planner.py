@@ -17,7 +17,7 @@ computes the misses, the loader assembles the loads and the fusor recomputes the
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +25,7 @@ import torch
 from .attention import ContextAttention, row_groups
 from .config import BlendConfig
 from .fusor import FusionPlan
+from .neighbour_index import NeighbourIndex
 from .prompt import PromptLayout, Segment
 from .selector import pick_chunks, pick_tokens
 from .store.keys import chunk_key
@@ -76,6 +77,7 @@ class FusedRequest:
     misses: int = 0  # reusable chunks computed for this request
     neighbour_hits: int = 0  # chunks served by their cross-chunk-aware cache
     hkvd: bool = False  # HKVD's checks select the tokens; otherwise the question's attention does
+    chunk_keys: tuple[str, ...] = ()  # the prompt's chunks' plain keys, in prompt order
 
 
 def plan_prefix(
@@ -148,7 +150,7 @@ def plan_fusion(
     prefix_ids: Sequence[int],
     contains: Contains,
     num_layers: int,
-    neighbour_keys: Mapping[str, str] | None = None,
+    neighbours: NeighbourIndex | None = None,
     avoid: Collection[str] = (),
     device: torch.device | str = "cpu",
 ) -> FusedRequest:
@@ -156,7 +158,8 @@ def plan_fusion(
 
     The instruction prefix is loaded (never recomputed); a chunk right after it, cached behind
     exactly that prefix, is exact; every other chunk is a candidate for recompute, read from its
-    cross-chunk-aware cache where one was precomputed (``neighbour_keys``, plain key -> its key).
+    cross-chunk-aware cache where one exists (``neighbours``: the one whose prefix best matches the
+    chunks in front of it in this prompt).
     Keys in ``avoid`` (records lost during an earlier attempt) are never loaded: they are computed.
     """
     length = len(layout)
@@ -167,6 +170,7 @@ def plan_fusion(
     forced = torch.zeros_like(always)
     loads: list[Load] = []
     hits = misses = neighbour_hits = 0
+    chunk_keys: list[str] = []  # plain keys of the prompt's chunks, in order
 
     def stored(key: str) -> bool:
         return key not in avoid and contains(key)
@@ -185,9 +189,10 @@ def plan_fusion(
             continue
         exact = off == len(prefix) and tuple(token_ids[:off]) == prefix
         key = chunk_key(fingerprint, prefix, seg.token_ids)
-        nb_key = (neighbour_keys or {}).get(key) if config.neighbour_caches and not exact else None
-        if nb_key is not None and stored(nb_key):
-            key = nb_key
+        nb = neighbours.choose(key, chunk_keys, stored) if neighbours is not None and config.neighbour_caches and not exact else None
+        chunk_keys.append(key)
+        if nb is not None:
+            key = nb.key
             neighbour_hits += 1
         if stored(key):
             hits += 1
@@ -219,7 +224,7 @@ def plan_fusion(
         attention_groups=config.attention_groups,
         context_attention=context_attention(layout, config),
     )
-    return FusedRequest(plan, loads, hits, misses, neighbour_hits, hkvd)
+    return FusedRequest(plan, loads, hits, misses, neighbour_hits, hkvd, tuple(chunk_keys))
 
 
 def guide(plan: FusionPlan, layout: PromptLayout, config: BlendConfig, scores: torch.Tensor, num_layers: int) -> FusionPlan:

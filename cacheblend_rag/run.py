@@ -10,7 +10,6 @@ forward at a time is also what the CPU can actually do.
 from __future__ import annotations
 
 import threading
-import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
@@ -19,17 +18,9 @@ from .plain import chat_text, plain_stream, sampling_params
 if TYPE_CHECKING:
     from .batching import Batcher
 
-_locks: "weakref.WeakKeyDictionary[object, threading.Lock]" = weakref.WeakKeyDictionary()
-_locks_guard = threading.Lock()
-
-
-def engine_lock(engine: object) -> threading.Lock:
-    """The lock that serializes generation and precompute on ``engine``."""
-    with _locks_guard:
-        lock = _locks.get(engine)
-        if lock is None:
-            lock = _locks[engine] = threading.Lock()
-        return lock
+def engine_lock(engine) -> threading.Lock:
+    """The lock that serializes generation and precompute on ``engine`` (``engine.lock``)."""
+    return engine.lock
 
 
 @dataclass(frozen=True)

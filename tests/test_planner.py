@@ -7,6 +7,7 @@ import torch
 
 from cacheblend_rag import BlendConfig
 from cacheblend_rag.attention import row_groups
+from cacheblend_rag.neighbour_index import NeighbourCache, NeighbourIndex
 from cacheblend_rag.planner import (
     COMPUTE,
     MASKED_KEY_COST,
@@ -126,15 +127,51 @@ def test_fusion_plan_computes_misses_and_uses_the_process_prefix_when_the_store_
     assert [load.source for load in req.loads] == [PREFIX, STORE, COMPUTE, COMPUTE]
 
 
+def _index(entries):
+    """NeighbourIndex from {chunk text: [(cache key, [texts behind], learned), ...]}."""
+    index = NeighbourIndex()
+    for text, caches in entries.items():
+        for key, behind, learned in caches:
+            index.add(_plain_key(text), NeighbourCache(key, tuple(map(_plain_key, behind)), learned))
+    return index
+
+
 def test_fusion_plan_reads_neighbour_aware_caches_except_for_the_first_chunk():
     layout = _layout()
-    nb = {_plain_key(c): f"nb-{i}" for i, c in enumerate(CHUNKS)}
+    nb = _index({c: [(f"nb-{i}", [CHUNKS[(i + 1) % 3]], False)] for i, c in enumerate(CHUNKS)})
     stored = {_prefix_key(), *map(_plain_key, CHUNKS), "nb-0", "nb-1"}  # chunk 2's is gone
-    req = _fusion(layout, stored, neighbour_keys=nb)
+    req = _fusion(layout, stored, neighbours=nb)
     assert [load.spec.key for load in req.loads[1:]] == [_plain_key(CHUNKS[0]), "nb-1", _plain_key(CHUNKS[2])]
     assert req.neighbour_hits == 1 and req.hits == 3
-    off = _fusion(layout, stored, config=BlendConfig(strategy="hkvd", neighbour_caches=False), neighbour_keys=nb)
+    assert req.chunk_keys == tuple(map(_plain_key, CHUNKS))
+    off = _fusion(layout, stored, config=BlendConfig(strategy="hkvd", neighbour_caches=False), neighbours=nb)
     assert off.neighbour_hits == 0 and [load.spec.key for load in off.loads[1:]] == list(map(_plain_key, CHUNKS))
+
+
+def test_fusion_plan_picks_the_cache_whose_prefix_matches_the_chunks_in_front():
+    layout = _layout()  # chunks 0, 1, 2 in this order
+    other = (50, 51, 52)  # a chunk of the corpus that is not in this prompt
+    nb = _index({CHUNKS[2]: [
+        ("similar", [other], False),                        # embedding neighbours: none in the prompt
+        ("learned-1", [other, CHUNKS[1]], True),            # one of them right in front
+        ("learned-01", [CHUNKS[0], CHUNKS[1]], True),       # exactly the chunks in front, in order
+        ("learned-10", [CHUNKS[1], CHUNKS[0]], True),       # the same chunks, other order
+    ]})
+    stored = {_prefix_key(), *map(_plain_key, CHUNKS), "similar", "learned-1", "learned-01", "learned-10"}
+    assert _fusion(layout, stored, neighbours=nb).loads[3].spec.key == "learned-01"
+    # Gone from the store: the next best match, then any neighbour-aware cache over the plain one.
+    assert _fusion(layout, stored - {"learned-01"}, neighbours=nb).loads[3].spec.key == "learned-10"
+    assert _fusion(layout, stored - {"learned-01", "learned-10"}, neighbours=nb).loads[3].spec.key == "learned-1"
+    assert _fusion(layout, {_prefix_key(), *map(_plain_key, CHUNKS), "similar"}, neighbours=nb).loads[3].spec.key == "similar"
+
+
+def test_a_chunk_whose_text_changed_is_never_served_an_old_neighbour_cache():
+    layout = _layout()
+    old_text = CHUNKS[1] + (23,)  # chunk 1 before an edit
+    nb = _index({old_text: [("old-text-cache", [CHUNKS[0]], True)]})
+    stored = {_prefix_key(), *map(_plain_key, CHUNKS), "old-text-cache"}
+    req = _fusion(layout, stored, neighbours=nb)
+    assert "old-text-cache" not in [load.spec.key for load in req.loads] and req.neighbour_hits == 0
 
 
 def test_hkvd_plans_checks_and_boundary_tokens():

@@ -13,10 +13,11 @@ from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, Callba
 from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.vectorstores import InMemoryVectorStore
-from pydantic import ConfigDict, PrivateAttr, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 from tqdm.auto import tqdm
 
 from cacheblend_rag import CacheBlendEngine
+from cacheblend_rag.learned_neighbours import LearnConfig
 from cacheblend_rag.matching import ChunkRegistry
 from cacheblend_rag.run import engine_lock
 from cacheblend_rag.threads import helper_pool
@@ -50,9 +51,13 @@ class CacheBlendRetriever(BaseRetriever):
       generation. ``wait()`` blocks until it is done. The worker runs single-threaded, so it
       never slows the model's own thread (``cacheblend_rag.threads``).
 
-    ``neighbours`` > 0 (with ``precompute``) also caches each retrieved chunk prefilled behind
-    its ``neighbours`` most similar chunks of the same retrieval (``CacheBlendEngine.precompute``):
-    closer to a full prefill's answers, for about ``neighbours + 1`` times the precompute.
+    ``neighbours`` (default 2; 0 turns it off) gives the chunks neighbour-aware caches, which answer
+    much closer to a full prefill: the engine learns which chunks are retrieved together and caches
+    each chunk behind its most frequent predecessors in the background
+    (``CacheBlendEngine.learn_neighbours``), and with ``precompute`` each retrieved chunk is also
+    cached behind its ``neighbours`` most similar chunks of the same retrieval right away. Cost: one
+    extra chunk prefill (behind ``neighbours`` chunks) per neighbour-aware cache, computed off the
+    request path, and their storage (up to 4 per chunk besides its plain cache).
 
     Give ``llm`` (a CacheBlendLLM/ChatCacheBlend) or ``engine``; ``registry`` overrides theirs.
     """
@@ -64,7 +69,7 @@ class CacheBlendRetriever(BaseRetriever):
     engine: CacheBlendEngine | None = None
     registry: ChunkRegistry | None = None
     precompute: Literal["sync", "background", False] = False
-    neighbours: int = 0
+    neighbours: int = Field(default=2, ge=0)
 
     _pool: ThreadPoolExecutor | None = PrivateAttr(default=None)
     _pending: list[Future] = PrivateAttr(default_factory=list)
@@ -107,6 +112,8 @@ class CacheBlendRetriever(BaseRetriever):
         texts = [d.page_content for d in docs if d.page_content.strip()]
         engine, registry = self._target()
         registry.add(texts)
+        if engine is not None and self.neighbours:
+            engine.learn_neighbours(LearnConfig(neighbours=self.neighbours))
         if not self.precompute or not texts:
             return
         assert engine is not None
@@ -169,22 +176,27 @@ def precompute_vectorstore(
     *,
     batch_size: int = 32,
     progress: bool = True,
-    neighbours: int = 0,
+    neighbours: int = 2,
 ) -> int:
     """Compute and store the KV of every document, and register their texts with the model.
 
     ``vectorstore_or_documents``: an ``InMemoryVectorStore`` (its stored documents are read) or
     any iterable of Documents or strings. ``llm_or_engine``: a CacheBlendLLM, ChatCacheBlend or
     CacheBlendEngine. Already cached chunks are skipped. Returns how many chunks were computed.
-    ``neighbours`` > 0 also caches each document prefilled behind its ``neighbours`` most similar
-    documents of the whole collection (``CacheBlendEngine.precompute``); precompute again after
-    the collection changes.
+    ``neighbours`` (default 2; 0: plain caches only) also caches each document prefilled behind
+    its ``neighbours`` most similar documents of the whole collection (``CacheBlendEngine.precompute``:
+    about ``neighbours + 1`` times the plain precompute, and twice the storage), and has the engine
+    learn better neighbours from the chunks retrieved together (``CacheBlendEngine.learn_neighbours``);
+    precompute again after the collection changes.
     """
+    if isinstance(neighbours, bool) or not isinstance(neighbours, int) or neighbours < 0:
+        raise ValueError(f"neighbours={neighbours!r} must be an int >= 0 (0: plain chunk caches only)")
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} must be >= 1")
     engine, registry = _resolve(llm_or_engine)
     texts, total = _texts_of(vectorstore_or_documents)
     if neighbours:
+        engine.learn_neighbours(LearnConfig(neighbours=neighbours))
         # Neighbours are chosen across the whole collection, not within a batch.
         everything = [t for t in texts if t.strip()]
         registry.add(everything)

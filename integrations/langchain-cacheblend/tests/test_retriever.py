@@ -56,10 +56,15 @@ def test_wrapper_needs_a_model():
 
 def test_precompute_vectorstore_and_document_lists(tiny_engine, vectorstore, documents):
     llm = CacheBlendLLM(engine=tiny_engine)
-    assert precompute_vectorstore(vectorstore, llm, batch_size=3, progress=False) == len(documents)
+    # By default each document also gets a cache behind its 2 nearest documents, and the engine
+    # learns neighbours from the traffic; neighbours=0 computes the plain caches only.
+    assert precompute_vectorstore(vectorstore, llm, batch_size=3, progress=False) == 2 * len(documents)
+    assert tiny_engine.learner is not None and tiny_engine.learner.config.neighbours == 2
     assert all(tiny_engine.is_cached(d.page_content) and d.page_content in llm.chunk_registry for d in documents)
     assert precompute_vectorstore(documents, tiny_engine, progress=False) == 0  # already cached
-    assert precompute_vectorstore(["A new fact about the river Cam."], tiny_engine, progress=False) == 1
+    assert precompute_vectorstore(["A new fact about the river Cam."], tiny_engine, progress=False, neighbours=0) == 1
+    with pytest.raises(ValueError, match="neighbours=-1 must be an int >= 0"):
+        precompute_vectorstore(documents, tiny_engine, neighbours=-1)
     with pytest.raises(TypeError, match="not a single string"):
         precompute_vectorstore("text", tiny_engine)
     with pytest.raises(TypeError, match="CacheBlendLLM, ChatCacheBlend or CacheBlendEngine"):

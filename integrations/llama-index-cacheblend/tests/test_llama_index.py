@@ -143,14 +143,16 @@ def test_second_query_hits_every_chunk(engine, index):
     qe = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, precompute=False, **GEN)
     first = qe.query(QUESTION).metadata["cacheblend"]
     assert (first["chunk_hits"], first["chunk_misses"]) == (0, TOP_K)
+    engine.learner.wait()  # the nodes, retrieved together, are now also cached behind each other
     second = qe.query(QUESTION)
     stats = second.metadata["cacheblend"]
-    assert (stats["chunk_hits"], stats["chunk_misses"]) == (TOP_K, 0)
+    assert (stats["chunk_hits"], stats["chunk_misses"], stats["neighbour_hits"]) == (TOP_K, 0, TOP_K - 1)
     assert second.response == engine.generate(QUESTION, chunk_texts(second.source_nodes), **GEN).text
 
 
 def test_precompute_index_makes_first_query_hit(engine, index):
-    assert precompute_index(index, engine, progress=False) == len(PASSAGES)
+    # Each node also gets a cache behind its 2 nearest nodes by default (neighbours=0: plain only).
+    assert precompute_index(index, engine, progress=False) == 2 * len(PASSAGES)
     assert precompute_index(index, engine, progress=False) == 0  # idempotent
     assert all(engine.is_cached(n.get_content(MetadataMode.LLM)) for n in index.docstore.docs.values())
     qe = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, precompute=False, **GEN)
@@ -196,8 +198,17 @@ def test_precompute_postprocessor_passes_nodes_through(engine, index):
 
 
 # ---------------------------------------------------------------------------- streaming and async
+def _learned(engine, qe) -> None:
+    """Serve QUESTION once and let the engine finish caching its nodes behind each other, so that
+    later answers to it come from the same caches (learned neighbours change the second answer)."""
+    qe.query(QUESTION)
+    engine.learner.wait()
+
+
 def test_streaming_yields_the_same_text(engine, index):
-    plain = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, **GEN).query(QUESTION)
+    qe = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, **GEN)
+    _learned(engine, qe)
+    plain = qe.query(QUESTION)
     streaming = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, streaming=True, **GEN)
     resp = streaming.query(QUESTION)
     assert "cacheblend" not in resp.metadata  # stats arrive with the end of the stream
@@ -209,6 +220,7 @@ def test_streaming_yields_the_same_text(engine, index):
 
 def test_async_query_matches_sync(engine, index):
     qe = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, **GEN)
+    _learned(engine, qe)
     sync = qe.query(QUESTION)
     resp = asyncio.run(qe.aquery(QUESTION))
     assert resp.response == sync.response

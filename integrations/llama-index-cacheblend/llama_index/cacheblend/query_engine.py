@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, List, Optional
 
 from cacheblend_rag import CacheBlendEngine
+from cacheblend_rag.learned_neighbours import LearnConfig
 from cacheblend_rag.prompt import validate_question
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.base.response.schema import RESPONSE_TYPE
@@ -65,6 +66,7 @@ class CacheBlendQueryEngine(RetrieverQueryEngine):
         show_progress: bool = True,
         llm: Optional[CacheBlendLLM] = None,
         text_qa_template: Optional[BasePromptTemplate] = None,
+        neighbours: int = 2,
         **gen: Any,
     ) -> "CacheBlendQueryEngine":
         """Query ``index`` with CacheBlend in one line.
@@ -76,12 +78,18 @@ class CacheBlendQueryEngine(RetrieverQueryEngine):
         precompute: store the KV of every node in the index now (``precompute_index``), so even
             the first query reuses caches. Without it a chunk is computed (and stored) the first
             time it is retrieved.
+        neighbours: neighbour-aware caches (``precompute_index``; default 2, 0 turns them off):
+            each node also cached behind its most similar nodes, and behind the nodes it is
+            retrieved with as the engine learns them. Answers get closer to a full prefill's, so
+            a repeated query's answer may change once its nodes were learned.
         **gen: CacheBlendLLM fields: mode ("cacheblend"), recompute_ratio (engine default 0.15),
             max_new_tokens (128), temperature (0.0), top_p, top_k, seed.
         """
         llm = _resolve_llm(llm, engine, gen)
         if precompute:
-            precompute_index(index, llm.engine, progress=show_progress, metadata_mode=metadata_mode)
+            precompute_index(index, llm.engine, progress=show_progress, metadata_mode=metadata_mode, neighbours=neighbours)
+        elif neighbours:
+            llm.engine.learn_neighbours(LearnConfig(neighbours=neighbours))
         synth = CacheBlendSynthesizer(llm=llm, streaming=streaming, metadata_mode=metadata_mode, text_qa_template=text_qa_template)
         return cls(
             retriever=index.as_retriever(similarity_top_k=similarity_top_k),

@@ -1,0 +1,217 @@
+"""Neighbour-aware caches learned from the traffic, refreshed in the background.
+
+After every fused request the engine hands its chunks (in prompt order) to :meth:`NeighbourLearner.observe`:
+the co-retrieval counts are updated (``coretrieval.py``) and every chunk that is not first in the
+prompt is checked: if no cache of it exists behind its most frequent predecessors, one is queued.
+A single background thread computes the queued caches, one chunk at a time under the engine's
+lock, so it runs between requests and batch steps, never beside them: an answer in flight holds
+the lock and is never paused or changed, and a request that arrives meanwhile waits at most one
+chunk's prefill. The answer that triggered the refresh is not affected at all (it was already
+answered); later requests find the new cache through the :class:`~.neighbour_index.NeighbourIndex`.
+
+The counts and the index are saved beside a disk store (``neighbours.json`` in its directory) on
+:meth:`close` and every ``save_every`` requests, and read back when an engine opens that store.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager as ContextManager
+from dataclasses import dataclass
+from pathlib import Path
+
+from .coretrieval import CoRetrieval
+from .neighbour_index import NeighbourCache, NeighbourIndex
+from .prompt import Segment
+from .store.protocol import ChunkStore
+from .threads import release_team
+
+__all__ = ["LearnConfig", "NeighbourLearner"]
+
+log = logging.getLogger(__name__)
+
+FILE = "neighbours.json"
+
+
+@dataclass(frozen=True)
+class LearnConfig:
+    """How neighbours are learned (documented defaults).
+
+    neighbours: how many of a chunk's most frequent predecessors its learned cache is prefilled
+        behind (more: closer to the prompts that retrieve it, and a longer prefill per cache).
+    min_count: how often a chunk must have been retrieved behind a predecessor before it counts
+        (1: a single prompt is enough evidence, so a chunk retrieved with the same chunks again
+        is served a cache prefilled behind exactly them).
+    max_chunks: chunks whose counts are kept (least recently retrieved forgotten first).
+    max_predecessors: counters per chunk (Space-Saving; see ``coretrieval.py``).
+    max_caches_per_chunk: neighbour-aware caches kept per chunk (the embedding one included).
+    max_pending: queued refreshes; beyond it new ones are dropped (they come back with the traffic).
+    save_every: requests between saves of ``neighbours.json`` (0: only on close).
+    """
+
+    neighbours: int = 2
+    min_count: int = 1
+    max_chunks: int = 100_000
+    max_predecessors: int = 8
+    max_caches_per_chunk: int = 4
+    max_pending: int = 256
+    save_every: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("neighbours", "min_count", "max_chunks", "max_predecessors", "max_caches_per_chunk", "max_pending"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"LearnConfig.{name}={value!r} must be an int >= 1")
+        if isinstance(self.save_every, bool) or not isinstance(self.save_every, int) or self.save_every < 0:
+            raise ValueError(f"LearnConfig.save_every={self.save_every!r} must be an int >= 0")
+
+
+@dataclass(frozen=True)
+class _Job:
+    store: ChunkStore
+    chunk: Segment
+    behind: tuple[Segment, ...]
+
+
+class NeighbourLearner:
+    """Learns each chunk's neighbours from the requests and caches it behind them in the background.
+
+    ``compute(store, chunk, behind)`` computes and stores one neighbour-aware cache and returns its
+    key (``ChunkCache.compute_behind``); ``key(segment)`` is a chunk's plain key; ``lock()`` is the
+    engine's lock (held while computing).
+    """
+
+    def __init__(
+        self,
+        index: NeighbourIndex,
+        compute: Callable[[ChunkStore, Segment, Sequence[Segment]], str | None],
+        key: Callable[[Segment], str],
+        lock: Callable[[], ContextManager[object]],
+        config: LearnConfig = LearnConfig(),
+        directory: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.config, self.index = config, index
+        self._compute, self._key, self._lock = compute, key, lock
+        self._path = None if directory is None else Path(directory) / FILE
+        self.stats = CoRetrieval(config.max_chunks, config.max_predecessors)
+        self._segments: OrderedDict[str, Segment] = OrderedDict()  # texts of recently seen chunks (bounded)
+        self._segments_lock = threading.Lock()
+        self._queued: set[tuple[str, tuple[str, ...]]] = set()
+        self._jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=config.max_pending)
+        self._observed = 0
+        self.computed = 0
+        """Learned caches computed so far."""
+        self._load()
+        self._thread = threading.Thread(target=self._work, name="cacheblend-neighbours", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ request path (cheap)
+    def observe(self, store: ChunkStore, chunks: Sequence[Segment]) -> None:
+        """One fused request's chunks, in prompt order: count them, queue the caches now missing."""
+        keys = [self._key(seg) for seg in chunks]
+        self.stats.record(keys)
+        with self._segments_lock:
+            for key, seg in zip(keys, chunks):
+                self._segments.pop(key, None)
+                self._segments[key] = seg
+                while len(self._segments) > self.config.max_chunks:
+                    self._segments.popitem(last=False)
+        for key, seg in list(zip(keys, chunks))[1:]:
+            self._maybe_queue(store, key, seg)
+        self._observed += 1
+        if self.config.save_every and self._observed % self.config.save_every == 0:
+            self.save()
+
+    def _maybe_queue(self, store: ChunkStore, key: str, seg: Segment) -> None:
+        preds = [p for p in self.stats.predecessors(key, self.config.max_predecessors)
+                 if self.stats.count(key, p) >= self.config.min_count][: self.config.neighbours]
+        if not preds:
+            return
+        # Most frequent right in front of the chunk, as the embedding neighbours are ordered.
+        behind_keys = tuple(reversed(preds))
+        if self.index.has(key, behind_keys) or (key, behind_keys) in self._queued:
+            return
+        with self._segments_lock:
+            behind = tuple(self._segments.get(p) for p in behind_keys)
+        if any(b is None for b in behind):
+            return  # a predecessor's text is no longer known: wait until it is retrieved again
+        try:
+            self._jobs.put_nowait(_Job(store, seg, behind))  # type: ignore[arg-type]
+        except queue.Full:
+            return
+        self._queued.add((key, behind_keys))
+
+    # ------------------------------------------------------------------ background
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is None:
+                    return
+                self._refresh(job)
+            finally:
+                self._jobs.task_done()
+
+    def _refresh(self, job: _Job) -> None:
+        key = self._key(job.chunk)
+        behind_keys = tuple(self._key(b) for b in job.behind)
+        try:
+            with self._lock():
+                try:
+                    cache_key = self._compute(job.store, job.chunk, job.behind)
+                finally:
+                    release_team()  # hand the cores back to the thread that answers next
+            if cache_key is not None:
+                self.index.add(key, NeighbourCache(cache_key, behind_keys, learned=True))
+                self.computed += 1
+        except Exception as exc:  # noqa: BLE001 - a failed refresh only costs the better cache
+            log.warning("could not compute a learned neighbour cache for chunk %s: %r", key[:16], exc)
+        finally:
+            self._queued.discard((key, behind_keys))
+
+    def wait(self) -> None:
+        """Block until every queued refresh is done (tests, benchmarks)."""
+        self._jobs.join()
+
+    # ------------------------------------------------------------------ persistence
+    def save(self) -> None:
+        """Write the counts and the index beside the store (atomically), if it has a directory."""
+        if self._path is None:
+            return
+        data = {"coretrieval": self.stats.to_json(), "index": self.index.to_json()}
+        tmp = self._path.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
+        try:
+            tmp.write_text(json.dumps(data), encoding="utf-8")
+            os.replace(tmp, self._path)
+        except OSError as exc:
+            log.warning("could not save learned neighbours to %s (they are learned again): %r", self._path, exc)
+            tmp.unlink(missing_ok=True)
+
+    def _load(self) -> None:
+        if self._path is None or not self._path.is_file():
+            return
+        try:
+            data = json.loads(self._path.read_text(encoding="utf-8"))
+            stats = CoRetrieval.from_json(data["coretrieval"])
+            index = NeighbourIndex.from_json(data["index"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("ignoring unreadable %s (neighbours are learned again): %r", self._path, exc)
+            return
+        self.stats = stats
+        for chunk, caches in index.items():
+            for cache in caches:
+                self.index.add(chunk, cache)
+
+    def close(self) -> None:
+        """Finish the queued refreshes, stop the thread, save."""
+        if not self._thread.is_alive():
+            return
+        self._jobs.put(None)
+        self._thread.join()
+        self.save()
