@@ -219,5 +219,7 @@ def test_notebooks_quote_the_benchmark_headline():
     for nb in sorted((REPO / "examples").glob("*.ipynb")):
         cells = json.loads(nb.read_text(encoding="utf-8"))["cells"]
         text = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
-        for m in re.finditer(r"about (\d+(?:\.\d+)?x) (?:faster|on a CPU)", text):
-            assert m.group(1) == headline, f"{nb.name} says {m.group(1)}, the benchmarks {headline}"
+        claims = re.findall(r"about\s+(\d+(?:\.\d+)?x)\s+(?:faster|on\s+a\s+CPU)", text)
+        assert claims, f"{nb.name} no longer quotes the benchmarks' speed-up: drop this check or the notebook"
+        for claim in claims:
+            assert claim == headline, f"{nb.name} says {claim}, the benchmarks {headline}"

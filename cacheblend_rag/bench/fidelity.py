@@ -39,6 +39,7 @@ from ..neighbours import nearest
 from . import datasets as ds
 from .methods import Method, parse_methods, settle
 from .runner import BenchConfig, load_engine, read_results
+from .provenance import engine_stamp
 from .stats import bootstrap_mean_ci, ratio_ci, sign_test, speedup
 
 NEIGHBOUR_POOLS = ("retrieved", "corpus")
@@ -241,7 +242,7 @@ def _run(cfg: FidelityConfig, engine, methods: list[Method], full: Method, todo,
                     kl=next_token_kl(ref_pre.logits, pre.logits),
                     tf_loglik=teacher_forced_loglik(engine, pre.cache, pre.logits, start, target, pre.attention_kwargs),
                     ttft_s=res.ttft_s, recompute_fraction=s.get("recompute_fraction"),
-                    neighbour_hits=s.get("neighbour_hits", 0), time=time.time(),
+                    neighbour_hits=s.get("neighbour_hits", 0), time=time.time(), engine=engine_stamp(),
                 )
                 sink.write(json.dumps(row) + "\n")
                 sink.flush()

@@ -8,12 +8,17 @@ the first and the last). Two kinds of note refine it where a file mixes engines:
 * ``changes``: engine changes that landed while the rows were being written, at a Unix time, so a
   table can split rows written before and after one (rows carry their ``time``).
 
-``record(file)`` writes a file's entry from ``git log`` (run it after committing new rows:
-``python -m cacheblend_rag.bench.doc_tables --record docs/results/NEW.jsonl``); notes are kept.
+Rows written from now on carry their engine themselves (``engine``: :func:`engine_stamp`, the
+version and the commit of the code that ran, ``+dirty`` with uncommitted changes), and a file
+without an entry is labelled from them. ``record(file)`` writes a file's entry from ``git log``
+(``python -m cacheblend_rag.bench.doc_tables --record docs/results/NEW.jsonl``, after committing
+the rows); notes are kept.
 """
 
 from __future__ import annotations
 
+import datetime
+import functools
 import json
 import re
 import subprocess
@@ -65,11 +70,43 @@ def load(results: Path) -> dict[str, Provenance]:
 
 
 def of(results: Path, name: str) -> Provenance:
-    entries = load(results)
-    if name not in entries:
-        raise KeyError(f"docs/results/{name} has no entry in {FILE}: after committing it, run "
-                       f"python -m cacheblend_rag.bench.doc_tables --record docs/results/{name}")
-    return entries[name]
+    """``name``'s entry, or one made from its rows' own ``engine`` stamps."""
+    entries = load(results) if _path(results).exists() else {}
+    if name in entries:
+        return entries[name]
+    stamped = _from_rows(results / name)
+    if stamped is None:
+        raise KeyError(f"docs/results/{name} has no entry in {FILE} and its rows carry no engine: after committing "
+                       f"it, run python -m cacheblend_rag.bench.doc_tables --record docs/results/{name}")
+    return stamped
+
+
+def _from_rows(path: Path) -> Provenance | None:
+    if path.suffix != ".jsonl" or not path.is_file():
+        return None
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    stamps = list(dict.fromkeys(r.get("engine") for r in rows))
+    if not rows or None in stamps:
+        return None
+    versions = list(dict.fromkeys(s.split("+")[0] for s in stamps))
+    commits = tuple(dict.fromkeys(s.split("+g", 1)[1] if "+g" in s else "unknown" for s in stamps))
+    date = datetime.datetime.fromtimestamp(max(r.get("time", 0) for r in rows), datetime.timezone.utc).date().isoformat()
+    return Provenance(file=path.name, engine=" and ".join(versions), commits=commits, date=date)
+
+
+@functools.cache
+def engine_stamp() -> str:
+    """This engine: its version and, in a git checkout, the commit (``0.2.0.dev0+gabc1234``, with
+    ``.dirty`` when the package has uncommitted changes). Benchmarks write it into every row."""
+    from .. import __version__
+
+    package = Path(__file__).resolve().parents[1]
+    try:
+        commit = _git(package, "rev-parse", "--short=7", "HEAD").strip()
+        dirty = bool(_git(package, "status", "--porcelain", "--", str(package)).strip())
+    except (OSError, subprocess.CalledProcessError):
+        return __version__
+    return f"{__version__}+g{commit}" + (".dirty" if dirty else "")
 
 
 def caption(results: Path, files: tuple[str, ...]) -> str:

@@ -159,7 +159,10 @@ def _order(method: str) -> tuple:
 def machine() -> dict[str, Any]:
     import torch
 
+    from .provenance import engine_stamp
+
     return {
+        "engine": engine_stamp(),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -25,6 +26,7 @@ from ..metrics import next_token_kl, qa_f1
 from ..paths import data_file
 from .datasets import Example, Retriever, chunk_documents, load_musique, token_counter
 from .methods import answer_with_logits, settle
+from .provenance import engine_stamp
 from .stats import speedup
 
 @dataclass
@@ -118,6 +120,7 @@ def run_sweep(engine, cfg: SweepConfig, progress: bool = True) -> list[dict]:
                 recompute_fraction=frac,
                 compute_fraction=work,
                 overhead=pre_s / (work * ref_prefill) if mode == "cacheblend" and work else None,
+                time=time.time(), engine=engine_stamp(),
             ))
         if out:
             for r in rows[-len(methods) :]:

@@ -29,6 +29,7 @@ from tqdm import tqdm
 from ..metrics import next_token_kl
 from . import datasets as ds
 from .methods import answer_with_logits, parse_method, settle
+from .provenance import engine_stamp
 from .stats import speedup
 
 ROWS = "whole_answer.jsonl"
@@ -136,6 +137,7 @@ def run_whole_answer(cfg: WholeAnswerConfig) -> list[dict]:
                         row["first_tokens"] = res.token_ids[:32]
                     row["kl_vs_fp32_full_prefill"] = next_token_kl(reference, logits)
                     row["key"] = _key(cfg, ex, name)
+                    row["time"], row["engine"] = time.time(), engine_stamp()
                     sink.write(json.dumps(row) + "\n")
                     sink.flush()
                     rows.append(row)

@@ -137,6 +137,7 @@ def _headline_values(res: Results) -> dict[str, Any]:
         v[f"{chain}_slower"] = [1 / ds[d][chain]["speedup_vs_full_recompute"] for d in ds]
         v[f"{chain}_f1"] = a[chain]["quality"]
     v["chains_slower"] = v["map_reduce_slower"] + v["map_rerank_slower"]
+    v["chains_latency"] = a["map_reduce"]["latency_mean_s"] + a["map_rerank"]["latency_mean_s"]
     return v
 
 
@@ -276,7 +277,7 @@ def _whole_values(file: str, steps: str):
             "n_musique": len({r["qid"] for r in rows if r["dataset"] == "musique"}),
             "prompt_k": [min(r["prompt_tokens"] for r in rows) / 1e3, max(r["prompt_tokens"] for r in rows) / 1e3],
             "prompt_mean_k": cb16["prompt_tokens"] / 1e3, "longest": max(LENGTHS),
-            "weight_mb": res.json(steps)["fp32"]["weight_mb"],
+            "weight_mb": res.json(steps)["fp32"]["weight_mb"], "step_prompt_k": res.json(steps)["fp32"]["prompt_tokens"] / 1e3,
             # llama.cpp's prompt evaluation against the engine's float32 full prefill: times slower
             "llama_prompt_slower": 1 / fp32["llama_cpp:q8_0"]["ttft_vs_full_recompute_saved/fp32"],
             "fp16_full_same_32": fp16["same_32_tokens_as_fp32_full_prefill"], "fp16_full_kl": fp16["kl_vs_fp32_full_prefill"],
@@ -400,5 +401,5 @@ VALUES = {
     "load": Values((LOAD, "load_smollm2.jsonl"), _load_values),
     "reliability": Values((RELIABILITY,), _reliability_values),
     "decode": Values(("decode_step_smollm2.json",), lambda res: {
-        k: res.json("decode_step_smollm2.json")["fp32"][k] for k in ("weight_mb", "kv_mb")}),
+        k: res.json("decode_step_smollm2.json")["fp32"][k] for k in ("weight_mb", "kv_mb", "prompt_tokens")}),
 }
