@@ -294,6 +294,7 @@ def _fidelity_values(run_of, pairs: list[tuple[str, str]]):
             v[f"{k}.agree"] = _stat(x, "agree")
             v[f"{k}.agree_f1"] = _stat(x, "agree_f1")
             v[f"{k}.agree_hw"] = (x["agree_ci"][1] - x["agree_ci"][0]) / 2  # half the interval's width
+            v[f"{k}.agree_hw_points"] = 100 * v[f"{k}.agree_hw"]  # the same in percentage points
             v[f"{k}.agree_f1_hw"] = (x["agree_f1_ci"][1] - x["agree_f1_ci"][0]) / 2
             v[f"{k}.f1_diff"] = _stat(x, "f1_diff")
             v[f"{k}.kl"] = x["kl"]
