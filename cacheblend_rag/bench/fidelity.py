@@ -38,8 +38,8 @@ from ..metrics import next_token_kl, normalize_answer, qa_f1, token_f1
 from ..neighbours import nearest
 from . import datasets as ds
 from .methods import Method, parse_methods, settle
-from .runner import BenchConfig, load_engine, read_results
 from .provenance import engine_stamp
+from .runner import BenchConfig, load_engine, read_results
 from .stats import bootstrap_mean_ci, ratio_ci, sign_test, speedup
 
 NEIGHBOUR_POOLS = ("retrieved", "corpus")

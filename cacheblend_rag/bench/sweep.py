@@ -29,6 +29,7 @@ from .methods import answer_with_logits, settle
 from .provenance import engine_stamp
 from .stats import speedup
 
+
 @dataclass
 class SweepConfig:
     musique: Path | None = None  # None: $CACHEBLEND_RAG_MUSIQUE (see paths.data_file)

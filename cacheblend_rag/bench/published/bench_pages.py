@@ -169,6 +169,15 @@ def _per_dataset(rows: list[dict]) -> dict[str, dict[str, dict]]:
     return {d: _by_method(summarize(rows), d) for d in dict.fromkeys(r["dataset"] for r in rows)}
 
 
+def _ratio_cell(c: dict, method: str) -> str:
+    """A speed-up over the saved full prefill with its interval; the default's number in bold."""
+    if method == "full_recompute_saved":
+        return "1.00x"
+    text = x_ci(c["speedup_vs_full_recompute_saved"], c["speedup_vs_full_recompute_saved_ci"])
+    head, _, tail = text.partition(" ")
+    return f"**{head}** {tail}" if method == DEFAULT else text
+
+
 def _ratios_table(res: Results) -> str:
     rows = res.rows("bench_ratios_smollm2.jsonl")
     per, both = _per_dataset(rows), _by_method(summarize(pooled(rows)))
@@ -176,16 +185,8 @@ def _ratios_table(res: Results) -> str:
     for method, e in both.items():
         cells = [per[d][method] for d in per]
         reference = method == "full_recompute_saved"
-
-        def ratio(c: dict) -> str:
-            if reference:
-                return "1.00x"
-            text = x_ci(c["speedup_vs_full_recompute_saved"], c["speedup_vs_full_recompute_saved_ci"])
-            head, _, tail = text.partition(" ")
-            return f"**{head}** {tail}" if method == DEFAULT else text
-
         out.append([f"**{method}**" if method == DEFAULT else method, f"{e['compute_fraction']:.0%}",
-                    " / ".join(ratio(c) for c in cells),
+                    " / ".join(_ratio_cell(c, method) for c in cells),
                     " / ".join("0" if reference else f"{c['kl_mean']:.3f}" for c in cells),
                     ", ".join(f"{round(c['agreement'] * c['n'])}/{c['n']}" for c in cells)])
     header = ["method", "token-layers computed", "TTFT vs saved full prefill, " + " / ".join(per), "KL to full prefill",

@@ -10,7 +10,15 @@ import statistics
 from typing import Any
 
 from .. import provenance
-from ..fidelity import TABLE_COLUMNS, by_dataset_table, compare, comparison_table, markdown_table, summarize, ttft_speedup
+from ..fidelity import (
+    TABLE_COLUMNS,
+    by_dataset_table,
+    compare,
+    comparison_table,
+    markdown_table,
+    summarize,
+    ttft_speedup,
+)
 from ..stats import sign_test
 from . import Results, Table, Values
 from .fmt import Stat
@@ -150,7 +158,7 @@ def _corpus_table(res: Results) -> str:
     s = _corpus(res)["summary"]
     lines = ["| method | neighbours from | answer = full prefill's | agreement F1 | F1 − full prefill's | KL / full reuse's "
              "| KL worse than full reuse | HotpotQA; MuSiQue (same answer) |", "|---|---|---|---|---|---|---|---|"]
-    from ..fidelity import TABLE_COLUMNS as C
+    C = TABLE_COLUMNS
     for method in CORPUS_ORDER:
         e = next(x for x in s if x["method"] == method and x["dataset"] == "all")
         base = method.removesuffix(CORPUS_SUFFIX)
@@ -198,7 +206,7 @@ def _dev_paired(res: Results) -> str:
 # ----------------------------------------------------------------------------- the default beside /nb
 def _side_by_side(res: Results) -> str:
     run = _qwen05(res)
-    from ..fidelity import TABLE_COLUMNS as C
+    C = TABLE_COLUMNS
     a, b = run.entry(DEFAULT), run.entry("question@0.15/nb")
     hb = {d: run.entry("question@0.15/nb", d)["agree"] for d in ("hotpotqa", "musique")}
     t = [run.ttft(m) for m in (DEFAULT, "question@0.15/nb")]
