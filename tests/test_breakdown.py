@@ -36,6 +36,10 @@ def test_breakdown_accounts_for_the_whole_prefill():
     layers = engine.num_layers
     assert saved["compute_fraction"] == pytest.approx((layers - 1) / layers, abs=0.01)
     assert saved["overhead"] == pytest.approx(1.0)  # its own reference
+    assert saved["speedup_vs_saved"] == pytest.approx(1.0)
+    # The speed-up is the ratio of mean wall times over the same (question, round) pairs.
+    walls = {m: sum(r["wall_s"] for r in rows if r["mode"] == m) for m in ("full_recompute_saved", "cacheblend")}
+    assert s["cacheblend"]["speedup_vs_saved"] == pytest.approx(walls["full_recompute_saved"] / walls["cacheblend"])
     assert 0 < s["cacheblend"]["compute_fraction"] < 1
     assert sum(s["cacheblend"][f"{c}_share"] for c in CATEGORIES) >= 1 - 1e-9
-    assert "| cacheblend |" in report(s)
+    assert "| `cacheblend` |" in report(s)

@@ -74,25 +74,3 @@ def test_whole_answer_refuses_lengths_below_one_token(tmp_path, capsys):
                  "--out", str(tmp_path), "--llama-cpp", "", "--quiet"])
     assert code == 2
     assert "lengths=(0, 8): give answer lengths of at least 1 token" in capsys.readouterr().err
-
-
-def test_docs_tables_equal_what_the_committed_result_files_give():
-    from cacheblend_rag.bench.doc_tables import update
-
-    assert update(write=False) == []
-
-
-def test_a_changed_result_row_makes_its_docs_table_stale(tmp_path):
-    import shutil
-
-    from cacheblend_rag.bench.doc_tables import ROOT, update
-
-    shutil.copytree(ROOT / "docs", tmp_path / "docs")
-    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
-    probe = tmp_path / "docs" / "results" / "weight_formats_probe_smollm2.json"
-    data = json.loads(probe.read_text())
-    data["formats"]["fp16"]["kl_mean"] *= 10
-    probe.write_text(json.dumps(data))
-    assert update(tmp_path, write=False) == ["docs/engine.md: format-probe-smollm2"]
-    update(tmp_path)  # rewriting the page brings it back in line
-    assert update(tmp_path, write=False) == []

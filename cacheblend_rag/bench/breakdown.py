@@ -13,7 +13,8 @@ time is summed into:
 * ``other_ops``: every other operator (norms, rotary, activations, masks, copies, indexing);
 * ``python``: wall time minus all operator time (Python work between operators, locks, I/O).
 
-Shares are of the profiled prefill's wall time. The overhead divides a fused prefill's wall time by (its computed token-layers / the saved
+Shares are of the profiled prefill's wall time. A mode's speed-up over the saved full prefill is
+``stats.speedup`` over the (question, round) pairs; the overhead divides a fused prefill's wall time by (its computed token-layers / the saved
 full prefill's x the saved full prefill's wall time), as ``bench`` does.
 """
 
@@ -28,6 +29,8 @@ from collections import defaultdict
 from typing import Any
 
 from torch.profiler import ProfilerActivity, profile
+
+from .stats import speedup
 
 ATTENTION = ("scaled_dot_product", "flash_attention", "bmm", "softmax", "baddbmm")
 GEMM = ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul")
@@ -79,12 +82,14 @@ def run(engine, prompts: list[tuple[str, list[str]]], modes: list[str], rounds: 
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per mode: median wall time, and each category's share of the summed wall time."""
-    out: dict[str, dict[str, float]] = {}
+    """Per mode: mean and median wall time, each category's share of the summed wall time, and
+    against the saved full prefill (when it ran) the speed-up and the overhead."""
+    out: dict[str, Any] = {}
     for mode in dict.fromkeys(r["mode"] for r in rows):
         rs = [r for r in rows if r["mode"] == mode]
         wall = sum(r["profiled_s"] for r in rs)
-        out[mode] = {"n": len(rs), "wall_median_s": statistics.median(r["wall_s"] for r in rs),
+        out[mode] = {"n": len(rs), "wall_mean_s": statistics.mean(r["wall_s"] for r in rs),
+                     "wall_median_s": statistics.median(r["wall_s"] for r in rs),
                      "compute_fraction": statistics.mean(r["compute_fraction"] for r in rs),
                      **{f"{c}_share": sum(r[c] for r in rs) / wall for c in CATEGORIES}}
     saved = [r for r in rows if r["mode"] == "full_recompute_saved"]
@@ -95,15 +100,21 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
             den = sum(r["compute_fraction"] / f["compute_fraction"] * f["wall_s"]
                       for r in rs for f in [ref[(r["question"], r["round"])]])
             s["overhead"] = sum(r["wall_s"] for r in rs) / den if den else float("nan")
+            s["speedup_vs_saved"], s["speedup_vs_saved_ci"] = speedup(
+                [ref[(r["question"], r["round"])]["wall_s"] for r in rs], [r["wall_s"] for r in rs])
     return out
 
 
-def report(summary: dict[str, dict[str, float]]) -> str:
-    lines = ["| mode | prefill (median) | computed | overhead | attention | projections + MLP | other ops | Python |",
-             "|---|---|---|---|---|---|---|---|"]
+def report(summary: dict[str, Any]) -> str:
+    """The summary as a markdown table (the docs' table of where a prefill's time goes)."""
+    lines = ["| mode | prefill (mean) | speed-up vs saved full prefill | token-layers computed | overhead | attention "
+             "| projections + MLP | other operators | Python between operators |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for mode, s in summary.items():
+        ci = s.get("speedup_vs_saved_ci")
+        ratio = f"{s['speedup_vs_saved']:.2f}x" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci and ci[0] == ci[0] else "") if "speedup_vs_saved" in s else "-"
         lines.append(
-            f"| {mode} | {s['wall_median_s'] * 1e3:.0f} ms | {s['compute_fraction']:.1%} | {s.get('overhead', float('nan')):.2f} | "
+            f"| `{mode}` | {s['wall_mean_s']:.2f} s | {ratio} | {s['compute_fraction']:.1%} | {s.get('overhead', float('nan')):.2f} | "
             f"{s['attention_share']:.0%} | {s['gemm_share']:.0%} | {s['other_ops_share']:.0%} | {s['python_share']:.0%} |"
         )
     return "\n".join(lines)

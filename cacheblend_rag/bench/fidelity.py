@@ -39,8 +39,9 @@ from ..metrics import next_token_kl, normalize_answer, qa_f1, token_f1
 from ..neighbours import nearest
 from . import datasets as ds
 from .methods import Method, parse_methods, settle
+from .provenance import engine_stamp
 from .runner import BenchConfig, load_engine, read_results
-from .stats import bootstrap_mean_ci, ratio_ci, sign_test
+from .stats import bootstrap_mean_ci, ratio_ci, sign_test, speedup
 
 NEIGHBOUR_POOLS = ("retrieved", "corpus")
 DEFAULT_FIDELITY_METHODS = (
@@ -242,7 +243,7 @@ def _run(cfg: FidelityConfig, engine, methods: list[Method], full: Method, todo,
                     kl=next_token_kl(ref_pre.logits, pre.logits),
                     tf_loglik=teacher_forced_loglik(engine, pre.cache, pre.logits, start, target, pre.attention_kwargs),
                     ttft_s=res.ttft_s, recompute_fraction=s.get("recompute_fraction"),
-                    neighbour_hits=s.get("neighbour_hits", 0), time=time.time(),
+                    neighbour_hits=s.get("neighbour_hits", 0), time=time.time(), engine=engine_stamp(),
                 )
                 sink.write(json.dumps(row) + "\n")
                 sink.flush()
@@ -289,7 +290,7 @@ def summarize(rows: list[dict], ttft_questions: Collection[str] | None = None) -
                     "kl": _mean([r["kl"] for r in rs]),
                     "tf_loglik": _mean([r["tf_loglik"] for r in rs]),
                     "tf_loglik_full": _mean([r["tf_loglik_full"] for r in rs]),
-                    **_ttft(rs, timed),
+                    **ttft_speedup(rs, timed),
                     "recompute_fraction": _mean([r["recompute_fraction"] or 0.0 for r in rs]),
                 }
                 # Rows from before the margin was recorded count in neither group.
@@ -305,12 +306,14 @@ def summarize(rows: list[dict], ttft_questions: Collection[str] | None = None) -
     return out
 
 
-def _ttft(rows: list[dict], questions: Collection[str] | None) -> dict[str, Any]:
+def ttft_speedup(rows: list[dict], questions: Collection[str] | None) -> dict[str, Any]:
+    """One method's rows: full prefill's TTFT over the method's (``stats.speedup``) on the rows of
+    ``questions`` ("dataset/qid"; all rows when None), its interval and how many questions."""
     timed = rows if questions is None else [r for r in rows if f"{r['dataset']}/{r['qid']}" in questions]
     if not timed:
         return {"ttft_speedup": float("nan"), "ttft_speedup_ci": (float("nan"), float("nan")), "ttft_questions": 0}
-    full, own = [r["ttft_full_s"] for r in timed], [r["ttft_s"] for r in timed]
-    return {"ttft_speedup": sum(full) / sum(own), "ttft_speedup_ci": ratio_ci(full, own), "ttft_questions": len(timed)}
+    value, ci = speedup([r["ttft_full_s"] for r in timed], [r["ttft_s"] for r in timed])
+    return {"ttft_speedup": value, "ttft_speedup_ci": ci, "ttft_questions": len(timed)}
 
 
 LOWER_IS_BETTER = frozenset({"kl"})
@@ -344,11 +347,66 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def markdown_table(summary: list[dict], model: str) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for e in summary:
-        if e["model"] == model:
-            lines.append("| " + " | ".join(_fmt(e.get(c, float("nan"))) for c in COLUMNS) + " |")
+MINUS = "\u2212"
+
+
+def _num(v: float, digits: int, signed: bool = False) -> str:
+    return "–" if math.isnan(v) else format(v, f"{'+' if signed else ''}.{digits}f").replace("-", MINUS)
+
+
+def _interval(ci: Sequence[float] | None, digits: int, signed: bool = False, scale: float = 1.0) -> str:
+    return "" if not ci or any(math.isnan(b) for b in ci) else " [" + ", ".join(_num(b * scale, digits, signed) for b in ci) + "]"
+
+
+def _reuse_only(e: dict, text: str, reuse: str = "1") -> str:
+    return reuse if e["method"] == "full_reuse" else text
+
+
+# column name: (header, cell); the docs' fidelity tables pick from these.
+TABLE_COLUMNS: dict[str, tuple[str, Any]] = {
+    "recomputed": ("recomputed", lambda e: f"{e['recompute_fraction']:.0%}"),
+    "agree": ("answer = full prefill's", lambda e: f"{e['agree']:.0%}" + _interval(e["agree_ci"], 0, scale=100)),
+    "agree_plain": ("same answer", lambda e: f"{e['agree']:.0%}"),
+    "agree_f1": ("agreement F1", lambda e: _num(e["agree_f1"], 2) + _interval(e["agree_f1_ci"], 2)),
+    "f1_diff": ("F1 − full prefill's", lambda e: _num(e["f1_diff"], 3, True) + _interval(e["f1_diff_ci"], 3, True)),
+    "kl": ("KL", lambda e: _num(e["kl"], 3)),
+    "kl_vs_reuse": ("KL / full reuse's", lambda e: _reuse_only(e, _num(e["kl_vs_reuse"], 2) + _interval(e.get("kl_vs_reuse_ci"), 2))),
+    "kl_vs_reuse_plain": ("KL / full reuse's", lambda e: _reuse_only(e, _num(e["kl_vs_reuse"], 2))),
+    "kl_worse": ("KL worse than full reuse", lambda e: _reuse_only(e, f"{e['kl_worse_than_reuse']:.0%}", "–")),
+    "tf_loglik": ("teacher-forced log-lik (full: {full})", lambda e: _num(e["tf_loglik"], 3)),
+    "ttft": ("TTFT vs full prefill", lambda e: "–" if math.isnan(e["ttft_speedup"]) else
+             f"{e['ttft_speedup']:.2f}x" + _interval(e["ttft_speedup_ci"], 2)),
+}
+DOC_COLUMNS = ("recomputed", "agree", "agree_f1", "f1_diff", "kl", "kl_vs_reuse", "kl_worse", "tf_loglik", "ttft")
+
+
+def markdown_table(summary: list[dict], model: str | None = None, dataset: str = "all", columns: Sequence[str] = DOC_COLUMNS,
+                   default: str = "question@0.15", labels: dict[str, str] | None = None) -> str:
+    """One row per method of ``summary`` (one model and dataset): the docs' fidelity table.
+    ``columns`` pick from :data:`TABLE_COLUMNS`; the ``default`` method is bold; ``labels`` adds
+    a text after a method's name."""
+    entries = [e for e in summary if (model is None or e["model"] == model) and e["dataset"] == dataset]
+    full_ll = _num(entries[0]["tf_loglik_full"], 3) if entries else "–"
+    head = ["method", *(TABLE_COLUMNS[c][0].format(full=full_ll) for c in columns)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for e in entries:
+        name = f"**`{e['method']}`**" if e["method"] == default else f"`{e['method']}`"
+        name += (labels or {}).get(e["method"], "")
+        lines.append("| " + " | ".join([name, *(TABLE_COLUMNS[c][1](e) for c in columns)]) + " |")
+    return "\n".join(lines)
+
+
+def by_dataset_table(summary: list[dict], model: str | None = None) -> str:
+    """Per method and dataset: agreement F1; the share of answers equal to full prefill's."""
+    entries = [e for e in summary if model is None or e["model"] == model]
+    datasets = [d for d in dict.fromkeys(e["dataset"] for e in entries) if d != "all"]
+    n = {d: next(e["n"] for e in entries if e["dataset"] == d) for d in datasets}
+    names = {"hotpotqa": "HotpotQA", "musique": "MuSiQue"}
+    lines = ["| method | " + " | ".join(f"{names.get(d, d)} ({n[d]})" for d in datasets) + " |", "|" + "---|" * (len(datasets) + 1)]
+    for method in dict.fromkeys(e["method"] for e in entries):
+        cells = [next(f"{e['agree_f1']:.2f}; {e['agree']:.0%}" for e in entries if e["method"] == method and e["dataset"] == d)
+                 for d in datasets]
+        lines.append(f"| `{method}` | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -361,12 +419,31 @@ def pairwise(rows: list[dict]) -> list[dict]:
     return [compare(rows, a, b, metric) for i, a in enumerate(methods) for b in methods[i + 1 :] for metric in PAIRED_METRICS]
 
 
-def comparison_table(comparisons: list[dict], metric: str = "agree_f1") -> str:
-    lines = ["| a | b | n | mean a - b | 95% interval | a better / worse / tie | sign test p |", "|---|---|---|---|---|---|---|"]
-    for c in comparisons:
-        if c["metric"] == metric:
-            lines.append(f"| {c['a']} | {c['b']} | {c['n']} | {_fmt(c['diff'])} | {_fmt(c['diff_ci'])} | "
-                         f"{c['wins']} / {c['losses']} / {c['ties']} | {c['sign_p']:.3g} |")
+METRIC_HEADERS = {"agree_f1": "agreement F1", "kl": "KL", "tf_loglik": "teacher-forced log-lik"}
+
+
+CONTINUOUS = frozenset({"kl", "tf_loglik"})  # ties are rare: shown only when there are some
+
+
+def comparison_table(rows: list[dict], pairs: Sequence[tuple[str, str]], metrics: Sequence[str] = ("agree_f1", "kl"),
+                     labels: dict[str, str] | None = None, against: str | None = None) -> str:
+    """The docs' paired comparisons: per pair (a, b), for each metric the mean difference a - b
+    with its 95% interval, the questions where a is better / worse (/ tied), and the sign test's p
+    (:func:`compare`). With ``against``, every pair's b is that method and rows name a alone."""
+    def name(m: str) -> str:
+        return (labels or {}).get(m, f"`{m}`")
+
+    head = [f"against {name(against)}" if against else "comparison"]
+    for m in metrics:
+        head += [METRIC_HEADERS.get(m, m), "better / worse" + ("" if m in CONTINUOUS else " / tie"), "p"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for a, b in pairs:
+        cells = [name(a) if against else f"{name(a)} vs {name(b)}"]
+        for metric in metrics:
+            c = compare(rows, a, b, metric)
+            counts = f"{c['wins']} / {c['losses']}" + (f" / {c['ties']}" if metric not in CONTINUOUS or c["ties"] else "")
+            cells += [_num(c["diff"], 3, True) + _interval(c["diff_ci"], 3, True), counts, f"{c['sign_p']:.2g}"]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -491,7 +568,8 @@ def _main(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(markdown_table(summarize(rows, cfg.ttft_questions), cfg.model))
-    print("\nPaired, answer agreement with full prefill (token F1):")
-    print(comparison_table(pairwise(rows)))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    print("\nPaired (mean of the first method minus the second, 95% interval, questions, sign test):")
+    print(comparison_table(rows, [(a, b) for i, a in enumerate(methods) for b in methods[i + 1:]]))
     print(f"\nresults: {args.out}/results.jsonl, summary.json, summary.csv, plots/")
     return 0

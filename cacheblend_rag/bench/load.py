@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from . import datasets as ds
 from .methods import Method, parse_methods
+from .provenance import engine_stamp
 
 
 @dataclass
@@ -190,8 +191,9 @@ def run_load(cfg: LoadConfig, *, engine=None) -> list[dict]:
                     mean_batch = batcher.rows_stepped / batcher.steps if batcher.steps else 0.0
                 key = {"model": cfg.model, "dataset": cfg.dataset, "method": method.name, "max_batch": max_batch,
                        "load": kind, "level": level}
+                stamp = {"engine": engine_stamp(), "time": time.time()}
                 for r in rows:
-                    sink.write(json.dumps(dict(key, **r)) + "\n")
+                    sink.write(json.dumps(dict(key, **r, **stamp)) + "\n")
                 sink.flush()
                 summary.append(dict(key, **summarize_setting(rows, wall), mean_batch=mean_batch))
     finally:

@@ -222,6 +222,23 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def _rate(mb_s: float) -> str:
+    return f"{mb_s / 1e3:.0f} GB/s" if mb_s >= 1e4 else f"{mb_s:.0f} MB/s"
+
+
+def tiers_table(res: dict[str, Any], labels: dict[str, str] | None = None) -> str:
+    """A run's tiers as the docs' markdown table: read rate, and TTFT as a share of full
+    recompute's for the pure load, load then compute, and pipelined, and the load hidden."""
+    full = res["full_recompute_s"]
+    lines = ["| tier | read rate | pure load / full prefill TTFT | TTFT / full prefill, load then compute "
+             "| TTFT / full prefill, pipelined | load hidden behind compute |", "|---|---|---|---|---|---|"]
+    for name, r in res["tiers"].items():
+        hidden = r["load_hidden_s"] / r["load_s"] if r["load_s"] else 0.0
+        lines.append(f"| {(labels or {}).get(name, name)} | {_rate(res['profile']['tiers_mb_s'][name])} | {r['pure_load_s'] / full:.2f} "
+                     f"| {r['sequential_s'] / full:.2f} | {r['pipelined_s'] / full:.2f} | {hidden:.0%} |")
+    return "\n".join(lines)
+
+
 def _main(args: argparse.Namespace) -> int:
     res = run(args)
     print(report(res, args))

@@ -25,6 +25,7 @@ from ..metrics import next_token_kl, qa_f1
 from . import datasets as ds
 from .baselines import make_baseline
 from .methods import DEFAULT_METHODS, DEFAULT_RATIOS, Method, parse_methods, run_kv
+from .provenance import engine_stamp
 from .summary import summarize, write_summary
 
 log = logging.getLogger(__name__)
@@ -326,7 +327,8 @@ def _run_cases(cfg, engine, retriever, methods, todo, results_path: Path, total:
                     }
                 metric, quality = score(ex, res["answer"])
                 row = dict(base, method=m.name, metric=metric, quality=quality, **res,
-                           key=case_key(cfg.model, ex.dataset, ex.qid, m.name, k, cfg.chunk_tokens), time=time.time())
+                           key=case_key(cfg.model, ex.dataset, ex.qid, m.name, k, cfg.chunk_tokens), time=time.time(),
+                           engine=engine_stamp())
                 sink.write(json.dumps(row) + "\n")
                 sink.flush()
                 new_rows.append(row)

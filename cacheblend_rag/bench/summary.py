@@ -13,14 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from ..metrics import normalize_answer
-from .stats import bootstrap_mean_ci, ratio_ci, sign_test
+from .stats import bootstrap_mean_ci, sign_test, speedup
 
 FIELDS = [
     "dataset", "top_k", "method", "n", "metric", "quality", "ttft_mean_s", "ttft_median_s",
-    "latency_mean_s", "throughput_qps", "speedup_vs_full_recompute", "speedup_vs_full_recompute_saved",
+    "latency_mean_s", "decode_ms_per_token", "throughput_qps", "speedup_vs_full_recompute", "speedup_vs_full_recompute_saved",
     "speedup_vs_prefix_caching", "speedup_vs_full_recompute_ci", "speedup_vs_full_recompute_saved_ci",
     "speedup_vs_prefix_caching_ci", "speedup_vs_full_recompute_rounds", "overhead",
-    "n_paired_full", "quality_diff_vs_full", "quality_diff_ci", "quality_wins", "quality_losses", "quality_sign_p", "full_quality_paired", "kl_mean", "agreement", "recompute_fraction",
+    "n_paired_full", "quality_diff_vs_full", "quality_diff_ci", "quality_wins", "quality_losses", "quality_sign_p", "full_quality_paired", "kl_mean", "agreement", "recompute_fraction", "compute_fraction",
     "prompt_tokens_mean", "support_recall",
 ]
 
@@ -36,19 +36,14 @@ def _pairs(rows: list[dict], ref: list[dict]) -> list[tuple[dict, dict]]:
     return [(by_q[r["qid"]], r) for r in rows if r["qid"] in by_q]
 
 
-def _speedup(rows: list[dict], ref: list[dict]) -> float | None:
-    """Mean TTFT of ``ref`` over mean TTFT of ``rows``, on the questions both finished."""
+def _speedup(rows: list[dict], ref: list[dict]) -> tuple[float | None, tuple[float, float] | None]:
+    """``stats.speedup`` of ``rows`` over ``ref`` on the questions both finished: the ratio of mean
+    TTFTs and its bootstrap 95% interval (None without a pair; no interval with one)."""
     pairs = _pairs(rows, ref)
-    if not pairs:
-        return None
-    den = sum(p[1]["ttft_s"] for p in pairs)
-    return sum(p[0]["ttft_s"] for p in pairs) / den if den > 0 else None
-
-
-def _speedup_ci(rows: list[dict], ref: list[dict]) -> tuple[float, float] | None:
-    """Bootstrap 95% interval of :func:`_speedup` over the paired questions (their spread)."""
-    pairs = _pairs(rows, ref)
-    return ratio_ci([p[0]["ttft_s"] for p in pairs], [p[1]["ttft_s"] for p in pairs]) if len(pairs) > 1 else None
+    if not pairs or sum(p[1]["ttft_s"] for p in pairs) <= 0:
+        return None, None
+    value, ci = speedup([p[0]["ttft_s"] for p in pairs], [p[1]["ttft_s"] for p in pairs])
+    return value, ci if len(pairs) > 1 else None
 
 
 def _speedup_rounds(rows: list[dict], ref: list[dict]) -> list[float] | None:
@@ -58,6 +53,12 @@ def _speedup_rounds(rows: list[dict], ref: list[dict]) -> list[float] | None:
         return None
     rounds = min(min(len(a), len(b)) for a, b in pairs)
     return [sum(a[i] for a, _ in pairs) / sum(b[i] for _, b in pairs) for i in range(rounds)]
+
+
+def decode_ms_per_token(row: dict) -> float | None:
+    """One answer's decoding time per token after the first: (latency - TTFT) / (tokens - 1)."""
+    n = row.get("generated_tokens")
+    return (row["total_s"] - row["ttft_s"]) / (n - 1) * 1e3 if n and n > 1 else None
 
 
 def _overhead(rows: list[dict], saved: list[dict]) -> float | None:
@@ -96,6 +97,9 @@ def summarize(rows: list[dict]) -> list[dict]:
         total = sum(r["total_s"] for r in rs)
         is_kv = "kl" in rs[0] or rs[0].get("recompute_fraction") is not None
         paired = _pairs(rs, exact)
+        ratios: dict[str, Any] = {}
+        for name, ref in (("full_recompute", full), ("full_recompute_saved", saved), ("prefix_caching", prefix)):
+            ratios[f"speedup_vs_{name}"], ratios[f"speedup_vs_{name}_ci"] = _speedup(rs, ref)
         out.append({
             "dataset": dataset,
             "top_k": k,
@@ -106,13 +110,9 @@ def summarize(rows: list[dict]) -> list[dict]:
             "ttft_mean_s": _mean([r["ttft_s"] for r in rs]),
             "ttft_median_s": statistics.median(r["ttft_s"] for r in rs),
             "latency_mean_s": _mean([r["total_s"] for r in rs]),
+            "decode_ms_per_token": _mean([decode_ms_per_token(r) for r in rs]),
             "throughput_qps": len(rs) / total if total > 0 else None,
-            "speedup_vs_full_recompute": _speedup(rs, full),
-            "speedup_vs_full_recompute_saved": _speedup(rs, saved),
-            "speedup_vs_prefix_caching": _speedup(rs, prefix),
-            "speedup_vs_full_recompute_ci": _speedup_ci(rs, full),
-            "speedup_vs_full_recompute_saved_ci": _speedup_ci(rs, saved),
-            "speedup_vs_prefix_caching_ci": _speedup_ci(rs, prefix),
+            **ratios,
             "speedup_vs_full_recompute_rounds": _speedup_rounds(rs, full),
             "overhead": _overhead(rs, saved),
             **_quality_vs_full(paired),
@@ -122,10 +122,22 @@ def summarize(rows: list[dict]) -> list[dict]:
             "kl_mean": _mean([r.get("kl") for r in rs]),
             "agreement": (sum(agree) / len(agree)) if agree and is_kv else None,
             "recompute_fraction": _mean([r.get("recompute_fraction") for r in rs]),
+            "compute_fraction": _mean([r.get("compute_fraction") for r in rs]),
             "prompt_tokens_mean": _mean([r.get("prompt_tokens") for r in rs]),
             "support_recall": _mean([r.get("support_recall") for r in rs]),
         })
     return out
+
+
+def pooled(rows: list[dict], dataset: str = "all") -> list[dict]:
+    """The rows of every dataset as one (question ids made unique), for summaries over all questions."""
+    return [dict(r, dataset=dataset, qid=f"{r['dataset']}/{r['qid']}") for r in rows]
+
+
+def speedup_over(rows: list[dict], method: str, reference: str) -> tuple[float | None, tuple[float, float] | None]:
+    """``method``'s TTFT speed-up over any other method of the same rows (e.g. ``generate`` or a
+    llama.cpp quantisation), on the questions both finished; pass :func:`pooled` rows for all datasets."""
+    return _speedup([r for r in rows if r["method"] == method], [r for r in rows if r["method"] == reference])
 
 
 def _order(method: str) -> tuple:
@@ -147,7 +159,10 @@ def _order(method: str) -> tuple:
 def machine() -> dict[str, Any]:
     import torch
 
+    from .provenance import engine_stamp
+
     return {
+        "engine": engine_stamp(),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),

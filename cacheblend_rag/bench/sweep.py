@@ -2,8 +2,8 @@
 
 For each question the same chunks go through full recompute (the reference), prefix caching, full
 reuse and CacheBlend at each (criterion, ratio). It prints, per method, the time to first token as a
-ratio to full recompute (median of per-question ratios measured back to back, so machine load
-affects both sides alike), the fidelity to full prefill (next-token KL, greedy answer agreement),
+speed-up over full recompute (``stats.speedup``: full recompute's mean TTFT over the method's, on
+the same questions, measured back to back so machine load affects both sides alike), the fidelity to full prefill (next-token KL, greedy answer agreement),
 answer F1 against the gold answers, and CacheBlend's overhead: its prefill time over the share of
 work it recomputes times the full prefill time.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,6 +27,8 @@ from ..metrics import next_token_kl, qa_f1
 from ..paths import data_file
 from .datasets import Example, Retriever, chunk_documents, load_musique, token_counter
 from .methods import answer_with_logits, settle
+from .provenance import engine_stamp
+from .stats import speedup
 
 
 @dataclass
@@ -119,6 +122,7 @@ def run_sweep(engine, cfg: SweepConfig, progress: bool = True) -> list[dict]:
                 recompute_fraction=frac,
                 compute_fraction=work,
                 overhead=pre_s / (work * ref_prefill) if mode == "cacheblend" and work else None,
+                time=time.time(), engine=engine_stamp(),
             ))
         if out:
             for r in rows[-len(methods) :]:
@@ -130,18 +134,25 @@ def run_sweep(engine, cfg: SweepConfig, progress: bool = True) -> list[dict]:
 
 
 def summarize(rows: list[dict]) -> list[dict]:
+    """Per method: the TTFT speed-up over full recompute (``stats.speedup`` over the questions),
+    fidelity to full prefill, and the overhead as a ratio of sums (prefill time over work x full
+    prefill time, summed over the questions, as ``bench``'s summary computes it)."""
     by: dict[str, list[dict]] = {}
     for r in rows:
         by.setdefault(r["method"], []).append(r)
     ref_kl = {r["question"]: r["kl"] for r in by.get("full_reuse", [])}
+    ref_ttft = {r["question"]: r["ttft_s"] for r in by.get("full_recompute", [])}
     table = []
     for method, rs in by.items():
         kls = [r["kl"] for r in rs]
-        over = [r["overhead"] for r in rs if r.get("overhead")]
+        timed = [r for r in rs if r["question"] in ref_ttft]
+        value, ci = speedup([ref_ttft[r["question"]] for r in timed], [r["ttft_s"] for r in timed])
+        over = [r for r in rs if r.get("overhead")]
         table.append(dict(
             method=method,
             n=len(rs),
-            ttft_speedup=1.0 / statistics.median(r["ttft_ratio"] for r in rs),
+            ttft_speedup=value,
+            ttft_speedup_ci=ci,
             kl_mean=statistics.fmean(kls),
             kl_median=statistics.median(kls),
             closer_than_reuse=(
@@ -151,9 +162,35 @@ def summarize(rows: list[dict]) -> list[dict]:
             f1=statistics.fmean(r["f1"] for r in rs),
             recompute_fraction=statistics.fmean(r["recompute_fraction"] for r in rs),
             compute_fraction=statistics.fmean(r.get("compute_fraction", r["recompute_fraction"]) for r in rs),
-            overhead=statistics.median(over) if over else None,
+            overhead=sum(r["prefill_s"] for r in over) / sum(r["prefill_s"] / r["overhead"] for r in over) if over else None,
         ))
     return table
+
+
+SWEEP_COLUMNS: dict[str, tuple[str, Any]] = {
+    "ttft": ("TTFT speed-up vs full recompute", lambda t: f"{t['ttft_speedup']:.2f}x" + (
+        f" [{t['ttft_speedup_ci'][0]:.2f}, {t['ttft_speedup_ci'][1]:.2f}]"
+        if t.get("ttft_speedup_ci") and t["ttft_speedup_ci"][0] == t["ttft_speedup_ci"][0] and t["ttft_speedup"] != 1.0 else "")),
+    "kl_mean": ("KL mean", lambda t: f"{t['kl_mean']:.3f}"),
+    "kl_median": ("KL median", lambda t: f"{t['kl_median']:.3f}"),
+    "closer": ("closer than full reuse", lambda t: "–" if t["closer_than_reuse"] is None else f"{round(t['closer_than_reuse'] * t['n'])}/{t['n']}"),
+    "top1": ("same top-1 token", lambda t: f"{round(t['agree'] * t['n'])}/{t['n']}"),
+    "fresh": ("fresh", lambda t: f"{t['recompute_fraction']:.1%}"),
+    "work": ("work", lambda t: f"{t['compute_fraction']:.1%}"),
+    "overhead": ("overhead", lambda t: "–" if not t["overhead"] else f"{t['overhead']:.2f}"),
+}
+
+
+def markdown_table(table: list[dict], rows: Sequence[tuple[str, str]], columns: Sequence[str], bold: str | None = None) -> str:
+    """The docs' sweep table: ``rows`` are (method, label) in order, ``columns`` pick from
+    :data:`SWEEP_COLUMNS`, and the ``bold`` method's label is bold."""
+    by = {t["method"]: t for t in table}
+    head = ["method", *(SWEEP_COLUMNS[c][0] for c in columns)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for method, label in rows:
+        cells = [f"**{label}**" if method == bold else label, *(SWEEP_COLUMNS[c][1](by[method]) for c in columns)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def format_table(table: list[dict]) -> str:
@@ -167,7 +204,7 @@ def format_table(table: list[dict]) -> str:
             f"{closer:>6} {t['agree']:>6.2f} {t['f1']:>6.3f} {t['recompute_fraction']:>6.3f} {t['compute_fraction']:>6.3f} {ovh:>5}"
         )
     lines.append(
-        "TTFT x: full-recompute TTFT / method TTFT (median per question); KL: next-token KL(full || method);\n"
+        "TTFT x: full recompute's mean TTFT / the method's, same questions; KL: next-token KL(full || method);\n"
         "<reuse: share of questions where the method's KL is below full reuse's; agree: greedy answer identical\n"
         "to full prefill; fresh: token-layers whose K/V were recomputed / all; work: token-layers through\n"
         "attention and MLP / all (check layers refresh more than they compute); ovh: prefill time / (work x\n"

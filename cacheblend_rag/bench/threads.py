@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -36,6 +37,40 @@ CASES = {
     "hand-over, caller keeps its team": "new thread",
     "hand-over after release_team": "new thread",
 }
+
+
+# How the docs describe each case.
+DESCRIPTIONS = {
+    "helper from ThreadPoolExecutor": "helper thread from a plain `ThreadPoolExecutor` copied one layer of K/V",
+    "helper from helper_pool": "helper thread from `helper_pool` (single-threaded)",
+    "hand-over, caller keeps its team": "new model thread while the main thread keeps its team",
+    "hand-over after release_team": "new model thread after the main thread's `release_team()`",
+}
+LINE = re.compile(r"^(?P<kind>.+?)\s*: small operator\s+(?P<before>[\d.]+) us on the main thread alone,\s+(?P<after>[\d.]+) us "
+                  r"on the (?P<where>.+?) \([\d.]+x; torch threads (?P<threads>\d+), (?P<processes>\d+) processes\)$")
+
+
+def parse_report(text: str) -> list[dict]:
+    """The cases of a saved report (what ``main`` prints), in order."""
+    out = []
+    for line in text.splitlines():
+        m = LINE.match(line.strip())
+        if m:
+            out.append({"kind": m["kind"], "before_us": float(m["before"]), "after_us": float(m["after"]), "where": m["where"],
+                        "threads": int(m["threads"]), "processes": int(m["processes"])})
+    if not out:
+        raise ValueError("no case lines in the report (python -m cacheblend_rag.bench.threads prints them)")
+    return out
+
+
+def markdown_table(cases: list[dict]) -> str:
+    """A report's cases as the docs' table: the small operator's time before and after, and their ratio."""
+    lines = ["| case | small operator: main thread alone → afterwards | ratio |", "|---|---|---|"]
+    for c in cases:
+        thread = "main thread" if c["where"].startswith("main") else c["where"]
+        lines.append(f"| {DESCRIPTIONS.get(c['kind'], c['kind'])} | {c['before_us']:.1f} → {c['after_us']:.1f} µs ({thread}) "
+                     f"| {c['after_us'] / c['before_us']:.2f}x |")
+    return "\n".join(lines)
 
 
 def _child(kind: str, n: int) -> dict:

@@ -9,7 +9,7 @@ format (``weights.WEIGHT_FORMATS``), and llama.cpp in each quantisation, with an
 prompt cache (``llama_cpp_prefix``: instruction and first chunk already evaluated).
 
 Rows (one per question and method, resumable): ``<out>/whole_answer.jsonl``. The summary's
-speed-ups are ratios of means over the same questions (``stats.ratio_ci``), as in ``bench``;
+speed-ups are ``stats.speedup`` (ratios of means over the same questions), as everywhere;
 ``decode_step.json`` holds one decode step's parts against the bytes they read, per format.
 """
 
@@ -30,7 +30,8 @@ from tqdm import tqdm
 from ..metrics import next_token_kl
 from . import datasets as ds
 from .methods import answer_with_logits, parse_method, settle
-from .stats import ratio_ci
+from .provenance import engine_stamp
+from .stats import speedup
 
 ROWS = "whole_answer.jsonl"
 
@@ -137,6 +138,7 @@ def run_whole_answer(cfg: WholeAnswerConfig) -> list[dict]:
                         row["first_tokens"] = res.token_ids[:32]
                     row["kl_vs_fp32_full_prefill"] = next_token_kl(reference, logits)
                     row["key"] = _key(cfg, ex, name)
+                    row["time"], row["engine"] = time.time(), engine_stamp()
                     sink.write(json.dumps(row) + "\n")
                     sink.flush()
                     rows.append(row)
@@ -253,10 +255,8 @@ def summarize(rows: list[dict], lengths: Sequence[int], reference: str = "llama_
             both = sorted(set(mine) & set(other))
             fields = ["ttft", *(f"t{n}" for n in lengths)]
             for f in fields:
-                num = [other[q][f"{f}_s"] for q in both]
-                den = [mine[q][f"{f}_s"] for q in both]
-                entry[f"{f}_vs_{label}"] = sum(num) / sum(den)
-                entry[f"{f}_vs_{label}_ci"] = ratio_ci(num, den)
+                entry[f"{f}_vs_{label}"], entry[f"{f}_vs_{label}_ci"] = speedup(
+                    [other[q][f"{f}_s"] for q in both], [mine[q][f"{f}_s"] for q in both])
             entry[f"decode_vs_{label}"] = (statistics.mean(mine[q]["decode_ms_per_token"] for q in both)
                                            / statistics.mean(other[q]["decode_ms_per_token"] for q in both))
         exact = by.get("full_recompute_saved/fp32", {})
