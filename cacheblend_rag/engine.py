@@ -29,6 +29,7 @@ from .prompt import DEFAULT_INSTRUCTION, PromptBuilder, PromptLayout, Segment, c
 from .selector import resolve_criterion
 from .store.disk import KVStore
 from .store.loader import ChunkLost, LayerAssembler
+from .store.lookup import Lookup
 from .store.protocol import KV, ChunkStore
 
 if TYPE_CHECKING:
@@ -306,7 +307,8 @@ class CacheBlendEngine:
     def _prefix_prefill(self, layout: PromptLayout, store: ChunkStore, t0: float, avoid: set[str]) -> PrefillResult:
         """Exact reuse of the longest prefix of segments cached behind exactly what precedes them
         (``planner.plan_prefix``); the rest is an exact causal prefill over the loaded K/V."""
-        req = planner.plan_prefix(layout, self.fingerprint, store.contains, avoid, device=self.device)
+        contains = Lookup(store, planner.prefix_keys(layout, self.fingerprint))  # one round trip, not one per chunk
+        req = planner.plan_prefix(layout, self.fingerprint, contains, avoid, device=self.device)
         return self._causal_prefill(layout, "prefix_caching", req, store, t0)
 
     def _causal_prefill(self, layout: PromptLayout, mode: str, req: PrefixRequest, store: ChunkStore, t0: float) -> PrefillResult:
@@ -336,8 +338,11 @@ class CacheBlendEngine:
         """``full_reuse`` and ``cacheblend``: load every chunk's cache (computing the misses), then
         recompute the planned tokens layer by layer (``fusor.fuse``)."""
         self.chunk_cache.store_prefix(store)
+        neighbours = self.chunk_cache.neighbour_keys
+        # Every chunk of the request looked up at once: one round trip to a network tier, not one per chunk.
+        contains = Lookup(store, planner.fusion_keys(layout, self.fingerprint, self.prompts.prefix_ids, neighbours))
         req = planner.plan_fusion(
-            layout, mode, config, fingerprint=self.fingerprint, prefix_ids=self.prompts.prefix_ids, contains=store.contains,
+            layout, mode, config, fingerprint=self.fingerprint, prefix_ids=self.prompts.prefix_ids, contains=contains,
             num_layers=self.num_layers, neighbour_keys=self.chunk_cache.neighbour_keys, avoid=avoid, device=self.device,
         )
         specs, miss_s = self.chunk_cache.fill(req.loads, store)

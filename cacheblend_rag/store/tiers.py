@@ -33,6 +33,7 @@ import torch
 
 from ..threads import helper_pool
 from .disk import KVStore
+from .lookup import contains_many
 from .dtypes import dtype_name, resolve_dtype
 from .meta import ChunkMeta
 from .protocol import KV, kv_bytes, read_layers
@@ -330,6 +331,25 @@ class TieredStore:
     def contains(self, key: str) -> bool:
         return self.locate(key) is not None
 
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """``contains`` of every chunk in ``keys``, each tier asked once for the chunks the tiers
+        above it lack (one round trip to a tier with ``contains_many``, such as Redis)."""
+        keys = list(keys)
+        found = [False] * len(keys)
+        todo = list(range(len(keys)))
+        for i, t in enumerate(self.tiers):
+            if not todo:
+                break
+            if not self._healthy(i):
+                continue
+            got = self._call(i, f"lookup of {len(todo)} chunks", contains_many, t.store, [keys[j] for j in todo])
+            if got is _FAILED:
+                continue
+            for j, hit in zip(todo, got):
+                found[j] = bool(hit)
+            todo = [j for j, hit in zip(todo, got) if not hit]
+        return found
+
     def meta(self, key: str) -> ChunkMeta | None:
         for i, t in enumerate(self.tiers):
             if self._healthy(i):
@@ -423,7 +443,9 @@ class TieredStore:
         uppers = [j for j in range(src) if hasattr(self.tiers[j].store, "put_layer") and self._healthy(j)]
         if not uppers:
             return
-        num_layers = next((n for j in uppers if (n := getattr(self.tiers[j].store, "num_layers_of", lambda _: None)(key))), None)
+        # The layer count from a tier that remembers it (the memory tier above, or the batched
+        # reader's metas below) before asking the source tier: that would be a round trip per chunk.
+        num_layers = next((n for j in [*uppers, src] if (n := getattr(self.tiers[j].store, "num_layers_of", lambda _: None)(key))), None)
         if num_layers is None:
             meta = self._call(src, f"lookup of {key[:16]}", self.tiers[src].store.meta, key)
             if meta is _FAILED or meta is None:
