@@ -35,6 +35,7 @@ from ..threads import helper_pool
 from .disk import KVStore
 from .lookup import contains_many
 from .dtypes import dtype_name, resolve_dtype
+from .eviction import EvictionPolicy, make_policy
 from .meta import ChunkMeta
 from .protocol import KV, kv_bytes, read_layers
 
@@ -59,19 +60,21 @@ class MemoryStats:
 
 
 class MemoryTier:
-    """CPU-RAM LRU of (chunk key, layer) -> (K, V), bounded by ``capacity_bytes``.
+    """CPU RAM of (chunk key, layer) -> (K, V), bounded by ``capacity_bytes``.
 
-    Eviction is per layer (least recently read or written first), like the disk store, so a big
-    chunk can be partly resident; ``contains`` is true only while all its layers are.
+    Eviction is per layer, like the disk store, so a big chunk can be partly resident; ``contains``
+    is true only while all its layers are. ``policy`` picks the victim (``store.eviction``:
+    ``"lru"``, ``"lfu"`` or a policy object; default ``eviction.DEFAULT_MEMORY_POLICY``).
     """
 
     tier_name = "memory"
     reads_from_memory = True  # store.protocol: a read is a dict lookup, never a wait on storage
 
-    def __init__(self, capacity_bytes: int = 2 * 2**30) -> None:
+    def __init__(self, capacity_bytes: int = 2 * 2**30, policy: str | EvictionPolicy | None = None) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes={capacity_bytes} must be > 0")
         self.capacity_bytes = capacity_bytes
+        self.policy = make_policy(policy)
         self.stats = MemoryStats()
         self._lru: OrderedDict[tuple[str, int], KV] = OrderedDict()
         self._metas: dict[str, ChunkMeta] = {}  # chunks with at least one resident layer
@@ -118,6 +121,7 @@ class MemoryTier:
                 self._resident[key] -= 1
             self._metas.setdefault(key, ChunkMeta(int(k.shape[1]), num_layers, dtype_name(k.dtype)))
             self._lru[(key, layer)] = (k, v)
+            self.policy.add((key, layer))
             self._resident[key] = self._resident.get(key, 0) + 1
             self._bytes += size
             self.stats.bytes_written += size
@@ -125,7 +129,10 @@ class MemoryTier:
                 self._evict_oldest()
 
     def _evict_oldest(self) -> None:
-        (key, _), kv = self._lru.popitem(last=False)
+        item = self.policy.victim()
+        self.policy.remove(item)
+        kv = self._lru.pop(item)
+        key = item[0]
         self._bytes -= kv_bytes(*kv)
         self.stats.evictions += 1
         self._resident[key] -= 1
@@ -138,7 +145,7 @@ class MemoryTier:
             if kv is None:
                 self.stats.misses += 1
                 return None
-            self._lru.move_to_end((key, layer))
+            self.policy.touch((key, layer))
             self.stats.hits += 1
             self.stats.bytes_read += kv_bytes(*kv)
         k, v = kv
@@ -150,6 +157,7 @@ class MemoryTier:
         with self._lock:
             for layer in range(self._metas.get(key, ChunkMeta(0, 0, "")).num_layers):
                 kv = self._lru.pop((key, layer), None)
+                self.policy.remove((key, layer))
                 if kv is not None:
                     self._bytes -= kv_bytes(*kv)
             self._metas.pop(key, None)
@@ -161,6 +169,7 @@ class MemoryTier:
     def clear(self) -> None:
         with self._lock:
             self._lru.clear()
+            self.policy.clear()
             self._metas.clear()
             self._resident.clear()
             self._bytes = 0
