@@ -149,3 +149,16 @@ def test_two_replicas_answer_as_the_engine_share_chunks_through_redis_and_keep_a
     assert _replica(mixed) == y
     assert stats["chunk_hits"] == 3 and stats["chunk_misses"] == 0
     assert _reads(mixed)["redis"] > 0
+
+
+def test_app_builder_takes_serve_run_arguments():
+    import inspect
+
+    from cacheblend_rag.cluster import app_builder
+
+    # `serve run cacheblend_rag.cluster:app_builder key=value ...` calls it with one dict of strings.
+    assert len(inspect.signature(app_builder).parameters) == 1
+    app = app_builder({"store": "redis://127.0.0.1:6379/0", "memory_bytes": "1048576", "affinity": "false"})
+    assert isinstance(app, serve.Application)
+    with pytest.raises(ValueError, match=r"unknown argument\(s\) \['stor'\]: use affinity or EngineSpec's fields"):
+        app_builder({"stor": "redis://127.0.0.1:6379/0"})
