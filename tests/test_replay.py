@@ -53,6 +53,22 @@ def test_runs_resume_and_the_table_lists_every_run_and_the_references(tmp_path):
     assert ideal["hit_rate"] == 1.0
 
 
+def test_a_drifting_stream_changes_which_chunks_are_popular():
+    cfg = ReplayConfig(**{**TINY, "queries": 400, "warmup": 200, "window": 100}, shift_at=200)
+    queries = list(query_stream(cfg))
+    from collections import Counter
+
+    before = Counter(c for q in queries[:200] for c in q).most_common(1)[0][0]
+    after = Counter(c for q in queries[200:] for c in q).most_common(1)[0][0]
+    assert before != after  # the favourite chunk changed
+    # The oracle follows the shift: it scores the second half against the second popularity.
+    steady = ReplayConfig(**{**TINY, "queries": 400, "warmup": 200, "window": 100})
+    assert static_oracle_hit_rate(cfg, queries) > static_oracle_hit_rate(steady, queries)
+    assert cfg.stream_key() != steady.stream_key()
+    with pytest.raises(ValueError, match="shift_at=500 must be a query index"):
+        ReplayConfig(shift_at=500, queries=400, warmup=100)
+
+
 def test_the_command_line_refuses_a_bad_configuration(capsys):
     with pytest.raises(SystemExit):
         main(["--queries", "50", "--warmup", "60"])

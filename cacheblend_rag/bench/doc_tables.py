@@ -54,6 +54,7 @@ TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "decode-step-qwen05": ("decode_step_qwen05.json", _decode_step),
     "format-probe-smollm2": ("weight_formats_probe_smollm2.json", _format_probe),
     "replay": ("replay.jsonl", _replay),
+    "replay-drift": ("replay_drift.jsonl", _replay),
 }
 
 

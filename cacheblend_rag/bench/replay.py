@@ -63,6 +63,7 @@ class ReplayConfig:
     window: int = 100
     warmup: int = 500  # queries before "after warm-up"
     seed: int = 0
+    shift_at: int | None = None  # from this query on, another set of chunks is popular (a drifting stream)
     memory_policies: tuple[str, ...] = tuple(sorted(MEMORY_POLICIES))
     disk_policies: tuple[str, ...] = DISK_POLICIES
     kv_shape: tuple[int, int, int] = SMOLLM2_KV
@@ -74,6 +75,8 @@ class ReplayConfig:
             raise ValueError(f"queries={self.queries} must exceed warmup={self.warmup} and be at least one window ({self.window})")
         if not 0 < self.memory_fraction <= self.store_fraction <= 1:
             raise ValueError(f"need 0 < memory_fraction ({self.memory_fraction}) <= store_fraction ({self.store_fraction}) <= 1")
+        if self.shift_at is not None and not 0 < self.shift_at < self.queries:
+            raise ValueError(f"shift_at={self.shift_at} must be a query index between 0 and queries={self.queries}")
         for p in self.memory_policies:
             if p not in MEMORY_POLICIES:
                 raise ValueError(f"unknown memory policy {p!r}: use {sorted(MEMORY_POLICIES)}")
@@ -92,33 +95,40 @@ class ReplayConfig:
 
     def stream_key(self) -> str:
         """Names the stream and sizes: rows of another configuration are never mixed in."""
-        fields = {k: v for k, v in asdict(self).items() if k not in ("memory_policies", "disk_policies")}
+        fields = {k: v for k, v in asdict(self).items()
+                  if k not in ("memory_policies", "disk_policies") and not (k == "shift_at" and v is None)}
         return hashlib.blake2b(json.dumps(fields, sort_keys=True).encode(), digest_size=6).hexdigest()
 
 
-def popularity(cfg: ReplayConfig) -> np.ndarray:
-    """Each chunk's request weight (summing to 1); chunk ids are shuffled against rank."""
-    rng = np.random.default_rng(cfg.seed)
+def popularity(cfg: ReplayConfig, phase: int = 0) -> np.ndarray:
+    """Each chunk's request weight (summing to 1); chunk ids are shuffled against rank, with
+    another shuffle after ``shift_at`` (``phase`` 1)."""
+    rng = np.random.default_rng(cfg.seed if phase == 0 else cfg.seed + 1000 * phase)
     weights = 1.0 / np.arange(1, cfg.corpus + 1) ** cfg.zipf
     p = np.empty(cfg.corpus)
     p[rng.permutation(cfg.corpus)] = weights / weights.sum()
     return p
 
 
+def _phase(cfg: ReplayConfig, index: int) -> int:
+    return int(cfg.shift_at is not None and index >= cfg.shift_at)
+
+
 def query_stream(cfg: ReplayConfig) -> Iterator[list[int]]:
     """The queries: ``per_query`` distinct chunk ids each, the same for every run."""
-    p = popularity(cfg)
+    ps = [popularity(cfg, 0), popularity(cfg, 1)]
     rng = np.random.default_rng(cfg.seed + 1)
-    for _ in range(cfg.queries):
-        yield [int(i) for i in rng.choice(cfg.corpus, size=cfg.per_query, replace=False, p=p)]
+    for i in range(cfg.queries):
+        yield [int(c) for c in rng.choice(cfg.corpus, size=cfg.per_query, replace=False, p=ps[_phase(cfg, i)])]
 
 
 def static_oracle_hit_rate(cfg: ReplayConfig, queries: Sequence[list[int]]) -> float:
-    """Hit rate after warm-up of a store always holding the most popular chunks that fit."""
+    """Hit rate after warm-up of a store always holding the most popular chunks that fit (the
+    ones popular at the time, when the stream drifts)."""
     fit = int(cfg.store_fraction * cfg.corpus)
-    top = set(np.argsort(-popularity(cfg))[:fit].tolist())
-    asked = [c for q in queries[cfg.warmup:] for c in q]
-    return sum(c in top for c in asked) / len(asked)
+    tops = [set(np.argsort(-popularity(cfg, phase))[:fit].tolist()) for phase in (0, 1)]
+    asked = [(c, _phase(cfg, i)) for i, q in enumerate(queries) if i >= cfg.warmup for c in q]
+    return sum(c in tops[phase] for c, phase in asked) / len(asked)
 
 
 def _key(chunk: int) -> str:
@@ -295,7 +305,9 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
     lines.append("")
     lines.append(
         f"{config['queries']} queries of {config['per_query']} chunks over {config['corpus']} chunks (Zipf {config['zipf']}), "
-        f"after the first {config['warmup']}; disk tier {config['store_fraction']:.0%} and memory tier "
+        f"after the first {config['warmup']}"
+        + (f"; from query {config['shift_at']} on, other chunks are popular" if config.get("shift_at") else "")
+        + f"; disk tier {config['store_fraction']:.0%} and memory tier "
         f"{config['memory_fraction']:.0%} of the corpus's bytes; synthetic {config['chunk_tokens']}-token chunks of "
         f"SmolLM2-135M's KV shape in float16; TTFT modeled for {config['model_chunk_tokens']}-token chunks."
     )
@@ -342,6 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--where", default=None, help="folder for the disk tier's temporary store (default: the system's temp folder)")
     for name in ("corpus", "queries", "per_query", "chunk_tokens", "window", "warmup", "seed"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
+    p.add_argument("--shift-at", type=int, default=None, help="query index from which other chunks are popular (default: never)")
     for name in ("zipf", "store_fraction", "memory_fraction"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))
     p.add_argument("--memory-policies", default=",".join(defaults.memory_policies))
@@ -351,7 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = ReplayConfig(
             corpus=args.corpus, queries=args.queries, per_query=args.per_query, zipf=args.zipf, chunk_tokens=args.chunk_tokens,
             store_fraction=args.store_fraction, memory_fraction=args.memory_fraction, window=args.window,
-            warmup=args.warmup, seed=args.seed, memory_policies=tuple(args.memory_policies.split(",")),
+            warmup=args.warmup, seed=args.seed, shift_at=args.shift_at, memory_policies=tuple(args.memory_policies.split(",")),
             disk_policies=tuple(args.disk_policies.split(",")),
         )
     except ValueError as exc:
