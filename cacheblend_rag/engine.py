@@ -163,7 +163,7 @@ class CacheBlendEngine:
         Without a ``config``, a quality profile saved by ``cacheblend-rag calibrate`` for this
         model sets the strategy and recompute ratio; otherwise ``BlendConfig()``'s defaults hold.
 
-        ``memory_bytes`` (default 2 GiB; 0 turns it off) keeps recently used chunk caches in RAM
+        ``memory_bytes`` (default 2 GiB; 0 turns it off) keeps the most used chunk caches in RAM
         in front of the other tiers (``store.tiers.TieredStore``): the chunks RAG retrieves come back
         often, and a layer read from RAM skips the database lookup, file read and checksum, which
         were 9% of a CacheBlend prefill on the bundled model (docs/engine.md).
