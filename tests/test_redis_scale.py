@@ -4,6 +4,7 @@ Cluster is refused with the reason."""
 
 from __future__ import annotations
 
+import socket
 import sys
 import uuid
 from pathlib import Path
@@ -122,7 +123,12 @@ def test_contains_many_answers_each_key_in_one_round_trip(server, monkeypatch):
 
 
 def test_a_redis_cluster_node_is_refused_with_the_reason(tmp_path):
-    node = LocalRedis(tmp_path / "cluster", "--cluster-enabled", "yes", "--cluster-config-file", str(tmp_path / "nodes.conf"))
+    # The cluster bus needs a port of its own (by default the port + 10000, which may not exist).
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        bus = s.getsockname()[1]
+    node = LocalRedis(tmp_path / "cluster", "--cluster-enabled", "yes", "--cluster-config-file", str(tmp_path / "nodes.conf"),
+                      "--cluster-port", str(bus))
     try:
         before = redis_pool.shared_pools()
         with pytest.raises(RedisClusterError, match="Redis Cluster.*CROSSSLOT.*standalone Redis"):
