@@ -9,7 +9,11 @@ import random
 
 import pytest
 
-from cacheblend_rag.cluster.affinity import AffinityPolicy, AffinityTable, ResidentChunks
+from cacheblend_rag.cluster.affinity import (
+    AffinityPolicy,
+    AffinityTable,
+    ResidentChunks,
+)
 from cacheblend_rag.cluster.documents import digest, digests, request_documents
 from cacheblend_rag.messages import chunk_part
 

@@ -19,11 +19,11 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("redis", reason="redis-py is not installed (pip install 'cacheblend-rag[redis]')")
 
 sys.path.insert(0, str(Path(__file__).parent / "reliability_helpers"))
-from local_redis import REDIS_SERVER, LocalRedis  # noqa: E402
+from local_redis import REDIS_SERVER, LocalRedis
 
-from cacheblend_rag.cluster import ClusterOptions, EngineSpec, build_app  # noqa: E402
-from cacheblend_rag.store.redis_tier import RedisConfig, RedisStore  # noqa: E402
-from cacheblend_rag.testing import make_engine  # noqa: E402
+from cacheblend_rag.cluster import ClusterOptions, EngineSpec, build_app
+from cacheblend_rag.store.redis_tier import RedisConfig, RedisStore
+from cacheblend_rag.testing import make_engine
 
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server not found on PATH (apt-get install redis-server)")
 

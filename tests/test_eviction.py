@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from cacheblend_rag.store.disk import KVStore
-from cacheblend_rag.store.eviction import DISK_POLICIES, LFUPolicy, LRUPolicy, make_policy, set_disk_policy
+from cacheblend_rag.store.eviction import (
+    DISK_POLICIES,
+    LFUPolicy,
+    LRUPolicy,
+    make_policy,
+    set_disk_policy,
+)
 from cacheblend_rag.store.tiers import MemoryTier
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_engine
 

@@ -14,13 +14,13 @@ import pytest
 redis = pytest.importorskip("redis", reason="redis-py is not installed (pip install 'cacheblend-rag[redis]')")
 
 sys.path.insert(0, str(Path(__file__).parent / "reliability_helpers"))
-from local_redis import REDIS_SERVER, LocalRedis  # noqa: E402
+from local_redis import REDIS_SERVER, LocalRedis
 
-from cacheblend_rag import CacheBlendEngine  # noqa: E402
-from cacheblend_rag.store import redis_pool  # noqa: E402
-from cacheblend_rag.store.redis_tier import RedisClusterError, RedisConfig, RedisStore  # noqa: E402
-from cacheblend_rag.store.spec import open_store  # noqa: E402
-from cacheblend_rag.testing import make_model  # noqa: E402
+from cacheblend_rag import CacheBlendEngine
+from cacheblend_rag.store import redis_pool
+from cacheblend_rag.store.redis_tier import RedisClusterError, RedisConfig, RedisStore
+from cacheblend_rag.store.spec import open_store
+from cacheblend_rag.testing import make_model
 
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server not found on PATH (apt-get install redis-server)")
 

@@ -8,7 +8,14 @@ import json
 import pytest
 
 from cacheblend_rag.bench.replay import (
-    ReplayConfig, main, query_stream, read_rows, replay, run_all, static_oracle_hit_rate, summary_table,
+    ReplayConfig,
+    main,
+    query_stream,
+    read_rows,
+    replay,
+    run_all,
+    static_oracle_hit_rate,
+    summary_table,
 )
 
 TINY = dict(corpus=24, queries=60, per_query=3, warmup=20, window=20, chunk_tokens=2, kv_shape=(2, 1, 4))

@@ -22,8 +22,9 @@ import random
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Generic, Hashable, Iterable, Mapping, Sequence, TypeVar
+from typing import Generic, TypeVar
 
 __all__ = ["AffinityPolicy", "AffinityTable", "ResidentChunks"]
 

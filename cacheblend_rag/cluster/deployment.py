@@ -21,8 +21,9 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig

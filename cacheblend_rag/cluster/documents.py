@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["digest", "digests", "request_documents"]
 

@@ -11,9 +11,14 @@ probing queue lengths it does not know, and backs off while every replica is ful
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any
 
-from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import (
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
 
 from .affinity import AffinityPolicy, AffinityTable
 from .asgi import ForwardedRequest
@@ -21,7 +26,7 @@ from .asgi import ForwardedRequest
 __all__ = ["ChunkAffinityRouter"]
 
 
-def _digests(pending: Optional[PendingRequest]) -> tuple[str, ...]:
+def _digests(pending: PendingRequest | None) -> tuple[str, ...]:
     if pending is None:
         return ()
     for arg in list(pending.args) + list(pending.kwargs.values()):
@@ -38,8 +43,8 @@ class ChunkAffinityRouter(RequestRouter):
         self.table: AffinityTable[ReplicaID] = AffinityTable(AffinityPolicy(**kwargs))
 
     async def choose_replicas(
-        self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None,
-    ) -> List[List[RunningReplica]]:
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
         by_id = {r.replica_id: r for r in candidate_replicas}
         reported = {rid: (r.routing_stats or {}).get("resident", ()) for rid, r in by_id.items()}
         cache = self.replica_queue_len_cache

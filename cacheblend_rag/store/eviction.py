@@ -23,11 +23,18 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from typing import Any, Hashable, Protocol
+from collections.abc import Hashable
+from typing import Any, Protocol
 
 __all__ = [
-    "DEFAULT_MEMORY_POLICY", "DISK_POLICIES", "EvictionPolicy", "LFUPolicy", "LRUPolicy", "MEMORY_POLICIES",
-    "make_policy", "set_disk_policy",
+    "DEFAULT_MEMORY_POLICY",
+    "DISK_POLICIES",
+    "MEMORY_POLICIES",
+    "EvictionPolicy",
+    "LFUPolicy",
+    "LRUPolicy",
+    "make_policy",
+    "set_disk_policy",
 ]
 
 DISK_POLICIES = ("least-recently-stored", "least-recently-used", "least-frequently-used")

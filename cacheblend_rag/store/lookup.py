@@ -10,7 +10,8 @@ key costs a round trip, never a wrong plan.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 __all__ = ["Lookup", "contains_many"]
 
