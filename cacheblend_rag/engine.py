@@ -33,6 +33,7 @@ from .selector import resolve_criterion
 from .self_test import self_test
 from .store.disk import KVStore
 from .store.loader import ChunkLost, LayerAssembler
+from .store.lookup import Lookup
 from .store.protocol import KV, ChunkStore
 
 if TYPE_CHECKING:
@@ -172,7 +173,7 @@ class CacheBlendEngine:
         Without a ``config``, a quality profile saved by ``cacheblend-rag calibrate`` for this
         model sets the strategy and recompute ratio; otherwise ``BlendConfig()``'s defaults hold.
 
-        ``memory_bytes`` (default 2 GiB; 0 turns it off) keeps recently used chunk caches in RAM
+        ``memory_bytes`` (default 2 GiB; 0 turns it off) keeps the most used chunk caches in RAM
         in front of the other tiers (``store.tiers.TieredStore``): the chunks RAG retrieves come back
         often, and a layer read from RAM skips the database lookup, file read and checksum, which
         were 9% of a CacheBlend prefill on the bundled model (docs/engine.md).
@@ -338,7 +339,8 @@ class CacheBlendEngine:
     def _prefix_prefill(self, layout: PromptLayout, store: ChunkStore, t0: float, avoid: set[str]) -> PrefillResult:
         """Exact reuse of the longest prefix of segments cached behind exactly what precedes them
         (``planner.plan_prefix``); the rest is an exact causal prefill over the loaded K/V."""
-        req = planner.plan_prefix(layout, self.fingerprint, store.contains, avoid, device=self.device)
+        contains = Lookup(store, planner.prefix_keys(layout, self.fingerprint))  # one round trip, not one per chunk
+        req = planner.plan_prefix(layout, self.fingerprint, contains, avoid, device=self.device)
         return self._causal_prefill(layout, "prefix_caching", req, store, t0)
 
     def _causal_prefill(self, layout: PromptLayout, mode: str, req: PrefixRequest, store: ChunkStore, t0: float) -> PrefillResult:
@@ -368,9 +370,12 @@ class CacheBlendEngine:
         """``full_reuse`` and ``cacheblend``: load every chunk's cache (computing the misses), then
         recompute the planned tokens layer by layer (``fusor.fuse``)."""
         self.chunk_cache.store_prefix(store)
+        neighbours = self.chunk_cache.neighbours
+        # Every chunk of the request looked up at once: one round trip to a network tier, not one per chunk.
+        contains = Lookup(store, planner.fusion_keys(layout, self.fingerprint, self.prompts.prefix_ids, neighbours))
         req = planner.plan_fusion(
-            layout, mode, config, fingerprint=self.fingerprint, prefix_ids=self.prompts.prefix_ids, contains=store.contains,
-            num_layers=self.num_layers, neighbours=self.chunk_cache.neighbours, avoid=avoid, device=self.device,
+            layout, mode, config, fingerprint=self.fingerprint, prefix_ids=self.prompts.prefix_ids, contains=contains,
+            num_layers=self.num_layers, neighbours=neighbours, avoid=avoid, device=self.device,
         )
         specs, miss_s = self.chunk_cache.fill(req.loads, store)
         loader = LayerAssembler(

@@ -32,8 +32,8 @@ from .store.keys import chunk_key
 from .store.loader import LoadSpec
 
 __all__ = [
-    "FusedRequest", "Load", "PrefixRequest", "causal_plan", "context_attention", "guide", "plan_full", "plan_fusion",
-    "plan_prefix", "suffix_blocks_pay",
+    "FusedRequest", "Load", "PrefixRequest", "causal_plan", "context_attention", "fusion_keys", "guide", "plan_full",
+    "plan_fusion", "plan_prefix", "prefix_keys", "suffix_blocks_pay",
 ]
 
 Contains = Callable[[str], bool]  # the store's contents: is every layer of this chunk there?
@@ -102,6 +102,27 @@ def plan_prefix(
             writebacks.append((key, off, len(seg)))
             misses += seg.reusable
     return PrefixRequest(causal_plan(layout, reused, device), loads, reused, writebacks, hits, misses)
+
+
+def prefix_keys(layout: PromptLayout, fingerprint: str) -> list[str]:
+    """Every key ``plan_prefix`` may ask the store about, to look them up in one batch
+    (``store.lookup.Lookup``)."""
+    token_ids = layout.token_ids
+    return [chunk_key(fingerprint, token_ids[:off], seg.token_ids) for seg, off in zip(layout.segments[:-1], layout.offsets())]
+
+
+def fusion_keys(layout: PromptLayout, fingerprint: str, prefix_ids: Sequence[int], neighbours: NeighbourIndex | None = None) -> list[str]:
+    """Every key ``plan_fusion`` may ask the store about: the instruction prefix's, each chunk's
+    and its cross-chunk-aware caches', to look them up in one batch (``store.lookup.Lookup``)."""
+    prefix = tuple(prefix_ids)
+    keys = [chunk_key(fingerprint, (), prefix)]
+    for seg in layout.segments:
+        if seg.reusable:
+            key = chunk_key(fingerprint, prefix, seg.token_ids)
+            keys.append(key)
+            if neighbours is not None:
+                keys += [cache.key for cache in neighbours.caches(key)]
+    return keys
 
 
 def plan_full(layout: PromptLayout, device: torch.device | str = "cpu") -> PrefixRequest:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from .plain import chat_text, plain_stream, sampling_params
+from .store.lookup import contains_many
 
 if TYPE_CHECKING:
     from .batching import Batcher
@@ -151,4 +152,6 @@ def cached_chunk_tokens(engine, stream) -> int:
         return 0
     engine.flush()
     store = engine.store if stream.store is None else stream.store
-    return sum(len(seg) for seg in stream.layout.segments if seg.reusable and store.contains(engine.chunk_key(seg)))
+    segments = [seg for seg in stream.layout.segments if seg.reusable]
+    found = contains_many(store, [engine.chunk_key(seg) for seg in segments])  # one round trip for all chunks
+    return sum(len(seg) for seg, hit in zip(segments, found) if hit)

@@ -34,7 +34,7 @@ LAYER_BYTES = 2 * 2 * 4 * 8 * 4  # K and V of one layer of _layers() in fp32
 
 
 def test_memory_tier_evicts_least_recently_used_layers_by_bytes():
-    mem = MemoryTier(capacity_bytes=3 * LAYER_BYTES)
+    mem = MemoryTier(capacity_bytes=3 * LAYER_BYTES, policy="lru")
     a, b = _layers(seed=1), _layers(seed=2)
     assert mem.put("a", a) and mem.contains("a")
     assert mem.get_layer("a", 0) is not None  # a/0 is now more recent than a/1

@@ -1,15 +1,18 @@
 """A Redis tier for chunk KV caches: one cache shared by every worker and machine that can reach it.
 
 ``RedisStore`` has the store interface (:class:`~cacheblend_rag.store.protocol.ChunkStore`) (``contains``,
-``meta``, ``put``, ``get_layer``, ``discard``, ``volume``, ``clear``, ``close``, ``stats``) plus
-``get_layers(keys, layer)``, which reads one layer of several chunks in one round trip (``MGET``);
-the layer-wise loader uses it to fetch layer i+1 of every chunk of a request while layer i computes.
+``meta``, ``put``, ``get_layer``, ``discard``, ``volume``, ``clear``, ``close``, ``stats``) plus two
+batched calls, each one round trip however many chunks a request has: ``get_layers(keys, layer)``
+reads one layer of several chunks (``MGET``; the layer-wise loader fetches layer i+1 of every chunk
+of a request while layer i computes) and ``contains_many(keys)`` looks up all of a request's chunks
+(``MGET`` of their meta records), so a request costs one lookup and one read per layer.
 
 Records are the disk store's, byte for byte: one Redis string per chunk and layer
 (:func:`cacheblend_rag.store.record.encode_layer`) plus the chunk's meta record
 (:func:`cacheblend_rag.store.meta.encode_meta`), written last in one ``MULTI``/``EXEC`` so a reader
-never sees half a chunk. Keys are ``<prefix>:<model tag>:<chunk key>:<layer>`` and
-``...:meta``; the model tag is a digest of the model fingerprint, and every record also names its
+never sees half a chunk. Keys are ``<prefix>:<model tag>:{<chunk key>}:<layer>`` and
+``...:meta``; the braces are a Redis hash tag, so every record of a chunk hashes to one slot (the
+layout a sharded Redis needs for a chunk's ``MULTI``/``EXEC``). The model tag is a digest of the model fingerprint, and every record also names its
 model, chunk and layer inside its checksummed header, which each read checks. A record that fails
 any check (damaged, or planted from another model) is discarded and the chunk reported missing, so
 the engine recomputes it. Nothing is ever unpickled.
@@ -17,6 +20,14 @@ the engine recomputes it. Nothing is ever unpickled.
 Eviction is Redis's own: run it with ``maxmemory`` and ``maxmemory-policy allkeys-lru``. It evicts
 single records, so a chunk can lose a layer after its lookup; that read is a miss, the rest of the
 chunk is dropped, and the engine recomputes it like any lost record.
+
+Connections: every store of a process that reaches the same Redis with the same timeouts shares
+one connection pool (:mod:`~cacheblend_rag.store.redis_pool`).
+
+Redis Cluster is refused when the store opens (:class:`RedisClusterError`): a request's batched
+reads name chunks on many slots, which a cluster answers with ``CROSSSLOT``, and splitting them per
+shard would turn the one round trip per request back into one per shard and per layer. Point the
+store at a standalone Redis (or a primary with replicas) instead.
 
 Failures: a Redis that is down, slow or restarting raises redis-py's ``ConnectionError`` /
 ``TimeoutError`` after ``socket_timeout_s``. Behind a :class:`cacheblend_rag.store.tiers.TieredStore`
@@ -32,6 +43,7 @@ import hashlib
 import logging
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,24 +52,24 @@ import torch
 
 try:  # the `redis` extra: only a Redis tier needs it
     import redis
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
 except ImportError:  # pragma: no cover - exercised only without the extra
     redis = None  # type: ignore[assignment]
 
+from . import redis_pool
 from .dtypes import dtype_name
 from .meta import ChunkMeta, decode_chunk_layer, decode_meta, encode_meta
 from .protocol import KV, StoreStats
 from .record import CorruptRecordError, encode_layer, validate_chunk
 from .seal import sealer
 
-__all__ = ["RedisAuthError", "RedisConfig", "RedisStore", "is_redis_url"]
+__all__ = ["RedisAuthError", "RedisClusterError", "RedisConfig", "RedisStore", "is_redis_url"]
 
 log = logging.getLogger(__name__)
 
 _URL_SCHEMES = ("redis://", "rediss://", "unix://")
 _PREFIX = re.compile(r"[A-Za-z0-9._-]+")
 _SCAN_BATCH = 500  # keys per SCAN/UNLINK round trip in clear()
+_KNOWN_METAS = 4096  # chunks whose layer count a store remembers from its batched reads (promotion)
 
 
 def _text(value: Any) -> str:
@@ -70,6 +82,10 @@ def is_redis_url(spec: object) -> bool:
 
 class RedisAuthError(RuntimeError):
     """Redis refused the URL's credentials (wrong password, unknown or under-privileged ACL user)."""
+
+
+class RedisClusterError(RuntimeError):
+    """The URL names a node of a Redis Cluster, which the Redis tier does not support (see the module doc)."""
 
 
 @dataclass(frozen=True)
@@ -130,22 +146,21 @@ class RedisStore:
         self.stats = StoreStats()
         self._lock = threading.Lock()
         self._warned_full = False
+        # Layer counts of chunks seen in batched reads: promotion into the memory tier needs one,
+        # and asking Redis for each chunk's meta again would cost a round trip per chunk.
+        self._known: OrderedDict[str, int] = OrderedDict()
         tag = hashlib.blake2b(fingerprint.encode("utf-8"), digest_size=8, person=b"cbrag-redis").hexdigest()
         self._namespace = f"{self.config.prefix}:{tag}:"
-        self.client = redis.Redis.from_url(
-            self.config.url,
-            socket_timeout=self.config.socket_timeout_s,
-            socket_connect_timeout=self.config.connect_timeout_s,
-            # One immediate retry on a broken connection: after a Redis restart the pooled
-            # connections are dead, and the retry opens a fresh one instead of failing the tier.
-            # Timeouts are not retried: that would double the wait on a slow Redis.
-            retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
-        )
-        # A URL's query arguments override keywords in from_url, and text replies would break records.
-        if str(self.client.connection_pool.connection_kwargs.get("decode_responses")).lower() not in ("none", "false", "0"):
-            self.client.close()
-            raise ValueError("the Redis URL sets decode_responses: records are raw bytes, remove it from the URL")
-        self._check_server()
+        self._pool = redis_pool.acquire(self.config.url, self.config.socket_timeout_s, self.config.connect_timeout_s)
+        self.client = redis.Redis(connection_pool=self._pool)
+        try:
+            # A URL's query arguments override keywords in from_url, and text replies would break records.
+            if str(self._pool.connection_kwargs.get("decode_responses")).lower() not in ("none", "false", "0"):
+                raise ValueError("the Redis URL sets decode_responses: records are raw bytes, remove it from the URL")
+            self._check_server()
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def where(self) -> str:
@@ -159,7 +174,6 @@ class RedisStore:
         try:
             self.client.ping()
         except (redis.AuthenticationError, redis.exceptions.AuthorizationError, redis.exceptions.NoPermissionError) as exc:
-            self.client.close()
             raise RedisAuthError(
                 f"Redis at {self.where} refused the credentials in the URL ({exc}). Put the right password "
                 "in the URL, redis://:PASSWORD@host:port/db, or an ACL user and its password, "
@@ -172,7 +186,22 @@ class RedisStore:
                 "recomputed until it answers", self.where, exc,
             )
             return
+        self._check_cluster()
         self._check_eviction()
+
+    def _check_cluster(self) -> None:
+        try:
+            cluster = self.client.info("cluster")
+        except redis.RedisError:  # an ACL user without +info: its MGETs would fail loudly instead
+            return
+        if str(cluster.get("cluster_enabled", "0")) == "1":
+            raise RedisClusterError(
+                f"Redis at {self.where} is a node of a Redis Cluster, which the Redis tier does not support: "
+                "a request reads one layer of all its chunks in one MGET, and a cluster refuses an MGET whose "
+                "keys live on different shards (CROSSSLOT). Use a standalone Redis, or a primary with "
+                "replicas, sized with maxmemory and maxmemory-policy allkeys-lru; run one per group of "
+                "servers if one is not enough"
+            )
 
     def _check_eviction(self) -> None:
         """Warn when Redis would grow without bound or refuse writes once full."""
@@ -193,7 +222,7 @@ class RedisStore:
     # Keys ------------------------------------------------------------------------------------
     def record_name(self, key: str, layer: int | None = None) -> str:
         """The Redis key of a chunk's ``layer`` record, or of its meta record (``layer=None``)."""
-        return f"{self._namespace}{key}:{'meta' if layer is None else layer}"
+        return f"{self._namespace}{{{key}}}:{'meta' if layer is None else layer}"
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -207,14 +236,41 @@ class RedisStore:
     def contains(self, key: str) -> bool:
         return self.meta(key) is not None
 
+    def metas(self, keys: Sequence[str]) -> list[ChunkMeta | None]:
+        """``meta`` of every chunk in ``keys``, in one round trip (``MGET``)."""
+        keys = list(keys)
+        if not keys:
+            return []
+        blobs = self.client.mget([self.record_name(k) for k in keys])
+        return [self._meta_of(k, b) for k, b in zip(keys, blobs)]
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """``contains`` of every chunk in ``keys``, in one round trip."""
+        return [m is not None for m in self.metas(keys)]
+
+    def num_layers_of(self, key: str) -> int | None:
+        """Layer count of a chunk this store read or wrote lately, without asking Redis (None if
+        not remembered). A hint for promotion only: the chunk may have been evicted since."""
+        with self._lock:
+            return self._known.get(key)
+
+    def _remember(self, key: str, meta: ChunkMeta) -> None:
+        with self._lock:
+            self._known[key] = meta.num_layers
+            self._known.move_to_end(key)
+            if len(self._known) > _KNOWN_METAS:
+                self._known.popitem(last=False)
+
     def _meta_of(self, key: str, blob: Any) -> ChunkMeta | None:
         if blob is None:
             return None
         try:
-            return decode_meta(self._sealer.open_meta(f"{key}/meta", blob), self.fingerprint, key)
+            meta = decode_meta(self._sealer.open_meta(f"{key}/meta", blob), self.fingerprint, key)
         except CorruptRecordError as exc:
             self._on_corrupt(key, "meta", exc, 0)
             return None
+        self._remember(key, meta)
+        return meta
 
     def put(self, key: str, layers: Sequence[KV]) -> bool:
         """Store a chunk (one record per layer, then its meta). False if Redis refused the write
@@ -315,7 +371,10 @@ class RedisStore:
             self.client.unlink(*batch)
 
     def close(self) -> None:
-        self.client.close()
+        pool, self._pool = getattr(self, "_pool", None), None
+        if pool is not None:
+            self.client.close()  # the client's own connection, if any; the pool is shared
+            redis_pool.release(pool)
 
     def __enter__(self) -> RedisStore:
         return self

@@ -35,6 +35,8 @@ import torch
 from ..threads import helper_pool
 from .disk import KVStore
 from .dtypes import dtype_name, resolve_dtype
+from .eviction import EvictionPolicy, make_policy
+from .lookup import contains_many
 from .meta import ChunkMeta
 from .protocol import KV, kv_bytes, read_layers
 
@@ -59,19 +61,21 @@ class MemoryStats:
 
 
 class MemoryTier:
-    """CPU-RAM LRU of (chunk key, layer) -> (K, V), bounded by ``capacity_bytes``.
+    """CPU RAM of (chunk key, layer) -> (K, V), bounded by ``capacity_bytes``.
 
-    Eviction is per layer (least recently read or written first), like the disk store, so a big
-    chunk can be partly resident; ``contains`` is true only while all its layers are.
+    Eviction is per layer, like the disk store, so a big chunk can be partly resident; ``contains``
+    is true only while all its layers are. ``policy`` picks the victim (``store.eviction``:
+    ``"lru"``, ``"lfu"`` or a policy object; default ``eviction.DEFAULT_MEMORY_POLICY``).
     """
 
     tier_name = "memory"
     reads_from_memory = True  # store.protocol: a read is a dict lookup, never a wait on storage
 
-    def __init__(self, capacity_bytes: int = 2 * 2**30) -> None:
+    def __init__(self, capacity_bytes: int = 2 * 2**30, policy: str | EvictionPolicy | None = None) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes={capacity_bytes} must be > 0")
         self.capacity_bytes = capacity_bytes
+        self.policy = make_policy(policy)
         self.stats = MemoryStats()
         self._lru: OrderedDict[tuple[str, int], KV] = OrderedDict()
         self._metas: dict[str, ChunkMeta] = {}  # chunks with at least one resident layer
@@ -118,6 +122,7 @@ class MemoryTier:
                 self._resident[key] -= 1
             self._metas.setdefault(key, ChunkMeta(int(k.shape[1]), num_layers, dtype_name(k.dtype)))
             self._lru[(key, layer)] = (k, v)
+            self.policy.add((key, layer))
             self._resident[key] = self._resident.get(key, 0) + 1
             self._bytes += size
             self.stats.bytes_written += size
@@ -125,7 +130,10 @@ class MemoryTier:
                 self._evict_oldest()
 
     def _evict_oldest(self) -> None:
-        (key, _), kv = self._lru.popitem(last=False)
+        item = self.policy.victim()
+        self.policy.remove(item)
+        kv = self._lru.pop(item)
+        key = item[0]
         self._bytes -= kv_bytes(*kv)
         self.stats.evictions += 1
         self._resident[key] -= 1
@@ -138,7 +146,7 @@ class MemoryTier:
             if kv is None:
                 self.stats.misses += 1
                 return None
-            self._lru.move_to_end((key, layer))
+            self.policy.touch((key, layer))
             self.stats.hits += 1
             self.stats.bytes_read += kv_bytes(*kv)
         k, v = kv
@@ -150,6 +158,7 @@ class MemoryTier:
         with self._lock:
             for layer in range(self._metas.get(key, ChunkMeta(0, 0, "")).num_layers):
                 kv = self._lru.pop((key, layer), None)
+                self.policy.remove((key, layer))
                 if kv is not None:
                     self._bytes -= kv_bytes(*kv)
             self._metas.pop(key, None)
@@ -161,6 +170,7 @@ class MemoryTier:
     def clear(self) -> None:
         with self._lock:
             self._lru.clear()
+            self.policy.clear()
             self._metas.clear()
             self._resident.clear()
             self._bytes = 0
@@ -331,6 +341,25 @@ class TieredStore:
     def contains(self, key: str) -> bool:
         return self.locate(key) is not None
 
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """``contains`` of every chunk in ``keys``, each tier asked once for the chunks the tiers
+        above it lack (one round trip to a tier with ``contains_many``, such as Redis)."""
+        keys = list(keys)
+        found = [False] * len(keys)
+        todo = list(range(len(keys)))
+        for i, t in enumerate(self.tiers):
+            if not todo:
+                break
+            if not self._healthy(i):
+                continue
+            got = self._call(i, f"lookup of {len(todo)} chunks", contains_many, t.store, [keys[j] for j in todo])
+            if got is _FAILED:
+                continue
+            for j, hit in zip(todo, got):
+                found[j] = bool(hit)
+            todo = [j for j, hit in zip(todo, got) if not hit]
+        return found
+
     def meta(self, key: str) -> ChunkMeta | None:
         for i, t in enumerate(self.tiers):
             if self._healthy(i):
@@ -424,7 +453,9 @@ class TieredStore:
         uppers = [j for j in range(src) if hasattr(self.tiers[j].store, "put_layer") and self._healthy(j)]
         if not uppers:
             return
-        num_layers = next((n for j in uppers if (n := getattr(self.tiers[j].store, "num_layers_of", lambda _: None)(key))), None)
+        # The layer count from a tier that remembers it (the memory tier above, or the batched
+        # reader's metas below) before asking the source tier: that would be a round trip per chunk.
+        num_layers = next((n for j in [*uppers, src] if (n := getattr(self.tiers[j].store, "num_layers_of", lambda _: None)(key))), None)
         if num_layers is None:
             meta = self._call(src, f"lookup of {key[:16]}", self.tiers[src].store.meta, key)
             if meta is _FAILED or meta is None:

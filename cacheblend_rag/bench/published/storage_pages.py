@@ -55,7 +55,20 @@ def _tier_values(res: Results, name: str) -> dict[str, Any]:
     return v
 
 
+def _replay_block(name: str):
+    def render(res: Results) -> str:
+        from ..replay import summary_table
+
+        rows = res.rows(name)
+        stream = next(r["stream"] for r in rows if r["kind"] == "config")
+        return summary_table([r for r in rows if r["stream"] == stream])
+
+    return render
+
+
 TABLES = {
+    "replay": Table(("replay.jsonl",), _replay_block("replay.jsonl")),
+    "replay-drift": Table(("replay_drift.jsonl",), _replay_block("replay_drift.jsonl")),
     "pipeline-bench-calibrated": Table((CALIBRATED,), _calibrated_block),
     "pipeline-bench-redis": Table((REDIS,), lambda res: tiers_table(res.json(REDIS), REDIS_LABELS)),
 }
