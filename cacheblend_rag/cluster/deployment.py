@@ -34,7 +34,7 @@ from .documents import digest, digests, request_documents
 
 __all__ = ["ClusterOptions", "EngineReplica", "EngineSpec", "Front", "app_builder", "build_app"]
 
-log = logging.getLogger("cacheblend_rag.cluster")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

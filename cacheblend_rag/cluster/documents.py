@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 __all__ = ["digest", "digests", "request_documents"]
 
-log = logging.getLogger("cacheblend_rag.cluster")
+log = logging.getLogger(__name__)
 
 
 def digest(text: str) -> str:
