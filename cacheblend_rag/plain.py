@@ -100,13 +100,6 @@ def _fold_system(msgs: list[dict[str, str]]) -> list[dict[str, str]]:
     return out
 
 
-def sampling_params(engine_kwargs: Mapping[str, object]) -> SamplingParams:
-    """The decoding settings among ``engine.stream``'s keyword arguments (a plain prompt has no
-    mode or ratio). ``stop`` goes in as given: one str is one stop sequence (SamplingParams)."""
-    kw = engine_kwargs
-    return SamplingParams(kw["max_new_tokens"], kw["temperature"], kw["top_p"], kw["top_k"], kw.get("stop") or (), kw.get("seed"))
-
-
 def plain_stream(engine: CacheBlendEngine, text: str, params: SamplingParams) -> GenerationStream:
     """Stream the answer to ``text`` (already in the model's prompt format) with a full prefill.
 
