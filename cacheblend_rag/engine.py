@@ -427,10 +427,13 @@ class CacheBlendEngine:
         ``store``, ``pipelined`` and ``controller`` replace the engine's own for this answer only
         (a benchmark comparing tiers or loading modes on one engine). ``ignore_eos`` decodes past
         the end-of-sequence token to ``max_new_tokens`` (a benchmark timing fixed lengths)."""
+        from .serving.request import answer_settings  # the one place settings become a SamplingParams
+
         t0 = time.perf_counter()
-        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, stop or (), seed, ignore_eos)
-        return self.open_stream(question, chunks, params, mode=mode, recompute_ratio=recompute_ratio, config=config,
-                                store=store, pipelined=pipelined, controller=controller, t0=t0)
+        settings = answer_settings(mode=mode, recompute_ratio=recompute_ratio, config=config, max_new_tokens=max_new_tokens,
+                                   temperature=temperature, top_p=top_p, top_k=top_k, stop=stop, seed=seed, ignore_eos=ignore_eos)
+        return self.open_stream(question, chunks, settings.pop("sampling"), **settings, store=store, pipelined=pipelined,
+                                controller=controller, t0=t0)
 
     def open_stream(
         self,

@@ -152,3 +152,32 @@ def test_a_batched_run_closed_early_or_cancelled_frees_its_row(engine):
         got = cancelled._ticket.result(timeout=60)
         assert got.finish_reason == "cancelled" and len(got.token_ids) < LONG
     assert closed.result is None and cancelled.result is None  # as an unbatched run stopped early
+
+
+def test_the_batched_fast_step_gives_the_forwards_logits_over_left_padded_rows(engine):
+    """The few-operation step the batch decodes with (``FastDecodeStep.batched``) against the
+    model's forward with the same attention mask, on real prompts of different lengths."""
+    import torch
+
+    from cacheblend_rag.backbone import cache_kwarg
+    from cacheblend_rag.decode_cache import room_cache
+    from cacheblend_rag.serving.batcher import _pad_left
+
+    assert engine.fast_step is not None
+    pres = [engine.prefill(engine.build_layout(q, c), "full_recompute") for q, c in REQUESTS[:3]]
+    lengths = [len(p.layout) for p in pres]
+    width = max(lengths)
+    keys = [torch.cat([_pad_left(p.cache.layers[i].keys, width) for p in pres]) for i in range(engine.num_layers)]
+    values = [torch.cat([_pad_left(p.cache.layers[i].values, width) for p in pres]) for i in range(engine.num_layers)]
+    mask = torch.cat([_pad_left(torch.ones(1, n, dtype=torch.long), width) for n in lengths])
+    ours, theirs = room_cache(keys, values, 8), room_cache(keys, values, 8)
+    tokens, positions = [int(p.logits.argmax()) for p in pres], list(lengths)
+    for _ in range(8):
+        mask = torch.cat([mask, mask.new_ones(len(pres), 1)], dim=1)
+        got = engine.fast_step.batched(tokens, positions, ours, mask)
+        with torch.inference_mode():
+            want = engine.model(input_ids=torch.tensor(tokens)[:, None], position_ids=torch.tensor(positions)[:, None],
+                                attention_mask=mask, use_cache=True, logits_to_keep=1,
+                                **{cache_kwarg(engine.model): theirs}).logits[:, -1]
+        torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-5)
+        tokens, positions = [int(t) for t in want.argmax(-1)], [p + 1 for p in positions]

@@ -170,7 +170,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     async def health() -> Health:
         running, waiting = worker.load()
         return Health(status="ok", model=name, running=running, waiting=waiting, max_batch=worker.max_batch,
-                      max_queue=worker.max_queue)
+                      max_queue=worker.max_queue, decode_steps=worker.batcher.steps, decoded_tokens=worker.batcher.rows_stepped)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:

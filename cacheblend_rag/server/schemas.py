@@ -264,6 +264,10 @@ class Health(BaseModel):
     """Requests waiting for a place in the batch."""
     max_batch: int
     max_queue: int
+    decode_steps: int
+    """Decode steps the batcher has run since the server started."""
+    decoded_tokens: int
+    """Tokens those steps decoded: ``decoded_tokens / decode_steps`` answers shared a step on average."""
 
 
 class ErrorInfo(BaseModel):

@@ -74,8 +74,8 @@ class DecodeBatch:
     length, head_dim], so each step writes its token in place), left padded to the longest row,
     and a ``[rows, length]`` mask (1: a real key, 0: padding).
 
-    ``fast_step`` (the engine's ``FastDecodeStep``, if its model has one) decodes a batch of one
-    row: the same arithmetic as the model's forward in fewer operations, and exactly the step an
+    ``fast_step`` (the engine's ``FastDecodeStep``, if its model has one) replaces the model's
+    forward: the same arithmetic in fewer operations. A batch of one row takes exactly the step an
     answer decoded alone takes."""
 
     def __init__(self, model, tokenizer, fast_step: "FastDecodeStep | None" = None):
@@ -146,6 +146,8 @@ class DecodeBatch:
             # decoded alone, and takes the step such an answer takes.
             row = self.rows[0]
             logits = self.fast_step(row.token, row.position, self.cache)[None]  # [1, vocab]
+        elif self.fast_step is not None:
+            logits = self.fast_step.batched([r.token for r in self.rows], [r.position for r in self.rows], self.cache, mask)
         else:
             logits = self.model(
                 input_ids=torch.tensor([[r.token] for r in self.rows], device=device),

@@ -38,7 +38,8 @@ def answer_settings(
     """
     check_mode(mode)  # recompute_ratio is checked by the BlendConfig it goes into (engine.open_stream)
     if config is not None and not isinstance(config, BlendConfig):
-        raise TypeError(f"config must be a BlendConfig, got {type(config).__name__}: build one with BlendConfig(**options)")
+        raise TypeError(f"config must be a BlendConfig, got {type(config).__name__}: "
+                        "build one with cacheblend_rag.BlendConfig(**options)")
     sampling = SamplingParams(max_new_tokens, temperature, top_p, top_k, () if stop is None else stop, seed, ignore_eos)
     return {"mode": mode, "recompute_ratio": recompute_ratio, "config": config, "sampling": sampling}
 
