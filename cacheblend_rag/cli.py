@@ -151,8 +151,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.max_queue < 0:
         raise SystemExit(f"error: --max-queue {args.max_queue}: pass how many requests may wait (>= 0)")
+    if args.max_batch < 1:
+        raise SystemExit(f"error: --max-batch {args.max_batch}: pass how many answers to decode together (>= 1; 1: one at a time)")
     try:
-        config = ServerConfig(model_name=args.served_model_name, max_queue=args.max_queue,
+        config = ServerConfig(model_name=args.served_model_name, max_batch=args.max_batch, max_queue=args.max_queue,
                               **{name: getattr(args, name) for name in _SERVER_LIMITS if getattr(args, name) is not None})
     except ValueError as exc:  # checked before the model loads
         raise SystemExit(f"error: {exc}") from None
@@ -161,7 +163,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         app = create_app(engine, config)
         # uvicorn stops on SIGINT/SIGTERM gracefully: it stops accepting connections, lets open
-        # requests finish, then runs the app's shutdown (which drains the worker).
+        # requests finish, then runs the app's shutdown (which drains the batcher).
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, **uvicorn_settings(config))
     finally:
         engine.close()
@@ -206,7 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--store-dir", default=None, help="chunk KV store directory (default: <cache home>/kv)")
     serve.add_argument("--store", default=None, help=STORE_HELP)
-    serve.add_argument("--max-queue", type=int, default=8, help="requests that may wait while one runs; more get 503 (default 8)")
+    serve.add_argument("--max-batch", type=int, default=8,
+                       help="answers decoded together, sharing each decode step (default 8; 1: one answer at a time)")
+    serve.add_argument("--max-queue", type=int, default=8,
+                       help="requests that may wait while --max-batch answers run; more get 503 (default 8)")
     for name, (kind, help_text) in _SERVER_LIMITS.items():
         serve.add_argument("--" + name.removesuffix("_s").replace("_", "-"), dest=name, type=kind, default=None, help=help_text)
     serve.add_argument("--served-model-name", default=None, help="the name clients pass as model (default: the model's id)")

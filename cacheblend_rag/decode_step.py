@@ -11,8 +11,9 @@ rows (every key read once).
 It is built only for the layer structure it reproduces (``model_type`` llama, mistral or qwen2;
 SiLU MLP; RMS norms; no sliding window; no logit or embedding scales) and, like the backbone's
 self-test, checked at load against the model's own forward on a few decode steps: anything else,
-or any difference, leaves decoding to the model's forward. Batched decoding and APE keep the
-model's forward too.
+or any difference, leaves decoding to the model's forward. :meth:`FastDecodeStep.batched` is the
+same step for several answers sharing one left-padded cache (``serving.batcher.DecodeBatch``),
+checked the same way; APE keeps the model's forward.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class _Layer:
 
 
 class FastDecodeStep:
-    """``step(token, position, cache) -> logits [vocab]`` (float32) for one answer."""
+    """``step(token, position, cache) -> logits [vocab]`` (float32) for one answer;
+    ``step.batched(tokens, positions, cache, mask) -> logits [rows, vocab]`` for several."""
 
     def __init__(self, model: Any):
         config = model.config
@@ -123,6 +125,32 @@ class FastDecodeStep:
             h = h + layer.down(F.silu(gate) * up)
         return self.head(F.rms_norm(h, shape, self.norm, self.norm_eps)).view(-1).float()
 
+    @torch.inference_mode()
+    def batched(self, tokens: list[int], positions: list[int], cache: Any, mask: torch.Tensor) -> torch.Tensor:
+        """One token for each of several answers (rows) that share ``cache`` ([rows, kv_heads,
+        length, head_dim] per layer, left-padded): ``tokens`` and their ``positions`` per row,
+        ``mask`` [rows, length + 1] (1: a real key, the new token's included). The model's
+        forward with that attention mask, in fewer operations."""
+        heads, kv, d = self.heads, self.kv_heads, self.head_dim
+        rows = len(tokens)
+        device = self.embed.weight.device
+        h = self.embed(torch.tensor(tokens, device=device)[:, None])  # [rows, 1, hidden]
+        cos, sin = self.rotary(h, torch.tensor(positions, device=device)[:, None])  # [rows, 1, d]
+        cos, sin = cos[:, None], sin[:, None]  # [rows, 1, 1, d]: the same for every head
+        attend = mask.bool()[:, None, None, :]  # [rows, 1, 1, length + 1]
+        shape = (self.hidden,)
+        for i, layer in enumerate(self.layers):
+            x = F.rms_norm(h, shape, layer.norm1, layer.eps1)
+            qkv = layer.qkv(x).view(rows, heads + 2 * kv, 1, d)
+            q, k = _rotate(qkv[:, :heads], cos, sin), _rotate(qkv[:, heads : heads + kv], cos, sin)
+            keys, values = cache.layers[i].update(k, qkv[:, heads + kv :])  # [rows, kv, length + 1, d]
+            out = F.scaled_dot_product_attention(q.reshape(rows, kv, heads // kv, d), keys, values, attn_mask=attend,
+                                                 scale=layer.scale)
+            h = h + layer.o(out.reshape(rows, 1, heads * d))
+            gate, up = layer.gate_up(F.rms_norm(h, shape, layer.norm2, layer.eps2)).split(self.intermediate, -1)
+            h = h + layer.down(F.silu(gate) * up)
+        return self.head(F.rms_norm(h, shape, self.norm, self.norm_eps))[:, 0].float()
+
     def _check(self, tokens: int = 6, steps: int = 3) -> str | None:
         """None if a few decode steps give the model's own forward's logits, else the difference."""
         from transformers import DynamicCache
@@ -144,6 +172,40 @@ class FastDecodeStep:
                 err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
                 if not err <= 1e-4:
                     return f"the fast decode step differs from the model's forward (relative logit difference {err:.2g})"
+        return self._check_batched(ids, steps)
+
+    def _check_batched(self, ids: torch.Tensor, steps: int) -> str | None:
+        """None if a few batched steps over two left-padded rows give the model's own forward's
+        logits (with the same attention mask), else the difference."""
+        from .backbone import cache_kwarg
+        from .decode_cache import room_cache
+
+        model, kw = self.model, cache_kwarg(self.model)
+        device = ids.device
+        n = len(ids)
+        mask = torch.ones(2, n, dtype=torch.long, device=device)
+        mask[1, : n // 2] = 0  # row 1: a shorter prompt, left-padded
+        positions = [n, n - n // 2]
+        with torch.inference_mode():
+            from transformers import DynamicCache
+
+            prefill = DynamicCache(config=model.config)
+            pos = (mask.cumsum(-1) - 1).clamp_min(0)
+            model(input_ids=ids[None].repeat(2, 1), attention_mask=mask, position_ids=pos, use_cache=True, **{kw: prefill})
+            kv = [(layer.keys, layer.values) for layer in prefill.layers]
+            mine = room_cache([k for k, _ in kv], [v for _, v in kv], steps)
+            theirs = room_cache([k for k, _ in kv], [v for _, v in kv], steps)
+            for step in range(steps):
+                tokens = [int(ids[step]), int(ids[-1 - step])]
+                mask = torch.cat([mask, mask.new_ones(2, 1)], dim=1)
+                want = model(input_ids=torch.tensor(tokens, device=device)[:, None],
+                             position_ids=torch.tensor(positions, device=device)[:, None], attention_mask=mask,
+                             use_cache=True, **{kw: theirs}).logits[:, -1].float()
+                got = self.batched(tokens, positions, mine, mask)
+                positions = [p + 1 for p in positions]
+                err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
+                if not err <= 1e-4:
+                    return f"the batched fast decode step differs from the model's forward (relative logit difference {err:.2g})"
         return None
 
 

@@ -33,7 +33,7 @@ from .selector import resolve_criterion
 from .self_test import self_test
 from .store.disk import KVStore
 from .store.loader import ChunkLost, LayerAssembler
-from .store.lookup import Lookup
+from .store.lookup import Lookup, contains_many
 from .store.protocol import KV, ChunkStore
 
 if TYPE_CHECKING:
@@ -461,21 +461,45 @@ class CacheBlendEngine:
         ``store``, ``pipelined`` and ``controller`` replace the engine's own for this answer only
         (a benchmark comparing tiers or loading modes on one engine). ``ignore_eos`` decodes past
         the end-of-sequence token to ``max_new_tokens`` (a benchmark timing fixed lengths)."""
+        from .serving.request import answer_settings  # the one place settings become a SamplingParams
+
         t0 = time.perf_counter()
+        settings = answer_settings(mode=mode, recompute_ratio=recompute_ratio, config=config, max_new_tokens=max_new_tokens,
+                                   temperature=temperature, top_p=top_p, top_k=top_k, stop=stop, seed=seed, ignore_eos=ignore_eos)
+        return self.open_stream(question, chunks, settings.pop("sampling"), **settings, store=store, pipelined=pipelined,
+                                controller=controller, t0=t0)
+
+    def open_stream(
+        self,
+        question: str,
+        chunks: Sequence[str],
+        sampling: SamplingParams,
+        *,
+        mode: str = "cacheblend",
+        recompute_ratio: float | None = None,
+        config: BlendConfig | None = None,
+        store: ChunkStore | None = None,
+        pipelined: bool | None = None,
+        controller: "LoadingController | None" = None,
+        t0: float | None = None,
+    ) -> "GenerationStream":
+        """:meth:`stream` with the decoding settings as one :class:`SamplingParams` (what
+        ``cacheblend_rag.serving`` passes). ``t0`` (``perf_counter``) is when the request arrived,
+        where time to first token counts from (default: now)."""
+        t0 = time.perf_counter() if t0 is None else t0
         check_mode(mode)
-        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, stop or (), seed, ignore_eos)
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         layout = self.build_layout(question, chunks)
-        self.backbone.check_fits(len(layout), "the prompt (instruction + chunks + question)", reserve=max_new_tokens)
+        self.backbone.check_fits(len(layout), "the prompt (instruction + chunks + question)", reserve=sampling.max_new_tokens)
         config = (_check_config(config) or self.config).with_ratio(recompute_ratio)
         controller = self.controller if controller is None else controller
         decision = None
         if recompute_ratio is None and mode == "cacheblend" and controller is not None and config.schedule is None:
             decision = controller.decide_for(self, layout, store=store)
             config = config.with_ratio(decision.ratio)
-        stream = GenerationStream(self, layout, mode, config, params, t0, store=store, pipelined=pipelined)
-        if decision is not None:
-            stream.controller_stats = decision.as_stats()
-        return stream
+        return GenerationStream(self, layout, mode, config, sampling, t0, store=store, pipelined=pipelined,
+                                controller_stats=decision.as_stats() if decision is not None else None)
 
     def generate(self, question: str, chunks: Sequence[str], *, on_token: Callable[[str], None] | None = None, **kwargs: Any) -> GenerationResult:
         """Answer ``question`` over ``chunks``. Keyword arguments as for :meth:`stream`."""
@@ -497,16 +521,21 @@ class CacheBlendEngine:
 
 
 class GenerationStream:
-    """Iterator of text deltas. Time to first token counts from the ``stream``/``generate`` call."""
+    """Iterator of text deltas. Time to first token counts from ``t0``, the ``stream``/``generate`` call.
+
+    Iterating prefills (unless :meth:`prefill` already did) and decodes on the calling thread.
+    ``cacheblend_rag.serving``'s batcher instead calls :meth:`prefill` itself, decodes the answer
+    together with others and ends it with :meth:`finish`; either way ``result`` is set at the end.
+    """
 
     def __init__(
         self, engine: CacheBlendEngine, layout: PromptLayout, mode: str, config: BlendConfig, params: SamplingParams, t0: float,
-        *, store: ChunkStore | None = None, pipelined: bool | None = None,
+        *, store: ChunkStore | None = None, pipelined: bool | None = None, controller_stats: dict[str, Any] | None = None,
     ):
         self.engine, self.layout, self.mode, self.config, self.params, self.t0 = engine, layout, mode, config, params, t0
         self.store, self.pipelined = store, pipelined  # None: the engine's
         self.result: GenerationResult | None = None
-        self.controller_stats: dict[str, Any] = {}  # the loading controller's choice, if one was asked
+        self.controller_stats: dict[str, Any] = dict(controller_stats or {})  # the loading controller's choice, if asked
         self.prefill_result: PrefillResult | None = None  # the fused cache and next-token logits
         self._iter: Iterator[str] | None = None
 
@@ -518,20 +547,56 @@ class GenerationStream:
     def __next__(self) -> str:
         return next(iter(self))
 
+    def prefill(self, *, count_cache_reads: bool = False) -> PrefillResult:
+        """Run this answer's prefill (once; later calls return the same result).
+
+        ``count_cache_reads``: first wait for the engine's pending write-backs, then count the
+        prompt tokens whose KV the prefill reads from the store instead of computing; the count
+        goes into the stats as ``cache_read_tokens`` (what the server reports as cached tokens).
+        The caller holds the engine's lock, so the count sees exactly the store the prefill sees.
+        """
+        if self.prefill_result is None:
+            cached = self._cached_chunk_tokens() if count_cache_reads else None
+            pre = self.engine.prefill(self.layout, self.mode, self.config, pipelined=self.pipelined, store=self.store)
+            if cached is not None:
+                # Under prefix caching only the reused prefix comes from the store.
+                pre.stats["cache_read_tokens"] = (int(pre.stats.get("reused_prefix_tokens", 0)) if self.mode == "prefix_caching"
+                                                  else cached)
+            self.prefill_result = pre
+        return self.prefill_result
+
+    def _cached_chunk_tokens(self) -> int:
+        if self.mode in ("full_recompute", "full_recompute_saved"):
+            return 0  # reads nothing from the store
+        eng = self.engine
+        eng.flush()
+        store = eng.store if self.store is None else self.store
+        segments = [seg for seg in self.layout.segments if seg.reusable]
+        found = contains_many(store, [eng.chunk_key(seg) for seg in segments])  # one round trip for all chunks
+        return sum(len(seg) for seg, hit in zip(segments, found) if hit)
+
+    def finish(self, state: DecodeState, first_token_s: float | None, **stats: Any) -> GenerationResult:
+        """Set and return ``result`` for an answer decoded to ``state`` (its text, tokens and
+        finish reason). ``first_token_s`` is the ``perf_counter`` time its first token was chosen
+        (None: none was, e.g. cancelled before its prefill); ``stats`` are added to the prefill's."""
+        now = time.perf_counter()
+        first = (now if first_token_s is None else first_token_s) - self.t0
+        pre = self.prefill_result
+        base = pre.stats if pre is not None else {"mode": self.mode}
+        merged = dict(base, **self.controller_stats, ttft_s=first, total_s=now - self.t0, generated_tokens=len(state.token_ids))
+        merged.update(stats)
+        self.result = GenerationResult(state.text, state.token_ids, first, now - self.t0, state.finish_reason, merged,
+                                       [t - self.t0 for t in state.token_times])
+        return self.result
+
     def _run(self) -> Iterator[str]:
         eng = self.engine
-        pre = self.prefill_result = eng.prefill(self.layout, self.mode, self.config, pipelined=self.pipelined, store=self.store)
-        ttft = [0.0]
-
-        def first() -> None:
-            ttft[0] = time.perf_counter() - self.t0
-
-        state: DecodeState = yield from decode(eng.model, eng.tokenizer, pre.cache, pre.logits, len(self.layout), self.params, first,
+        pre = self.prefill()
+        first: list[float] = []
+        state: DecodeState = yield from decode(eng.model, eng.tokenizer, pre.cache, pre.logits, len(self.layout), self.params,
+                                               lambda: first.append(time.perf_counter()),
                                                model_kwargs=pre.attention_kwargs, step=eng.fast_step)
-        total = time.perf_counter() - self.t0
-        stats = dict(pre.stats, **self.controller_stats, ttft_s=ttft[0], total_s=total, generated_tokens=len(state.token_ids))
-        self.result = GenerationResult(state.text, state.token_ids, ttft[0], total, state.finish_reason, stats,
-                                       [t - self.t0 for t in state.token_times])
+        self.finish(state, first[0] if first else None)
 
 
 def _calibrated_config(fingerprint: str) -> BlendConfig | None:

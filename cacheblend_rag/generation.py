@@ -128,7 +128,7 @@ def _held_back(text: str, stops: tuple[str, ...]) -> int:
 class Decoder:
     """One answer's decoding state: picks each token (greedy or sampled) and turns the tokens into
     text deltas, holding back what could still grow into a stop string. Shared by the one-answer
-    loop (:func:`decode`) and the batched one (``batching.DecodeBatch``), so both stop, sample and
+    loop (:func:`decode`) and the batched one (``serving.batcher.DecodeBatch``), so both stop, sample and
     stream alike."""
 
     def __init__(self, tokenizer, eos: set[int], params: SamplingParams, device: torch.device | str = "cpu"):

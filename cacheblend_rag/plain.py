@@ -15,7 +15,7 @@ from .config import SamplingParams
 from .engine import CacheBlendEngine, GenerationStream
 from .prompt import PromptLayout, Segment
 
-log = logging.getLogger("cacheblend_rag.plain")
+log = logging.getLogger(__name__)
 
 
 class ChatPrompt(str):
@@ -98,13 +98,6 @@ def _fold_system(msgs: list[dict[str, str]]) -> list[dict[str, str]]:
     if pending:
         out.append({"role": "user", "content": "\n\n".join(pending)})
     return out
-
-
-def sampling_params(engine_kwargs: Mapping[str, object]) -> SamplingParams:
-    """The decoding settings among ``engine.stream``'s keyword arguments (a plain prompt has no
-    mode or ratio). ``stop`` goes in as given: one str is one stop sequence (SamplingParams)."""
-    kw = engine_kwargs
-    return SamplingParams(kw["max_new_tokens"], kw["temperature"], kw["top_p"], kw["top_k"], kw.get("stop") or (), kw.get("seed"))
 
 
 def plain_stream(engine: CacheBlendEngine, text: str, params: SamplingParams) -> GenerationStream:

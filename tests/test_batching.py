@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cacheblend_rag import BlendConfig
-from cacheblend_rag.batching import Batcher
-from cacheblend_rag.run import Request, Run, engine_lock
+from cacheblend_rag.serving import Batcher, Request, Run
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION
 
 # Prompts of different lengths, so the batch's rows are left-padded against each other.
@@ -84,7 +83,7 @@ def test_a_cancelled_waiting_ticket_is_never_prefilled(engine, max_batch):
     with Batcher(engine, max_batch=max_batch) as batcher:
         # Holding the engine's lock, the worker can prefill nothing before the cancel: the request
         # is in the waiting line (max_batch=1) or admitted and waiting for the lock.
-        with engine_lock(engine):
+        with engine.lock:
             running = batcher.submit(*REQUESTS[1], max_new_tokens=6)
             waiting = batcher.submit(*REQUESTS[0], max_new_tokens=LONG)
             waiting.cancel()
@@ -106,7 +105,7 @@ def test_a_cancelled_running_answer_leaves_at_once_and_the_others_keep_their_tok
         doomed = batcher.submit(*REQUESTS[0], max_new_tokens=LONG)
         deltas = iter(doomed)
         next(deltas)  # it is decoding in the batch
-        with engine_lock(engine):  # between two steps: none is in flight while it is cancelled
+        with engine.lock:  # between two steps: none is in flight while it is cancelled
             for t in others:  # the others are still running beside it
                 with pytest.raises(TimeoutError):
                     t.result(timeout=0)
@@ -138,7 +137,7 @@ def test_leaving_a_tickets_iteration_early_cancels_it(engine):
 def test_a_batched_run_closed_early_or_cancelled_frees_its_row(engine):
     engine.precompute(SAMPLE_CHUNKS, progress=False)
     with Batcher(engine) as batcher:
-        closed, cancelled = (Run(engine, Request.over_chunks(*REQUESTS[i]), engine_kwargs=dict(max_new_tokens=LONG),
+        closed, cancelled = (Run(engine, Request.over_chunks(*REQUESTS[i]).with_settings(max_new_tokens=LONG),
                                  batcher=batcher) for i in (0, 1))
         deltas = iter(closed)
         next(deltas)
@@ -148,8 +147,37 @@ def test_a_batched_run_closed_early_or_cancelled_frees_its_row(engine):
 
         deltas = iter(cancelled)
         next(deltas)
-        cancelled.cancelled.set()
+        cancelled.cancel()
         assert list(deltas) == []  # the run stops after the delta it was reading
         got = cancelled._ticket.result(timeout=60)
         assert got.finish_reason == "cancelled" and len(got.token_ids) < LONG
     assert closed.result is None and cancelled.result is None  # as an unbatched run stopped early
+
+
+def test_the_batched_fast_step_gives_the_forwards_logits_over_left_padded_rows(engine):
+    """The few-operation step the batch decodes with (``FastDecodeStep.batched``) against the
+    model's forward with the same attention mask, on real prompts of different lengths."""
+    import torch
+
+    from cacheblend_rag.backbone import cache_kwarg
+    from cacheblend_rag.decode_cache import room_cache
+    from cacheblend_rag.serving.batcher import _pad_left
+
+    assert engine.fast_step is not None
+    pres = [engine.prefill(engine.build_layout(q, c), "full_recompute") for q, c in REQUESTS[:3]]
+    lengths = [len(p.layout) for p in pres]
+    width = max(lengths)
+    keys = [torch.cat([_pad_left(p.cache.layers[i].keys, width) for p in pres]) for i in range(engine.num_layers)]
+    values = [torch.cat([_pad_left(p.cache.layers[i].values, width) for p in pres]) for i in range(engine.num_layers)]
+    mask = torch.cat([_pad_left(torch.ones(1, n, dtype=torch.long), width) for n in lengths])
+    ours, theirs = room_cache(keys, values, 8), room_cache(keys, values, 8)
+    tokens, positions = [int(p.logits.argmax()) for p in pres], list(lengths)
+    for _ in range(8):
+        mask = torch.cat([mask, mask.new_ones(len(pres), 1)], dim=1)
+        got = engine.fast_step.batched(tokens, positions, ours, mask)
+        with torch.inference_mode():
+            want = engine.model(input_ids=torch.tensor(tokens)[:, None], position_ids=torch.tensor(positions)[:, None],
+                                attention_mask=mask, use_cache=True, logits_to_keep=1,
+                                **{cache_kwarg(engine.model): theirs}).logits[:, -1]
+        torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-5)
+        tokens, positions = [int(t) for t in want.argmax(-1)], [p + 1 for p in positions]

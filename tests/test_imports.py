@@ -21,8 +21,6 @@ PACKAGE = "cacheblend_rag"
 NOT_FROM_THE_CORE = (f"{PACKAGE}.bench", "langchain_cacheblend", "llama_index.cacheblend")
 # Known cycles, each with the work that removes it.
 KNOWN_CYCLES: set[frozenset[str]] = {
-    # run.py and batching.py are being reorganised into one serving package, which removes it.
-    frozenset({f"{PACKAGE}.run", f"{PACKAGE}.batching"}),
     # server/limits.py reads ServerConfig from server/app.py, which installs the limits.
     frozenset({f"{PACKAGE}.server.app", f"{PACKAGE}.server.limits"}),
 }

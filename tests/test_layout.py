@@ -10,11 +10,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "cacheblend_rag"
 # Loggers still named by hand, each with the work that renames it.
-KNOWN_LOGGER_NAMES = {
-    # server/ and plain.py are being reorganised into the serving package, whose modules name
-    # their loggers after themselves.
-    "cacheblend_rag/server/app.py", "cacheblend_rag/server/limits.py", "cacheblend_rag/plain.py",
-}
+KNOWN_LOGGER_NAMES: set[str] = set()
 
 
 def layout_table(readme: str) -> list[str]:

@@ -13,7 +13,6 @@ from cacheblend_rag.backbone import cache_layers
 from cacheblend_rag.coretrieval import CoRetrieval
 from cacheblend_rag.learned_neighbours import FILE, LearnConfig
 from cacheblend_rag.neighbour_index import NeighbourCache, NeighbourIndex
-from cacheblend_rag.run import engine_lock
 from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.testing import make_model
 
@@ -119,7 +118,7 @@ def test_the_refresh_waits_for_the_engine_lock_an_answer_in_flight_holds(tokeniz
     eng = _engine(tokenizer, tmp_path / "kv")
     try:
         learner = eng.learn_neighbours()
-        lock = engine_lock(eng)
+        lock = eng.lock
         with lock:  # as a running answer holds it
             eng.generate(QUESTION, CHUNKS, max_new_tokens=2)
             done = threading.Event()

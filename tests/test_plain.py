@@ -57,11 +57,11 @@ def test_plain_stream_errors(eng):
 
 
 def test_a_plain_run_takes_one_stop_string_as_one_sequence(eng):
-    from cacheblend_rag.run import Request, Run
+    from cacheblend_rag.serving import Request, Run
 
     def answer(stop):
-        kw = dict(max_new_tokens=24, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=stop)
-        run = Run(eng, Request("q", messages=({"role": "user", "content": "Where is Paris?"},)), engine_kwargs=kw)
+        request = Request.plain_chat([{"role": "user", "content": "Where is Paris?"}], "q")
+        run = Run(eng, request.with_settings(max_new_tokens=24, stop=stop))
         return "".join(run)
 
     full = answer(None)

@@ -742,7 +742,7 @@ def test_an_ape_answer_does_not_pause_the_batched_answers(engine, monkeypatch):
     decode. Now both advance in turns; answers are unchanged."""
     import threading
 
-    from cacheblend_rag.batching import Batcher, Ticket
+    from cacheblend_rag.serving import Batcher, Ticket
     from cacheblend_rag.config import BlendConfig
 
     ape = BlendConfig(context_temperature=0.9, context_scale=0.9)

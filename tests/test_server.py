@@ -21,10 +21,9 @@ from cacheblend_rag.config import SamplingParams  # noqa: E402
 from cacheblend_rag.engine import CacheBlendEngine  # noqa: E402
 from cacheblend_rag.messages import chunk_part  # noqa: E402
 from cacheblend_rag.plain import chat_text, plain_stream  # noqa: E402
-from cacheblend_rag.run import engine_lock  # noqa: E402
 from cacheblend_rag.server import ServerConfig, create_app  # noqa: E402
 from cacheblend_rag.server.live import BackgroundServer  # noqa: E402
-from cacheblend_rag.server.worker import EngineWorker  # noqa: E402
+from cacheblend_rag.server.worker import Job  # noqa: E402
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_engine  # noqa: E402
 
 N = 12  # tokens per answer: long enough to compare, short enough for a slow CPU
@@ -37,6 +36,7 @@ class LiveServer(BackgroundServer):
 
     def __init__(self, app):
         super().__init__(app, timeout_s=TIMEOUT)
+        self.app = app
 
     def client(self) -> openai.OpenAI:
         # No retries: a 503 must reach the test, not be retried away.
@@ -195,7 +195,7 @@ def test_models_and_health(client, live):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
     health = live.health()
-    assert health["status"] == "ok" and health["model"] == MODEL and health["max_queue"] == 8
+    assert health["status"] == "ok" and health["model"] == MODEL and health["max_queue"] == 8 and health["max_batch"] == 8
 
 
 # ---------------------------------------------------------------------- LangChain
@@ -290,14 +290,15 @@ def test_body_that_is_not_json_is_a_400(live):
     assert error["message"].startswith("invalid request: the body is not valid JSON") and "character 1" in error["message"]
 
 
-# ---------------------------------------------------------------------- one at a time
+# ---------------------------------------------------------------------- admission and cancellation
 def test_full_queue_answers_503_and_queued_requests_still_finish(engine, expected):
-    server = LiveServer(create_app(engine, ServerConfig(model_name=MODEL, max_queue=1))).start()
+    # --max-batch 1: one answer at a time, one waiting (--max-queue 1), the next refused.
+    server = LiveServer(create_app(engine, ServerConfig(model_name=MODEL, max_batch=1, max_queue=1))).start()
     client = server.client()
     ask = lambda: _chat(client, messages=_user(), extra_body={"documents": SAMPLE_CHUNKS})  # noqa: E731
     try:
         with ThreadPoolExecutor(2) as pool:
-            with engine_lock(engine):  # holds the running request inside the engine
+            with engine.lock:  # holds the running request inside the engine
                 running = pool.submit(ask)
                 server.wait_for("one request running", running=1, waiting=0)
                 waiting = pool.submit(ask)
@@ -321,30 +322,6 @@ def test_abandoned_stream_frees_the_engine(live, client, expected):
     assert _chat(client, messages=_user(), extra_body={"documents": SAMPLE_CHUNKS}).choices[0].message.content == expected.text
 
 
-class _CountedRuns:
-    """Wraps ``engine.stream``: counts the runs the engine starts and the deltas they produce."""
-
-    def __init__(self, engine):
-        self.stream, self.runs, self.deltas = engine.stream, 0, 0
-
-    def __call__(self, *args, **kwargs):
-        self.runs += 1
-        return _CountedStream(self, self.stream(*args, **kwargs))
-
-
-class _CountedStream:
-    def __init__(self, counter: _CountedRuns, inner):
-        self.counter, self.inner = counter, inner
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def __iter__(self):
-        for delta in self.inner:
-            self.counter.deltas += 1
-            yield delta
-
-
 def _wait_for_the_server_to_see_the_client_leave(caplog) -> None:
     deadline = time.monotonic() + TIMEOUT
     while not any("client disconnected" in r.getMessage() for r in caplog.records):
@@ -353,14 +330,14 @@ def _wait_for_the_server_to_see_the_client_leave(caplog) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_request_abandoned_while_queued_is_never_run(live, engine, expected, monkeypatch, caplog, stream):
+def test_request_abandoned_while_queued_is_never_run(live, engine, expected, caplog, stream):
     caplog.set_level(logging.INFO, logger="cacheblend_rag.server")
-    counted = _CountedRuns(engine)
-    monkeypatch.setattr(engine, "stream", counted)
+    batcher = live.app.state.batcher
+    prefills = batcher.prefills
     client = live.client()
     body = {"model": MODEL, "messages": _user(), "documents": SAMPLE_CHUNKS, "max_tokens": 200, "stream": stream}
     with ThreadPoolExecutor(1) as pool:
-        with engine_lock(engine):  # holds the first request inside the engine
+        with engine.lock:  # holds the first request inside the engine, before its prefill
             running = pool.submit(lambda: _chat(client, messages=_user(), extra_body={"documents": SAMPLE_CHUNKS}))
             live.wait_for("one request running", running=1, waiting=0)
             # The client gives up before the engine reaches its request (a timeout), closing the connection.
@@ -369,23 +346,23 @@ def test_request_abandoned_while_queued_is_never_run(live, engine, expected, mon
             _wait_for_the_server_to_see_the_client_leave(caplog)
         assert running.result(TIMEOUT).choices[0].message.content == expected.text
     live.wait_for("an idle worker", running=0, waiting=0)
-    assert counted.runs == 1, "the engine ran the abandoned request"
+    assert batcher.prefills - prefills == 1, "the engine prefilled the abandoned request"
 
 
-def test_whole_request_abandoned_while_running_stops_its_generation(live, engine, monkeypatch, caplog):
+def test_whole_request_abandoned_while_running_stops_its_generation(live, engine, caplog):
     caplog.set_level(logging.INFO, logger="cacheblend_rag.server")
-    counted = _CountedRuns(engine)
-    monkeypatch.setattr(engine, "stream", counted)
+    batcher = live.app.state.batcher
+    rows = batcher.rows_stepped
     body = {"model": MODEL, "messages": _user(), "documents": SAMPLE_CHUNKS, "max_tokens": 400}
-    with engine_lock(engine):  # the request's run starts, then waits for the engine
+    with engine.lock:  # the request is admitted to the batch, then waits for the engine
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{live.url}/v1/chat/completions", json=body, timeout=httpx.Timeout(TIMEOUT, read=1.0))
         _wait_for_the_server_to_see_the_client_leave(caplog)
     live.wait_for("the abandoned request to stop", running=0, waiting=0)
-    assert counted.runs == 1 and counted.deltas < 10, f"{counted.deltas} deltas generated for a client that left"
+    assert batcher.rows_stepped - rows < 10, f"{batcher.rows_stepped - rows} tokens decoded for a client that left"
 
 
-def test_worker_stops_producing_once_the_consumer_leaves():
+def test_job_stops_producing_once_the_consumer_leaves():
     produced: list[int] = []
     closed = threading.Event()
 
@@ -399,7 +376,9 @@ def test_worker_stops_producing_once_the_consumer_leaves():
             closed.set()
 
     async def consume_one() -> int:
-        items = aiter(EngineWorker(max_queue=0).submit(produce))
+        job = Job(produce, asyncio.get_running_loop())
+        threading.Thread(target=job.run, daemon=True).start()
+        items = aiter(job)
         first = await anext(items)
         await items.aclose()
         return first
@@ -413,7 +392,7 @@ def test_graceful_shutdown_finishes_the_request_in_flight(engine, expected):
     server = LiveServer(create_app(engine, ServerConfig(model_name=MODEL))).start()
     client = server.client()
     with ThreadPoolExecutor(1) as pool:
-        with engine_lock(engine):
+        with engine.lock:
             in_flight = pool.submit(lambda: _chat(client, messages=_user(), extra_body={"documents": SAMPLE_CHUNKS}))
             server.wait_for("the request running", running=1)
             server.request_stop()
@@ -450,12 +429,12 @@ def test_serve_subcommand_builds_the_app_from_its_flags(monkeypatch, tmp_path):
 
     monkeypatch.setattr(CacheBlendEngine, "from_pretrained", classmethod(fake_from_pretrained))
     monkeypatch.setattr(uvicorn, "run", fake_run)
-    assert cli.main(["serve", "--model", "m.gguf", "--port", "9123", "--max-queue", "3", "--store-dir", str(tmp_path / "s"),
+    assert cli.main(["serve", "--model", "m.gguf", "--port", "9123", "--max-queue", "3", "--max-batch", "2", "--store-dir", str(tmp_path / "s"),
                      "--served-model-name", "rag", "--store", "disk, redis://cache:6379/0", "--weights", "fp16"]) == 0
     assert seen["load"] == ("m.gguf", {"device": "cpu", "dtype": "float32", "weights": "fp16", "store_dir": str(tmp_path / "s"),
                                        "store": ["disk", "redis://cache:6379/0"]})
     assert seen["run"]["host"] == "127.0.0.1" and seen["run"]["port"] == 9123
-    assert seen["health"]["max_queue"] == 3 and seen["health"]["model"] == "rag"
+    assert seen["health"]["max_queue"] == 3 and seen["health"]["max_batch"] == 2 and seen["health"]["model"] == "rag"
     assert seen["closed"]  # the engine is closed when the server stops
 
 
@@ -464,8 +443,9 @@ def test_engine_failure_is_a_500_in_openai_form():
 
     class Broken:
         model_id = "broken"
+        model = tokenizer = fast_step = None
 
-        def stream(self, *args, **kwargs):
+        def open_stream(self, *args, **kwargs):
             raise RuntimeError("out of memory")
 
     with TestClient(create_app(Broken()), raise_server_exceptions=False) as http:

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from cacheblend_rag.batching import Batcher
+from cacheblend_rag.serving import Batcher
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_engine
 from cacheblend_rag.threads import helper_pool, release_team
 
@@ -81,7 +81,7 @@ def test_batcher_leaves_only_its_worker_with_a_team(monkeypatch, tmp_path):
     # team would slow every operator on the batcher's thread, so both calls release it.
     import threading
 
-    from cacheblend_rag import batching
+    from cacheblend_rag.serving import batcher as batching
 
     workers = torch.get_num_threads() - 1
     worker_idle = threading.Semaphore(0)
@@ -116,9 +116,9 @@ def test_batcher_leaves_only_its_worker_with_a_team(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("hand_over", ["aio", "server worker"])
-def test_async_hand_overs_release_the_loops_team(hand_over):
+def test_async_hand_overs_release_the_loops_team(hand_over, tmp_path):
     # The event loop's thread ran torch (it loaded the model); stepping the model on a worker
-    # thread (the async wrappers, the HTTP server's worker) first releases the loop's team.
+    # thread (the async wrappers, the HTTP server's batcher) first releases the loop's team.
     import asyncio
 
     from cacheblend_rag.aio import iterate_in_thread
@@ -127,23 +127,26 @@ def test_async_hand_overs_release_the_loops_team(hand_over):
     def produce():
         yield 1
 
-    async def serve() -> None:
-        if hand_over == "aio":
+    async def serve(worker: "EngineWorker | None") -> None:
+        if worker is None:
             assert [i async for i in iterate_in_thread(produce())] == [1]
         else:
-            worker = EngineWorker()
             assert [i async for i in worker.submit(produce)] == [1]
             worker.close()
 
     def run() -> tuple[int, int]:
+        engine = make_engine(store_dir=str(tmp_path))
+        # Created before the loop's thread runs torch again, so only submit() can release that team.
+        worker = EngineWorker(engine) if hand_over == "server worker" else None
         _copy()
         before = _threads()
         release_team()
         control = before - _threads()
         _copy()
-        asyncio.run(serve())
+        asyncio.run(serve(worker))
         before = _threads()
         release_team()
+        engine.close()
         return control, before - _threads()
 
     assert _on_new_thread(run) == (torch.get_num_threads() - 1, 0)
@@ -156,7 +159,7 @@ def test_model_threads_release_their_team_when_idle(monkeypatch, tmp_path):
     import threading
     import time
 
-    from cacheblend_rag import batching
+    from cacheblend_rag.serving import batcher as batching
     from cacheblend_rag.server import worker as server_worker
 
     released: list[str] = []
@@ -173,7 +176,6 @@ def test_model_threads_release_their_team_when_idle(monkeypatch, tmp_path):
         deadline = time.monotonic() + 30
         while released.count("cacheblend-batcher") < 2 and time.monotonic() < deadline:
             time.sleep(0.01)  # idle before the request and again after it
-    engine.close()
     assert released.count("cacheblend-batcher") >= 2
     assert released.count(threading.current_thread().name) == 2  # creating the batcher, submitting
 
@@ -181,13 +183,17 @@ def test_model_threads_release_their_team_when_idle(monkeypatch, tmp_path):
         yield 1
 
     async def serve() -> None:
-        worker = server_worker.EngineWorker()
+        worker = server_worker.EngineWorker(engine)
+        released.clear()
         assert [i async for i in worker.submit(produce)] == [1]
         worker.close()
 
-    released.clear()
     asyncio.run(serve())
-    assert [name.split("_")[0] for name in released] == ["MainThread", "cacheblend-serve"]
+    engine.close()
+    # The event loop's thread as it hands a request over, and the request's relay thread once it
+    # has built the request (the server's batcher runs the model).
+    names = [name.split("_")[0] for name in released]
+    assert names[0] == "MainThread" and "cacheblend-serve" in names
 
 
 def test_bench_threads_reports_every_case(capsys):

@@ -65,6 +65,10 @@ def register(subparsers) -> None:
     load.add_argument("--rates", type=_floats, default=(), help="open-loop arrival rates in requests/s (default none)")
     load.add_argument("--requests", type=int, default=16, help="answers per setting (default 16)")
     load.add_argument("--max-batch", type=_ints, default=(1, 8), help="batcher sizes compared; 1 = one answer at a time (default 1,8)")
+    load.add_argument("--server", action="store_true",
+                      help="drive the real HTTP server instead (`serve` started per --max-batch on a free 127.0.0.1 port) "
+                      "with streaming clients; methods: full_recompute, prefix_caching, full_reuse, question@R "
+                      "(default question@0.15); docs/server.md")
     whole = p.add_argument_group("whole answers (--whole-answer)")
     whole.add_argument("--whole-answer", action="store_true",
                        help="time answers of fixed lengths (decoding forced past end-of-sequence) per method, weight "
@@ -106,9 +110,32 @@ def _whole_answer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _server_load(args: argparse.Namespace) -> int:
+    from .qwen import QwenPartsMissing
+    from .server_load import ROWS, SUMMARY, ServerLoadConfig, markdown_table, run_server_load
+
+    try:
+        cfg = ServerLoadConfig(
+            model=args.model, dataset=args.datasets[0], n=args.n, methods=args.methods or ServerLoadConfig.methods,
+            clients=args.clients, requests=args.requests, max_batches=args.max_batch, max_new_tokens=args.max_new_tokens,
+            top_k=args.top_k[0], chunk_tokens=args.chunk_tokens, out_dir=args.out, musique=args.musique,
+            hotpotqa=args.hotpotqa, device=args.device, progress=not args.quiet,
+        )
+        summary = run_server_load(cfg)
+    except (FileNotFoundError, ImportError, QwenPartsMissing, ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(markdown_table(summary))
+    print(f"\nresults: {args.out}/{ROWS}, {SUMMARY}, server.log")
+    return 0
+
+
 def _load(args: argparse.Namespace) -> int:
     from .load import LoadConfig, markdown_table, run_load
     from .qwen import QwenPartsMissing
+
+    if args.server:
+        return _server_load(args)
 
     try:
         cfg = LoadConfig(
@@ -133,7 +160,7 @@ def _bench(args: argparse.Namespace) -> int:
     from .runner import BenchConfig, run_benchmark
     from .summary import markdown_table, summarize
 
-    if args.load:
+    if args.load or args.server:
         return _load(args)
     if args.whole_answer:
         return _whole_answer(args)

@@ -4,7 +4,7 @@ Closed loop: ``c`` clients each send a request, wait for its answer, and send th
 ``requests`` answers are in. Open loop: requests arrive at a fixed mean rate (Poisson arrivals,
 seeded) whether or not earlier ones are answered, as users of a shared service do. Every request
 is a question drawn in turn from the dataset with its retrieved chunks (precomputed, untimed:
-deployment-time work), served through a :class:`~cacheblend_rag.batching.Batcher`, once with
+deployment-time work), served through a :class:`~cacheblend_rag.serving.Batcher`, once with
 ``max_batch=1`` (one answer at a time, as the engine alone serves) and once batched.
 
 Per setting: answers/s over the wall time from the first request to the last answer, p50/p95 time
@@ -159,7 +159,7 @@ def summarize_setting(rows: list[dict], wall_s: float) -> dict[str, float]:
 
 
 def run_load(cfg: LoadConfig, *, engine=None) -> list[dict]:
-    from ..batching import Batcher
+    from ..serving import Batcher
     from .runner import BenchConfig, load_engine
 
     out = Path(cfg.out_dir)

@@ -1,7 +1,9 @@
 """The FastAPI application: OpenAI's chat and completions endpoints over one CacheBlendEngine.
 
 ``create_app(engine)`` builds it without opening a socket (serve it with uvicorn, or drive it
-with a test client). Requests run one at a time on the :class:`~.worker.EngineWorker`; errors use
+with a test client). Every request is a :class:`~cacheblend_rag.serving.Run` on the engine's
+:class:`~cacheblend_rag.serving.Batcher`, admitted by the :class:`~.worker.EngineWorker`: up to
+``max_batch`` answers share each decode step, ``max_queue`` more wait. Errors use
 OpenAI's body ``{"error": {"message", "type", "param", "code"}}`` so OpenAI clients raise their
 usual exceptions with the message.
 """
@@ -13,7 +15,7 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Mapping, TypeVar
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -21,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from ..run import Request, Run
+from ..serving import Request, Run
 from .inputs import chat_request, completion_request
 from .limits import BodyLimit
 from .outputs import DONE, ChatFormat, CompletionFormat, sse
@@ -37,7 +39,7 @@ from .schemas import (
 )
 from .worker import EngineWorker, Job, Overloaded
 
-log = logging.getLogger("cacheblend_rag.server")
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -47,7 +49,9 @@ class ServerConfig:
 
     model_name: the name clients pass as ``model`` (None: the engine's ``model_id``). Any other
         name is answered 404 ``model_not_found``, as OpenAI does.
-    max_queue: requests that may wait while one runs; one more gets 503 at once (default 8).
+    max_batch: answers decoded together, one forward per token for all of them (default 8; 1:
+        one answer at a time). Requests are prefilled one at a time as they arrive.
+    max_queue: requests that may wait while ``max_batch`` run; one more gets 503 at once (default 8).
 
     Request limits (one more is refused with 413 for the body, else 400, naming the limit):
     max_body_bytes: bytes of one request body (default 8 MiB).
@@ -68,6 +72,7 @@ class ServerConfig:
     """
 
     model_name: str | None = None
+    max_batch: int = 8
     max_queue: int = 8
     max_body_bytes: int = 8 * 2**20
     max_documents: int = 64
@@ -81,7 +86,7 @@ class ServerConfig:
     max_header_bytes: int = 16 * 1024
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_documents", "max_document_chars", "max_stop_strings", "max_stop_chars",
+        for name in ("max_batch", "max_body_bytes", "max_documents", "max_document_chars", "max_stop_strings", "max_stop_chars",
                      "max_connections", "max_header_bytes", "timeout_keep_alive_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -125,10 +130,11 @@ class APIError(Exception):
 def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     """An OpenAI-compatible app over ``engine`` (a ``CacheBlendEngine``). Closing the app (its
     lifespan's end, e.g. uvicorn's graceful shutdown) waits for queued requests; the engine is
-    the caller's to close."""
+    the caller's to close. ``app.state.batcher`` is the batcher serving it (its ``steps`` and
+    ``rows_stepped`` count decode steps and the answers they advanced)."""
     config = config or ServerConfig()
     name = config.model_name or engine.model_id
-    worker = EngineWorker(config.max_queue)
+    worker = EngineWorker(engine, config.max_queue, config.max_batch)
     started = int(time.time())
 
     @asynccontextmanager
@@ -139,6 +145,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
 
     app = FastAPI(title="cacheblend-rag", lifespan=lifespan)
     app.state.server_config = config  # read by limits.uvicorn_config
+    app.state.batcher = worker.batcher
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, timeout_s=config.timeout_body_s)
     _install_error_handlers(app)
 
@@ -150,18 +157,20 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     async def answer(body: GenerationRequest, request: Request, fmt: ChatFormat | CompletionFormat, http: HTTPRequest):
         check_limits(config, body.stops, request.chunks)
         try:
-            job = worker.submit(_producer(engine, request, body.engine_kwargs()))
+            # Built on the job's relay thread: tokenizing a large request does not hold the loop.
+            job = worker.submit(lambda: Run(engine, request, batcher=worker.batcher))
         except Overloaded as exc:
             raise APIError(503, str(exc), type="server_error", code="overloaded") from None
         if not body.stream:
             await _while_connected(http, _drain(job))
-            return fmt.whole(job.result, job.queue_s)
+            return fmt.whole(job.result)
         return await _event_stream(job, fmt, http)
 
     @app.get("/health", response_model=Health)
     async def health() -> Health:
         running, waiting = worker.load()
-        return Health(status="ok", model=name, running=running, waiting=waiting, max_queue=worker.max_queue)
+        return Health(status="ok", model=name, running=running, waiting=waiting, max_batch=worker.max_batch,
+                      max_queue=worker.max_queue, decode_steps=worker.batcher.steps, decoded_tokens=worker.batcher.rows_stepped)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
@@ -185,17 +194,6 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     return app
 
 
-def _producer(engine, request: Request, kwargs: dict[str, Any]) -> Callable:
-    """The worker's generator: the run's text deltas, then its result as the return value."""
-
-    def produce():
-        run = Run(engine, request, engine_kwargs=kwargs)  # validates: a bad request fails here
-        yield from run
-        return run.result
-
-    return produce
-
-
 async def _drain(job: Job[Any]) -> None:
     async for _ in job:
         pass
@@ -210,10 +208,10 @@ async def _first(deltas: AsyncIterator[str]) -> str | None:
 
 async def _while_connected(http: HTTPRequest, work: Awaitable[T]) -> T:
     """``work``'s result, unless the client disconnects first: then ``work`` is cancelled, which
-    leaves the job it iterates (a queued job is skipped, a running one stops after its current
-    token), and :class:`ClientDisconnect` is raised. Nothing else notices a client that gives up
-    (a timeout) before the response starts: uvicorn does not cancel the handler, and the job
-    would hold the engine for its whole answer while the retry waits behind it."""
+    leaves the job it iterates (a waiting request is never prefilled, a running one leaves the
+    batch before the next decode step), and :class:`ClientDisconnect` is raised. Nothing else
+    notices a client that gives up (a timeout) before the response starts: uvicorn does not cancel
+    the handler, and the answer would take its row of the batch to its end."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnected(http))
     try:
@@ -248,7 +246,7 @@ async def _event_stream(job: Job[str], fmt: ChatFormat | CompletionFormat, http:
                 yield sse(fmt.delta(first))
             async for delta in deltas:
                 yield sse(fmt.delta(delta))
-            for chunk in fmt.closing(job.result, job.queue_s):
+            for chunk in fmt.closing(job.result):
                 yield sse(chunk)
         except Exception as exc:  # the 200 is sent already: report in the stream, as OpenAI does
             log.exception("request failed while streaming")

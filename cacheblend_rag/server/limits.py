@@ -31,7 +31,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 if TYPE_CHECKING:
     from .app import ServerConfig
 
-log = logging.getLogger("cacheblend_rag.server")
+log = logging.getLogger(__name__)
 
 Scope = dict[str, Any]
 Message = dict[str, Any]

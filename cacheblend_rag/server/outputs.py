@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from pydantic import BaseModel
 
-from ..run import RunResult
+from ..engine import GenerationResult
 from .schemas import (
     AssistantMessage,
     ChatChoice,
@@ -35,7 +35,7 @@ def sse(event: BaseModel) -> str:
     return f"data: {event.model_dump_json()}\n\n"
 
 
-def usage(result: RunResult) -> Usage:
+def usage(result: GenerationResult) -> Usage:
     n_in = int(result.stats.get("prompt_tokens", 0))
     n_out = len(result.token_ids)
     return Usage(
@@ -46,9 +46,10 @@ def usage(result: RunResult) -> Usage:
     )
 
 
-def engine_stats(result: RunResult, queue_s: float) -> dict[str, Any]:
-    """The ``cacheblend`` response field: the engine's stats and the time spent waiting for it."""
-    return {**_jsonable(result.stats), "queue_s": queue_s}
+def engine_stats(result: GenerationResult) -> dict[str, Any]:
+    """The ``cacheblend`` response field: the engine's stats, among them ``queue_s``, the time the
+    request waited for its prefill."""
+    return _jsonable(result.stats)
 
 
 def _jsonable(stats: Mapping[str, Any]) -> dict[str, Any]:
@@ -86,10 +87,10 @@ class _Format:
         """The stream's first chunk, sent before the first token, if the format has one."""
         return None
 
-    def closing(self, result: RunResult, queue_s: float) -> list[BaseModel]:
+    def closing(self, result: GenerationResult) -> list[BaseModel]:
         """The stream's last chunks: the finish reason with the engine's stats, then the usage
         (when asked for with ``stream_options.include_usage``)."""
-        last = self._body([self._final_choice(result.finish_reason)], cacheblend=engine_stats(result, queue_s))
+        last = self._body([self._final_choice(result.finish_reason)], cacheblend=engine_stats(result))
         return [last] + ([self._body([], usage=usage(result))] if self.include_usage else [])
 
 
@@ -104,10 +105,10 @@ class ChatFormat(_Format):
     def _final_choice(self, finish_reason: str) -> ChatChunkChoice:
         return ChatChunkChoice(delta=Delta(), finish_reason=finish_reason)
 
-    def whole(self, result: RunResult, queue_s: float) -> ChatCompletion:
+    def whole(self, result: GenerationResult) -> ChatCompletion:
         choice = ChatChoice(message=AssistantMessage(content=result.text), finish_reason=result.finish_reason)
         return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice],
-                              usage=usage(result), cacheblend=engine_stats(result, queue_s))
+                              usage=usage(result), cacheblend=engine_stats(result))
 
     def opening(self) -> ChatCompletionChunk:
         return self._body([ChatChunkChoice(delta=Delta(role="assistant", content=""))])
@@ -127,9 +128,9 @@ class CompletionFormat(_Format):
     def _final_choice(self, finish_reason: str) -> CompletionChoice:
         return CompletionChoice(text="", finish_reason=finish_reason)
 
-    def whole(self, result: RunResult, queue_s: float) -> Completion:
+    def whole(self, result: GenerationResult) -> Completion:
         return self._body([CompletionChoice(text=result.text, finish_reason=result.finish_reason)],
-                          usage=usage(result), cacheblend=engine_stats(result, queue_s))
+                          usage=usage(result), cacheblend=engine_stats(result))
 
     def delta(self, text: str) -> Completion:
         return self._body([CompletionChoice(text=text)])

@@ -127,8 +127,8 @@ class GenerationRequest(BaseModel):
     def max_new_tokens(self) -> int:
         return self.max_tokens or DEFAULT_MAX_TOKENS
 
-    def engine_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``cacheblend_rag.run.Run``."""
+    def settings(self) -> dict[str, Any]:
+        """The request's settings by their engine names (``Request.with_settings``)."""
         return {
             "mode": self.cacheblend.mode,
             "recompute_ratio": self.cacheblend.recompute_ratio,
@@ -259,8 +259,15 @@ class Health(BaseModel):
     status: Literal["ok"]
     model: str
     running: int
+    """Answers being prefilled or decoded."""
     waiting: int
+    """Requests waiting for a place in the batch."""
+    max_batch: int
     max_queue: int
+    decode_steps: int
+    """Decode steps the batcher has run since the server started."""
+    decoded_tokens: int
+    """Tokens those steps decoded: ``decoded_tokens / decode_steps`` answers shared a step on average."""
 
 
 class ErrorInfo(BaseModel):

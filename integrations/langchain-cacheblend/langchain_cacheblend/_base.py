@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import threading
 import warnings
-import weakref
 from typing import Any, Literal, Sequence
 
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from cacheblend_rag import CacheBlendEngine
-from cacheblend_rag.batching import Batcher
 from cacheblend_rag.matching import ChunkRegistry
 from cacheblend_rag.messages import split_messages
-from cacheblend_rag.run import Request, Run
+from cacheblend_rag.serving import Batcher, Request, Run
 
 from .inputs import ChunkedText
 
@@ -35,9 +33,6 @@ NO_MATCH = (
 # Generation settings a call may override with invoke(..., **kwargs) or .bind(...).
 CALL_PARAMS = ("mode", "recompute_ratio", "max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed")
 _load_lock = threading.Lock()
-# One batcher per engine and max_batch, shared by the models on it: a model made per request leaves
-# no worker thread behind, and overlapping calls through different models still share decode steps.
-_batchers: "weakref.WeakKeyDictionary[CacheBlendEngine, dict[int, Batcher]]" = weakref.WeakKeyDictionary()
 
 
 class CacheBlendParams(BaseModel):
@@ -79,8 +74,8 @@ class CacheBlendParams(BaseModel):
     """Chat model: route ``invoke`` through streaming (LangChain's standard flag)."""
     max_batch: int = Field(default=1, ge=1)
     """Answers decoded together when calls overlap (``batch``, ``abatch``, concurrent ``ainvoke``,
-    threads): above 1, chunked requests go through a ``cacheblend_rag.batching.Batcher`` that
-    decodes up to this many answers in one forward per token. 1: one answer at a time."""
+    threads): above 1, requests go through a ``cacheblend_rag.serving.Batcher`` that decodes up
+    to this many answers in one forward per token. 1: one answer at a time."""
 
     _loaded: CacheBlendEngine | None = PrivateAttr(default=None)
     _warned_no_match: bool = PrivateAttr(default=False)
@@ -149,15 +144,14 @@ class CacheBlendParams(BaseModel):
     def _stops(self, stop: Sequence[str] | None) -> list[str]:
         return list(dict.fromkeys([*(self.stop or []), *(stop or [])]))
 
-    def _engine_kwargs(self, stop: Sequence[str] | None, overrides: dict[str, Any]) -> dict[str, Any]:
+    def _settings(self, stop: Sequence[str] | None, overrides: dict[str, Any]) -> dict[str, Any]:
+        """The fields, the call's overrides on top, and the stop strings: ``Request.with_settings``'s names."""
         unknown = set(overrides) - set(CALL_PARAMS)
         if unknown:
             raise TypeError(f"unknown generation arguments {sorted(unknown)}; accepted: {', '.join(CALL_PARAMS)}")
         if "max_tokens" in overrides:
             overrides = dict(overrides, max_new_tokens=overrides.pop("max_tokens"))
-        values = {**self._generation_fields(), **overrides}
-        values["stop"] = self._stops(stop)
-        return values
+        return {**self._generation_fields(), **overrides, "stop": self._stops(stop)}
 
     def _request_from_text(self, prompt: str) -> Request:
         """Implicit chunks: known chunk texts found verbatim in the prompt.
@@ -205,21 +199,14 @@ class CacheBlendParams(BaseModel):
         return Request.plain_chat(messages, text)
 
     def _start(self, request: Request, stop: Sequence[str] | None, overrides: dict[str, Any]) -> Run:
-        return Run(self.get_engine(), request, engine_kwargs=self._engine_kwargs(stop, overrides), batcher=self.batcher)
+        return Run(self.get_engine(), request.with_settings(**self._settings(stop, overrides)), batcher=self.batcher)
 
     @property
     def batcher(self) -> Batcher | None:
-        """The batcher serving this model's chunked requests (None when ``max_batch`` is 1), shared
-        by every model on the same engine with the same ``max_batch``; its ``steps`` and
+        """The batcher serving this model's requests (None when ``max_batch`` is 1), shared by
+        every model on the same engine with the same ``max_batch``; its ``steps`` and
         ``rows_stepped`` tell how many answers shared each decode step."""
-        if self.max_batch <= 1:
-            return None
-        engine = self.get_engine()
-        with _load_lock:
-            per_engine = _batchers.setdefault(engine, {})
-            if self.max_batch not in per_engine:
-                per_engine[self.max_batch] = Batcher(engine, max_batch=self.max_batch)
-            return per_engine[self.max_batch]
+        return None if self.max_batch <= 1 else Batcher.for_engine(self.get_engine(), self.max_batch)
 
     def _metadata(self, run: Run) -> dict[str, Any]:
         assert run.result is not None

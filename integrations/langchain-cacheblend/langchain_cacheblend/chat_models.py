@@ -12,7 +12,7 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from langchain_core.prompt_values import PromptValue
 
 from cacheblend_rag.aio import iterate_in_thread
-from cacheblend_rag.run import Request, Run
+from cacheblend_rag.serving import Request, Run
 
 from ._base import CacheBlendParams
 from .inputs import RAGPromptValue

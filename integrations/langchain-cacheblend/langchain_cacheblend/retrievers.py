@@ -19,7 +19,6 @@ from tqdm.auto import tqdm
 from cacheblend_rag import CacheBlendEngine
 from cacheblend_rag.learned_neighbours import LearnConfig
 from cacheblend_rag.matching import ChunkRegistry
-from cacheblend_rag.run import engine_lock
 from cacheblend_rag.threads import helper_pool
 
 from ._base import CacheBlendParams
@@ -136,7 +135,7 @@ class CacheBlendRetriever(BaseRetriever):
 
 
 def _precompute(engine: CacheBlendEngine, texts: list[str], neighbours: int = 0) -> int:
-    with engine_lock(engine):
+    with engine.lock:
         return engine.precompute(texts, neighbours=neighbours, progress=False)
 
 

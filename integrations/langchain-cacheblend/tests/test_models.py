@@ -171,7 +171,7 @@ def test_async_and_batch(tiny_engine, documents):
 
 
 def test_overlapping_calls_are_decoded_together_with_the_same_answers(tiny_engine, documents):
-    # max_batch > 1: batch/abatch/concurrent calls share decode steps (cacheblend_rag.batching).
+    # max_batch > 1: batch/abatch/concurrent calls share decode steps (cacheblend_rag.serving.Batcher).
     llm = CacheBlendLLM(engine=tiny_engine, max_new_tokens=N, max_batch=4)
     chat = ChatCacheBlend(engine=tiny_engine, max_new_tokens=N, max_batch=4, registry=ChunkRegistry())
     questions = [QUESTION, "Where is the Eiffel Tower?", "Which river is it?", "Who painted it?"]
@@ -443,8 +443,6 @@ def test_models_on_one_engine_share_one_batcher(tiny_engine, documents):
 def test_cancelled_ainvoke_stops_generating(tiny_engine, documents, model_class):
     """asyncio.wait_for(model.ainvoke(...), timeout) or a cancelled task must free the engine, not
     keep decoding to max_new_tokens behind the caller's back."""
-    from cacheblend_rag.run import engine_lock
-
     class Count(BaseCallbackHandler):
         n = 0
 
@@ -462,7 +460,7 @@ def test_cancelled_ainvoke_stops_generating(tiny_engine, documents, model_class)
         with pytest.raises(asyncio.CancelledError):
             await task
         at_cancel = Count.n
-        lock = engine_lock(tiny_engine)
+        lock = tiny_engine.lock
         await asyncio.to_thread(lambda: (lock.acquire(), lock.release()))  # the run has let go
         return at_cancel, Count.n
 

@@ -653,3 +653,28 @@ def test_developer_and_model_roles_are_the_system_and_assistant_turns(engine):
     assert usage("user", "user", "assistant", "user") != system  # the template tells the roles apart
     assert usage("developer", "user", "assistant", "user") == system
     assert usage("system", "user", "model", "user") == system == usage("system", "user", "chatbot", "user")
+
+
+def test_max_batch_lets_overlapping_calls_share_decode_steps(engine):
+    # Above 1, the LLM's answers go through one Batcher per engine and max_batch: calls that
+    # overlap (threads, concurrent acomplete/aquery) are decoded together, with unchanged answers.
+    chunks = [text for _, text in PASSAGES]
+    engine.precompute(chunks, progress=False)
+    questions = [QUESTION, "Who won two Nobel prizes?", "Which river flows through Oxford?"]
+    gen = dict(max_new_tokens=12)
+    alone = [CacheBlendLLM(engine=engine, **gen).answer_chunks(q, chunks).text for q in questions]
+    llm = CacheBlendLLM(engine=engine, max_batch=4, **gen)
+    assert CacheBlendLLM(engine=engine).batcher is None
+    assert CacheBlendLLM(engine=engine, max_batch=4).batcher is llm.batcher  # shared per engine and max_batch
+    with engine.lock:  # all three are queued before the batcher can prefill the first
+        runs = [llm.stream_chunks(q, chunks) for q in questions]
+    assert ["".join(run) for run in runs] == alone
+    assert llm.batcher.rows_stepped > llm.batcher.steps  # the answers shared decode steps
+    synth = CacheBlendSynthesizer(llm=llm)
+
+    async def together():
+        return await asyncio.gather(*(synth.aget_response(q, chunks) for q in questions))
+
+    assert asyncio.run(together()) == [synth.get_response(q, chunks) for q in questions]
+    with pytest.raises(ValueError, match="max_batch"):
+        CacheBlendLLM(engine=engine, max_batch=0)

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from typing import Any, Iterator, Optional, Sequence
 
 from cacheblend_rag import MODES, CacheBlendEngine, GenerationResult
 from cacheblend_rag.aio import iterate_in_thread
 from cacheblend_rag.config import check_mode
-from cacheblend_rag.engine import GenerationStream
 from cacheblend_rag.matching import ChunkRegistry
-from cacheblend_rag.plain import chat_text, plain_stream, sampling_params
+from cacheblend_rag.plain import chat_text
+from cacheblend_rag.serving import Batcher, Request, Run
 from llama_index.core.base.llms.generic_utils import (
     astream_completion_response_to_chat_response,
     completion_response_to_chat_response,
@@ -51,8 +50,8 @@ CHAT_ROLES = {
     MessageRole.SYSTEM: "system", MessageRole.DEVELOPER: "system", MessageRole.USER: "user",
     MessageRole.ASSISTANT: "assistant", MessageRole.CHATBOT: "assistant", MessageRole.MODEL: "assistant",
 }
-# The fields among them (stop is per call only), plus match_chunks: what error messages list.
-GENERATION_FIELDS = tuple(k for k in GENERATION_KEYS if k != "stop") + ("match_chunks",)
+# The fields among them (stop is per call only), plus the others: what error messages list.
+GENERATION_FIELDS = tuple(k for k in GENERATION_KEYS if k != "stop") + ("match_chunks", "max_batch")
 
 
 class CacheBlendLLM(CustomLLM):
@@ -89,6 +88,13 @@ class CacheBlendLLM(CustomLLM):
     match_chunks: bool = Field(
         default=True,
         description="find registered chunk texts inside plain prompts (complete/chat) and reuse their KV",
+    )
+    max_batch: int = Field(
+        default=1,
+        ge=1,
+        description="answers decoded together when calls overlap (threads, concurrent acomplete/aquery): above 1, "
+        "requests go through a cacheblend_rag.serving.Batcher that decodes up to this many in one forward per "
+        "token; 1: one answer at a time",
     )
 
     _engine: CacheBlendEngine = PrivateAttr()
@@ -136,33 +142,35 @@ class CacheBlendLLM(CustomLLM):
             is_chat_model=False,
         )
 
-    # ------------------------------------------------------------------ answers over chunks
-    def generation_kwargs(self, **overrides: Any) -> dict[str, Any]:
-        """The engine's ``stream``/``generate`` keyword arguments: the fields, then ``overrides``
-        (unknown keys are ignored: LlamaIndex passes its own extras through ``**kwargs``)."""
-        out: dict[str, Any] = {
-            "mode": self.mode,
-            "recompute_ratio": self.recompute_ratio,
-            "max_new_tokens": self.max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "seed": self.seed,
-        }
-        out.update({k: v for k, v in overrides.items() if k in GENERATION_KEYS})
-        return out
+    # ------------------------------------------------------------------ requests
+    @property
+    def batcher(self) -> Optional[Batcher]:
+        """The batcher serving this LLM's requests (None when ``max_batch`` is 1), shared by every
+        model on the same engine with the same ``max_batch``; its ``steps`` and ``rows_stepped``
+        tell how many answers shared each decode step."""
+        return None if self.max_batch <= 1 else Batcher.for_engine(self._engine, self.max_batch)
 
-    def stream_chunks(self, question: str, chunks: Sequence[str], **overrides: Any) -> GenerationStream:
+    def _settings(self, overrides: dict[str, Any]) -> dict[str, Any]:
+        """The fields, then ``overrides``, by ``Request.with_settings``'s names (unknown keys are
+        ignored: LlamaIndex passes its own extras through ``**kwargs``)."""
+        fields = {k: getattr(self, k) for k in GENERATION_KEYS if k != "stop"}
+        return {**fields, **{k: v for k, v in overrides.items() if k in GENERATION_KEYS}}
+
+    def _run(self, request: Request, overrides: dict[str, Any]) -> Run:
+        return Run(self._engine, request.with_settings(**self._settings(overrides)), batcher=self.batcher)
+
+    # ------------------------------------------------------------------ answers over chunks
+    def stream_chunks(self, question: str, chunks: Sequence[str], **overrides: Any) -> Run:
         """Start answering ``question`` over ``chunks`` (each chunk's KV reused); iterate the
         result for text deltas, then read ``.result`` (text, ttft_s, stats)."""
-        return self._engine.stream(question, chunks, **self.generation_kwargs(**overrides))
+        return self._run(Request(question, tuple(chunks), chunk_source="explicit"), overrides)
 
     def answer_chunks(self, question: str, chunks: Sequence[str], **overrides: Any) -> GenerationResult:
-        stream = self.stream_chunks(question, chunks, **overrides)
-        for _ in drain_and_flush(self._engine, stream):
+        run = self.stream_chunks(question, chunks, **overrides)
+        for _ in drain_and_flush(self._engine, run):
             pass
-        assert stream.result is not None
-        return stream.result
+        assert run.result is not None
+        return run.result
 
     # ------------------------------------------------------------------ plain prompts
     @property
@@ -170,8 +178,8 @@ class CacheBlendLLM(CustomLLM):
         """Chunk texts known to this engine (shared with every integration using it)."""
         return ChunkRegistry.for_engine(self._engine)
 
-    def _match(self, text: str, overrides: dict[str, Any]) -> Optional[GenerationStream]:
-        """An answer over the known chunks found in ``text``, or None when there are none."""
+    def _match(self, text: str) -> Optional[Request]:
+        """A request over the known chunks found in ``text``, or None when there are none."""
         if not self.match_chunks:
             return None
         registry = self.chunk_registry
@@ -182,7 +190,7 @@ class CacheBlendLLM(CustomLLM):
             return None
         if not question.strip():
             return None  # nothing but chunks: answer the prompt as it is
-        return _reported(self.stream_chunks(question, match.chunks, **overrides), "matched", len(match.spans))
+        return Request(question, tuple(match.chunks), chunk_source="matched", chunks_matched=len(match.spans))
 
     def _warn_no_match(self, registered: int) -> None:
         """Once per LLM: chunks are registered, yet this prompt contains none of them verbatim."""
@@ -211,7 +219,7 @@ class CacheBlendLLM(CustomLLM):
 
     def stream_prompt(
         self, prompt: str, formatted: bool = False, chunks: Optional[Sequence[str]] = None, **overrides: Any
-    ) -> GenerationStream:
+    ) -> Run:
         """Answer a prompt: over ``chunks`` if given, else over its known chunks if it has any,
         else by full prefill.
 
@@ -228,21 +236,18 @@ class CacheBlendLLM(CustomLLM):
         if not prompt.strip():
             raise ValueError("prompt is empty: pass a non-empty prompt string")
         if chunks is not None:
-            return _reported(self.stream_chunks(question_around(prompt, chunks), chunks, **overrides), "explicit", 0)
-        matched = self._match(prompt, overrides)
-        return matched or _reported(self._stream_text(self._format_completion(prompt, formatted), overrides), "none", 0)
+            return self.stream_chunks(question_around(prompt, chunks), chunks, **overrides)
+        request = self._match(prompt) or Request.plain_prompt(self._format_completion(prompt, formatted))
+        return self._run(request, overrides)
 
-    def _stream_text(self, text: str, overrides: dict[str, Any]) -> GenerationStream:
-        return plain_stream(self._engine, text, sampling_params(self.generation_kwargs(**overrides)))
-
-    def stream_messages(self, messages: Sequence[ChatMessage], **overrides: Any) -> GenerationStream:
+    def stream_messages(self, messages: Sequence[ChatMessage], **overrides: Any) -> Run:
         """Answer chat messages: over the known chunks in their text if any, else by full prefill
         of the messages in the model's chat template."""
         if not messages:
             raise ValueError("no messages: pass at least one ChatMessage")
         joined = "\n\n".join(m.content or "" for m in messages if CHAT_ROLES.get(m.role) != "assistant")
-        matched = self._match(joined, overrides)
-        return matched or _reported(self._stream_text(self._format_messages(messages), overrides), "none", 0)
+        request = self._match(joined) or Request.plain_prompt(self._format_messages(messages))
+        return self._run(request, overrides)
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
@@ -323,61 +328,54 @@ def raw_response(result: GenerationResult) -> dict[str, Any]:
     }
 
 
-def _reported(stream: GenerationStream, source: str, matched: int) -> GenerationStream:
-    """Note on the stream where its chunks came from, for the answer's stats."""
-    stream.chunk_report = {"chunk_source": source, "chunks_matched": matched}  # type: ignore[attr-defined]
-    return stream
-
-
-def _completion(stream: GenerationStream, text: Optional[str] = None, delta: Optional[str] = None) -> CompletionResponse:
-    result = stream.result
+def _completion(run: Run, text: Optional[str] = None, delta: Optional[str] = None) -> CompletionResponse:
+    result = run.result
     assert result is not None
-    stats = dict(result.stats, **getattr(stream, "chunk_report", {}))
-    result = dataclasses.replace(result, stats=stats)
+    # Where the chunks came from, for the answer's stats.
+    result.stats.update(chunk_source=run.request.chunk_source, chunks_matched=run.request.chunks_matched)
     return CompletionResponse(
         text=result.text if text is None else text,
         delta=delta,
-        additional_kwargs={"cacheblend": stats, "finish_reason": result.finish_reason},
+        additional_kwargs={"cacheblend": result.stats, "finish_reason": result.finish_reason},
         raw=raw_response(result),
     )
 
 
-def _complete(engine: CacheBlendEngine, stream: GenerationStream) -> CompletionResponse:
-    for _ in drain_and_flush(engine, stream):
+def _complete(engine: CacheBlendEngine, run: Run) -> CompletionResponse:
+    for _ in drain_and_flush(engine, run):
         pass
-    return _completion(stream)
+    return _completion(run)
 
 
-async def _acomplete(engine: CacheBlendEngine, stream: GenerationStream) -> CompletionResponse:
-    async for _ in iterate_in_thread(drain_and_flush(engine, stream)):
+async def _acomplete(engine: CacheBlendEngine, run: Run) -> CompletionResponse:
+    async for _ in iterate_in_thread(drain_and_flush(engine, run)):
         pass
-    return _completion(stream)
+    return _completion(run)
 
 
-def _responses(engine: CacheBlendEngine, stream: GenerationStream) -> CompletionResponseGen:
+def _responses(engine: CacheBlendEngine, run: Run) -> CompletionResponseGen:
     # One delta behind, so the last response carries the stats and the dict ``raw``.
     text, pending = "", None
-    for delta in drain_and_flush(engine, stream):
+    for delta in drain_and_flush(engine, run):
         if pending is not None:
             yield CompletionResponse(text=text, delta=pending)
         text += delta
         pending = delta
-    yield _completion(stream, text, pending or "")
+    yield _completion(run, text, pending or "")
 
 
-async def _aresponses(engine: CacheBlendEngine, stream: GenerationStream) -> CompletionResponseAsyncGen:
+async def _aresponses(engine: CacheBlendEngine, run: Run) -> CompletionResponseAsyncGen:
     text, pending = "", None
-    async for delta in iterate_in_thread(drain_and_flush(engine, stream)):
+    async for delta in iterate_in_thread(drain_and_flush(engine, run)):
         if pending is not None:
             yield CompletionResponse(text=text, delta=pending)
         text += delta
         pending = delta
-    yield _completion(stream, text, pending or "")
+    yield _completion(run, text, pending or "")
 
 
-def drain_and_flush(engine: CacheBlendEngine, stream: GenerationStream) -> Iterator[str]:
-    """Yield ``stream``'s deltas, then wait for the engine's background KV write-backs so the
-    next query finds the chunks this one computed."""
-    yield from stream
+def drain_and_flush(engine: CacheBlendEngine, run: Run) -> Iterator[str]:
+    """Yield ``run``'s deltas, then wait for the engine's background KV write-backs so the next
+    query finds the chunks this one computed."""
+    yield from run
     engine.flush()
-

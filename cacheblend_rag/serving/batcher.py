@@ -10,7 +10,8 @@ request's plan.
 Answers of different prompt lengths share one cache through left padding. A row's keys stay where
 its own prefill put them (rotated for its own positions), its padding is masked out, and each new
 token carries the row's own position id, so a row's logits are the ones it would get decoded alone
-(up to the order of floating-point sums).
+(up to the order of floating-point sums). A batch of one row decodes with the engine's fast decode
+step, as an answer served alone does, so one request at a time costs what it costs without a batcher.
 """
 
 from __future__ import annotations
@@ -18,22 +19,23 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generator, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Generator, Iterator, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from .backbone import cache_kwarg
-from .config import SamplingParams
-from .decode_cache import room_cache
-from .generation import DecodeState, Decoder, decode, eos_token_ids
-from .run import cache_read_tokens, cached_chunk_tokens, engine_lock
-from .threads import release_team
+from ..backbone import cache_kwarg
+from ..config import SamplingParams
+from ..decode_cache import room_cache
+from ..generation import DecodeState, Decoder, decode, eos_token_ids
+from ..threads import release_team
 
 if TYPE_CHECKING:
-    from .engine import CacheBlendEngine, GenerationResult, GenerationStream
+    from ..decode_step import FastDecodeStep
+    from ..engine import CacheBlendEngine, GenerationResult, GenerationStream
 
 
 class AnswerSink(Protocol):
@@ -70,12 +72,16 @@ def _layer_kv(cache: DynamicCache) -> tuple[list[torch.Tensor], list[torch.Tenso
 class DecodeBatch:
     """The running answers: one cache (``decode_cache.RoomLayer`` per layer, [rows, kv_heads,
     length, head_dim], so each step writes its token in place), left padded to the longest row,
-    and a ``[rows, length]`` mask (1: a real key, 0: padding)."""
+    and a ``[rows, length]`` mask (1: a real key, 0: padding).
 
-    def __init__(self, model, tokenizer):
-        self.model, self.tokenizer = model, tokenizer
-        self.eos = eos_token_ids(model, tokenizer)
-        self.cache_kw = cache_kwarg(model)
+    ``fast_step`` (the engine's ``FastDecodeStep``, if its model has one) replaces the model's
+    forward: the same arithmetic in fewer operations. A batch of one row takes exactly the step an
+    answer decoded alone takes."""
+
+    def __init__(self, model, tokenizer, fast_step: "FastDecodeStep | None" = None):
+        self.model, self.tokenizer, self.fast_step = model, tokenizer, fast_step
+        self.eos: set[int] | None = None  # looked up on the first start(): the model is not touched before
+        self.cache_kw = ""
         self.rows: list[_Row] = []
         self.cache: DynamicCache | None = None
         self.mask: torch.Tensor | None = None  # [rows, length]
@@ -87,6 +93,8 @@ class DecodeBatch:
         """Choose the answer's first token from its prefill's ``first_logits`` ([vocab]); unless
         that ends the answer, the prefill ``cache`` (``length`` positions, batch 1, handed over)
         joins the batch."""
+        if self.eos is None:
+            self.eos, self.cache_kw = eos_token_ids(self.model, self.tokenizer), cache_kwarg(self.model)
         decoder = Decoder(self.tokenizer, self.eos, params, first_logits.device)
         token = decoder.choose(first_logits)
         sink.first_token()
@@ -133,19 +141,27 @@ class DecodeBatch:
         assert self.mask is not None and self.cache is not None
         device = self.mask.device
         mask = torch.cat([self.mask, torch.ones(len(self.rows), 1, dtype=self.mask.dtype, device=device)], dim=1)
-        out = self.model(
-            input_ids=torch.tensor([[r.token] for r in self.rows], device=device),
-            position_ids=torch.tensor([[r.position] for r in self.rows], device=device),
-            attention_mask=mask,
-            use_cache=True,
-            logits_to_keep=1,
-            **{self.cache_kw: self.cache},
-        )
+        if self.fast_step is not None and len(self.rows) == 1 and bool(self.mask.all()):
+            # One row never has padding (_keep drops the columns no row needs): it is an answer
+            # decoded alone, and takes the step such an answer takes.
+            row = self.rows[0]
+            logits = self.fast_step(row.token, row.position, self.cache)[None]  # [1, vocab]
+        elif self.fast_step is not None:
+            logits = self.fast_step.batched([r.token for r in self.rows], [r.position for r in self.rows], self.cache, mask)
+        else:
+            logits = self.model(
+                input_ids=torch.tensor([[r.token] for r in self.rows], device=device),
+                position_ids=torch.tensor([[r.position] for r in self.rows], device=device),
+                attention_mask=mask,
+                use_cache=True,
+                logits_to_keep=1,
+                **{self.cache_kw: self.cache},
+            ).logits[:, -1]
         self.mask = mask
         keep = []
         for i, row in enumerate(self.rows):
             row.position += 1
-            row.token = row.decoder.choose(out.logits[i, -1])
+            row.token = row.decoder.choose(logits[i])
             text = row.decoder.accept(row.token)
             if text:
                 row.sink.delta(text)
@@ -216,8 +232,7 @@ class Ticket:
     _result: "GenerationResult | None" = None
     _error: BaseException | None = None
     started_s: float = 0.0  # when its prefill began (perf_counter)
-    first_token_s: float = 0.0
-    cache_read_tokens: int = 0  # prompt tokens whose KV came from the chunk cache
+    first_token_s: float | None = None
 
     def __iter__(self) -> Iterator[str]:
         ended = False
@@ -244,6 +259,11 @@ class Ticket:
         """Whether ``cancel()`` was called before the answer was done."""
         return self._cancel.is_set()
 
+    @property
+    def finished(self) -> bool:
+        """Whether the answer is done (decoded, cancelled or failed): ``result()`` returns at once."""
+        return self._done.is_set()
+
     def result(self, timeout: float | None = None) -> "GenerationResult":
         if not self._done.wait(timeout):
             raise TimeoutError(f"no answer within {timeout} s")
@@ -260,17 +280,9 @@ class Ticket:
         self._items.put(text)
 
     def done(self, state: DecodeState) -> None:
-        from .engine import GenerationResult
-
-        now = time.perf_counter()
-        s = self.stream
-        first = self.first_token_s or now
-        pre = s.prefill_result  # None: cancelled before its prefill
-        pre_stats = pre.stats if pre is not None else {"mode": s.mode}
-        stats = dict(pre_stats, **s.controller_stats, ttft_s=first - s.t0, total_s=now - s.t0,
-                     generated_tokens=len(state.token_ids), queue_s=(self.started_s or now) - s.t0,
-                     cache_read_tokens=self.cache_read_tokens)
-        self._result = GenerationResult(state.text, state.token_ids, first - s.t0, now - s.t0, state.finish_reason, stats)
+        # The wait for the worker counts from the request's arrival (the stream's t0).
+        queue_s = (self.started_s or time.perf_counter()) - self.stream.t0
+        self._result = self.stream.finish(state, self.first_token_s, queue_s=queue_s)
         self._finish()
 
     def fail(self, exc: BaseException) -> None:
@@ -292,7 +304,7 @@ class Batcher:
     as the engine alone does.
 
     Time to first token counts from ``submit``, so it includes the wait for the worker. Each
-    prefill and each step holds the engine's lock (``run.engine_lock``), so precompute and answers
+    prefill and each step holds the engine's lock (``engine.lock``), so precompute and answers
     served outside the batcher interleave with it safely.
 
     Only one thread at a time should keep an OpenMP team (:mod:`~cacheblend_rag.threads`): the
@@ -301,22 +313,49 @@ class Batcher:
     the worker computes (say, embedding queries) slows it until that thread next submits.
     """
 
+    # One batcher per engine and max_batch for the framework integrations (for_engine).
+    _shared: ClassVar["weakref.WeakKeyDictionary[Any, dict[int, Batcher]]"] = weakref.WeakKeyDictionary()
+    _shared_guard: ClassVar[threading.Lock] = threading.Lock()
+
     def __init__(self, engine: "CacheBlendEngine", max_batch: int = 8):
         if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
             raise ValueError(f"max_batch={max_batch!r} must be an int >= 1 (1: one answer at a time)")
         self.engine, self.max_batch = engine, max_batch
         self._waiting: list[Ticket] = []
+        self._running: list[Ticket] = []  # admitted: being prefilled or decoded
         self._cond = threading.Condition()
         self._closed = False
+        self.prefills = 0  # requests prefilled
         self.steps = 0  # batched decode steps run
         self.rows_stepped = 0  # answers advanced by them (rows_stepped / steps: mean batch size)
         self._thread = threading.Thread(target=self._run, name="cacheblend-batcher", daemon=True)
         release_team()
         self._thread.start()
 
+    @classmethod
+    def for_engine(cls, engine: "CacheBlendEngine", max_batch: int) -> "Batcher":
+        """The batcher shared by every caller on ``engine`` with this ``max_batch`` (created on
+        first use): a model object made per request leaves no worker thread behind, and calls
+        through different model objects still share decode steps."""
+        with cls._shared_guard:
+            per_engine = cls._shared.setdefault(engine, {})
+            if max_batch not in per_engine:
+                per_engine[max_batch] = cls(engine, max_batch=max_batch)
+            return per_engine[max_batch]
+
     def submit(self, question: str, chunks: Sequence[str], **kwargs: Any) -> Ticket:
         """Queue one request; keyword arguments as for ``CacheBlendEngine.stream``."""
-        ticket = Ticket(self.engine.stream(question, chunks, **kwargs))
+        return self.enqueue(self.engine.stream(question, chunks, **kwargs))
+
+    def enqueue(self, stream: "GenerationStream") -> Ticket:
+        """Queue an answer not started yet (a fresh ``GenerationStream`` of this batcher's engine,
+        e.g. from ``engine.open_stream`` or ``plain.plain_stream``); the batcher prefills and
+        decodes it instead of the stream's own iteration."""
+        if stream.engine is not self.engine:
+            raise ValueError("the stream belongs to another engine than the batcher's")
+        if stream.prefill_result is not None or stream.result is not None:
+            raise ValueError("the stream has started already: pass a fresh one")
+        ticket = Ticket(stream)
         with self._cond:
             if self._closed:
                 raise RuntimeError("the batcher is closed: create a new Batcher")
@@ -324,6 +363,13 @@ class Batcher:
             self._cond.notify()
         release_team()
         return ticket
+
+    def load(self) -> tuple[int, int]:
+        """(running, waiting) right now: answers being prefilled or decoded, and requests in line.
+        A cancelled request counts in neither, though it leaves only at the worker's next round."""
+        with self._cond:
+            self._running = [t for t in self._running if not t.finished]
+            return sum(not t.cancelled for t in self._running), sum(not t.cancelled for t in self._waiting)
 
     def generate(self, question: str, chunks: Sequence[str], **kwargs: Any) -> "GenerationResult":
         return self.submit(question, chunks, **kwargs).result()
@@ -344,7 +390,7 @@ class Batcher:
 
     def _run(self) -> None:
         eng = self.engine
-        batch = DecodeBatch(eng.model, eng.tokenizer)
+        batch = DecodeBatch(eng.model, eng.tokenizer, eng.fast_step)
         solo: list[_Solo] = []  # APE answers, decoded one step per round beside the batch
         while True:
             with self._cond:
@@ -359,6 +405,7 @@ class Batcher:
                 stop = self._closed and not waiting and not len(batch) and not solo
                 take = max(0, self.max_batch - len(batch) - len(solo))
                 admit, self._waiting = waiting[:take], waiting[take:]
+                self._running = [t for t in self._running if not t.finished] + admit
             for ticket in dropped:
                 ticket.done(_cancelled([], ""))
             if stop:
@@ -377,12 +424,12 @@ class Batcher:
             solo = [own for own in solo if self._step_solo(own)]
             if len(batch):
                 try:
-                    with engine_lock(eng):
+                    with eng.lock:
                         n = batch.step()
                 except Exception as exc:  # noqa: BLE001 - a failed step fails the answers in it
                     for row in batch.rows:
                         row.sink.fail(exc)
-                    batch = DecodeBatch(eng.model, eng.tokenizer)
+                    batch = DecodeBatch(eng.model, eng.tokenizer, batch.fast_step)
                     continue
                 if n:  # 0: every row was cancelled, no forward ran
                     self.steps += 1
@@ -391,13 +438,12 @@ class Batcher:
     def _start(self, batch: DecodeBatch, ticket: Ticket) -> "_Solo | None":
         eng, s = self.engine, ticket.stream
         ticket.started_s = time.perf_counter()
-        with engine_lock(eng):
+        with eng.lock:
             if ticket.cancelled:  # cancelled after admission, while the worker waited for the lock
                 ticket.done(_cancelled([], ""))
                 return None
-            cached = cached_chunk_tokens(eng, s)
-            pre = s.prefill_result = eng.prefill(s.layout, s.mode, s.config, pipelined=s.pipelined, store=s.store)
-            ticket.cache_read_tokens = cache_read_tokens(pre.stats, cached)
+            pre = s.prefill(count_cache_reads=True)
+            self.prefills += 1
             if not pre.attention_kwargs:
                 batch.start(pre.cache, pre.logits, len(s.layout), s.params, ticket)
                 return None
@@ -412,7 +458,7 @@ class Batcher:
         ticket = own.ticket
         try:
             if not ticket.cancelled:
-                with engine_lock(self.engine):
+                with self.engine.lock:
                     delta = next(own.gen)
                 own.text += delta
                 ticket.delta(delta)

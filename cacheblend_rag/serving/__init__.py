@@ -1,0 +1,17 @@
+"""How a request is answered, whichever front end it came through.
+
+* :mod:`.request`: :class:`Request`, what the engine is asked (a question over chunks, or a plain
+  chat) and how (mode, ratio, one ``SamplingParams``), with :func:`answer_settings`, the one place
+  that turns the settings' user-facing names into those fields;
+* :mod:`.run`: :class:`Run`, one answer: text deltas, then the result with the engine's stats;
+* :mod:`.batcher`: :class:`Batcher`, continuous batching: concurrent answers decoded together.
+
+The LangChain and LlamaIndex integrations and the HTTP server (``cacheblend_rag.server``) are
+adapters: they turn their framework's input into a ``Request`` and a ``Run``'s output back.
+"""
+
+from .batcher import Batcher, DecodeBatch, Ticket
+from .request import SETTINGS, Request, answer_settings
+from .run import Run, open_stream
+
+__all__ = ["Batcher", "DecodeBatch", "Request", "Run", "SETTINGS", "Ticket", "answer_settings", "open_stream"]
