@@ -26,7 +26,7 @@ def listed_paths(cells: list[str]) -> set[str]:
     for cell in cells:
         folder = ""
         for name in re.findall(r"`([^`]+)`", cell):
-            if name.startswith("cacheblend_rag/"):
+            if name.startswith(("cacheblend_rag/", "integrations/")):
                 folder = name if name.endswith("/") else name.rsplit("/", 1)[0] + "/"
                 found.add(name)
             else:
