@@ -23,13 +23,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 import torch
+from cachetools import LRUCache
 
 from ..threads import helper_pool
 from .disk import KVStore
@@ -57,6 +57,21 @@ class MemoryStats:
         return asdict(self)
 
 
+class _LayerLRU(LRUCache):
+    """cachetools' byte-bounded LRU of (chunk key, layer) -> (K, V), calling ``on_evict`` for each
+    layer it evicts (cachetools' documented hook: override ``popitem``). Not thread-safe by itself:
+    the tier's lock guards it."""
+
+    def __init__(self, capacity_bytes: int, on_evict) -> None:
+        super().__init__(capacity_bytes, getsizeof=lambda kv: kv_bytes(*kv))
+        self._on_evict = on_evict
+
+    def popitem(self):
+        key, kv = super().popitem()
+        self._on_evict(key)
+        return key, kv
+
+
 class MemoryTier:
     """CPU-RAM LRU of (chunk key, layer) -> (K, V), bounded by ``capacity_bytes``.
 
@@ -72,10 +87,9 @@ class MemoryTier:
             raise ValueError(f"capacity_bytes={capacity_bytes} must be > 0")
         self.capacity_bytes = capacity_bytes
         self.stats = MemoryStats()
-        self._lru: OrderedDict[tuple[str, int], KV] = OrderedDict()
+        self._lru = _LayerLRU(capacity_bytes, self._evicted)  # (chunk key, layer) -> (K, V)
         self._metas: dict[str, ChunkMeta] = {}  # chunks with at least one resident layer
         self._resident: dict[str, int] = {}  # chunk -> resident layer count
-        self._bytes = 0
         self._lock = threading.Lock()  # loader, write-back and request threads share the tier
 
     # The store interface -------------------------------------------------------------------
@@ -111,21 +125,17 @@ class MemoryTier:
         if size > self.capacity_bytes:
             return
         with self._lock:
-            old = self._lru.pop((key, layer), None)
-            if old is not None:
-                self._bytes -= kv_bytes(*old)
+            if self._lru.pop((key, layer), None) is not None:
                 self._resident[key] -= 1
-            self._metas.setdefault(key, ChunkMeta(int(k.shape[1]), num_layers, dtype_name(k.dtype)))
+            # Evicts the least recently used layers first (``_evicted``), so the chunk's meta is
+            # set afterwards: evicting its last other layer drops it.
             self._lru[(key, layer)] = (k, v)
+            self._metas.setdefault(key, ChunkMeta(int(k.shape[1]), num_layers, dtype_name(k.dtype)))
             self._resident[key] = self._resident.get(key, 0) + 1
-            self._bytes += size
             self.stats.bytes_written += size
-            while self._bytes > self.capacity_bytes:
-                self._evict_oldest()
 
-    def _evict_oldest(self) -> None:
-        (key, _), kv = self._lru.popitem(last=False)
-        self._bytes -= kv_bytes(*kv)
+    def _evicted(self, lru_key: tuple[str, int]) -> None:
+        key = lru_key[0]
         self.stats.evictions += 1
         self._resident[key] -= 1
         if self._resident[key] == 0:
@@ -133,11 +143,10 @@ class MemoryTier:
 
     def get_layer(self, key: str, layer: int, device: torch.device | str | None = None) -> KV | None:
         with self._lock:
-            kv = self._lru.get((key, layer))
+            kv = self._lru.get((key, layer))  # a hit counts as a use
             if kv is None:
                 self.stats.misses += 1
                 return None
-            self._lru.move_to_end((key, layer))
             self.stats.hits += 1
             self.stats.bytes_read += kv_bytes(*kv)
         k, v = kv
@@ -148,21 +157,18 @@ class MemoryTier:
     def discard(self, key: str) -> None:
         with self._lock:
             for layer in range(self._metas.get(key, ChunkMeta(0, 0, "")).num_layers):
-                kv = self._lru.pop((key, layer), None)
-                if kv is not None:
-                    self._bytes -= kv_bytes(*kv)
+                self._lru.pop((key, layer), None)
             self._metas.pop(key, None)
             self._resident.pop(key, None)
 
     def volume(self) -> int:
-        return self._bytes
+        return int(self._lru.currsize)
 
     def clear(self) -> None:
         with self._lock:
             self._lru.clear()
             self._metas.clear()
             self._resident.clear()
-            self._bytes = 0
 
     def close(self) -> None:
         self.clear()
@@ -171,7 +177,7 @@ class MemoryTier:
         return len(self._lru)
 
     def __repr__(self) -> str:
-        return f"MemoryTier({self._bytes}/{self.capacity_bytes} bytes, {len(self._lru)} layers)"
+        return f"MemoryTier({self.volume()}/{self.capacity_bytes} bytes, {len(self._lru)} layers)"
 
 
 # ------------------------------------------------------------------------ tiered store
