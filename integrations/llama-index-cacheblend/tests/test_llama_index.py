@@ -121,12 +121,11 @@ def test_source_nodes_are_the_retrieved_nodes(engine, index):
     resp = qe.query(QUESTION)
     assert len(resp.source_nodes) == TOP_K
     assert {n.node.node_id for n in resp.source_nodes} <= {f"n{i}" for i in range(len(PASSAGES))}
-    # In retrieved order; the retriever's score is kept beside the attention share (the score).
-    scores = [n.node.metadata["retriever_score"] for n in resp.source_nodes]
+    scores = [n.score for n in resp.source_nodes]
     assert scores == sorted(scores, reverse=True)
     # The two Eiffel Tower passages share the most words with the question.
     assert {n.node.node_id for n in resp.source_nodes[:2]} == {"n0", "n4"}
-    assert all(resp.metadata[n.node.node_id] == index.docstore.get_node(n.node.node_id).metadata for n in resp.source_nodes)
+    assert all(resp.metadata[n.node.node_id] == n.node.metadata for n in resp.source_nodes)
 
 
 def test_generation_settings_reach_the_engine(engine, index):
@@ -197,10 +196,9 @@ def test_precompute_postprocessor_passes_nodes_through(engine, index):
     assert (stats["chunk_hits"], stats["chunk_misses"]) == (TOP_K, 0)
 
 
-
-def test_source_nodes_are_scored_by_the_question_attention(engine, index):
+def test_source_nodes_can_be_scored_by_the_question_attention(engine, index):
     retrieved = index.as_retriever(similarity_top_k=TOP_K).retrieve(QUESTION)
-    resp = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, **GEN).query(QUESTION)
+    resp = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, source_scores="attention", **GEN).query(QUESTION)
     shares = resp.metadata["cacheblend"]["chunk_attention"]
     # The engine's own shares for these chunks, one per node in retrieved order, summing to 1.
     direct = engine.generate(QUESTION, chunk_texts(retrieved), **GEN).stats["chunk_attention"]
@@ -210,15 +208,19 @@ def test_source_nodes_are_scored_by_the_question_attention(engine, index):
     # Copies: the text (and so the chunk's cache key) is unchanged, the docstore's nodes untouched.
     assert chunk_texts(resp.source_nodes) == chunk_texts(retrieved)
     assert all("retriever_score" not in index.docstore.get_node(n.node.node_id).metadata for n in resp.source_nodes)
-    # A mode that does not measure it keeps the retriever's nodes and scores.
-    full = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, mode="full_recompute", **GEN).query(QUESTION)
+    # By default, or in a mode that does not measure it, the retriever's nodes and scores.
+    default = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, **GEN).query(QUESTION)
+    assert default.source_nodes == retrieved and default.metadata["cacheblend"]["chunk_attention"] == pytest.approx(shares)
+    full = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, mode="full_recompute", source_scores="attention",
+                                            **GEN).query(QUESTION)
     assert "chunk_attention" not in full.metadata["cacheblend"]
-    assert [n.score for n in full.source_nodes] == [n.score for n in retrieved]
+    assert full.source_nodes == retrieved
 
 
 def test_streamed_source_nodes_get_their_scores_with_the_stats(engine, index):
-    plain = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, **GEN).query(QUESTION)
-    resp = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, streaming=True, **GEN).query(QUESTION)
+    plain = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, source_scores="attention", **GEN).query(QUESTION)
+    resp = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, streaming=True, source_scores="attention",
+                                            **GEN).query(QUESTION)
     before = [n.score for n in resp.source_nodes]
     assert before == [n.node.metadata.get("retriever_score", n.score) for n in plain.source_nodes]
     "".join(resp.response_gen)
@@ -230,10 +232,13 @@ def test_repeated_and_empty_nodes_get_no_share(engine):
     nodes = [NodeWithScore(node=TextNode(text=t, metadata={"topic": topic}, id_=f"m{i}"), score=1.0 - i / 10)
              for i, (topic, t) in enumerate(PASSAGES[:2])]
     nodes += [NodeWithScore(node=twin, score=0.5), NodeWithScore(node=TextNode(text="  ", id_="blank"), score=0.4)]
-    resp = CacheBlendSynthesizer(engine=engine, **GEN).synthesize(QUESTION, nodes)
+    resp = CacheBlendSynthesizer(engine=engine, source_scores="attention", **GEN).synthesize(QUESTION, nodes)
     scores = [n.score for n in resp.source_nodes]
     assert scores[2:] == [None, None] and sum(scores[:2]) == pytest.approx(1.0)
     assert [n.node.metadata["retriever_score"] for n in resp.source_nodes] == [n.score for n in nodes]
+    with pytest.raises(ValueError, match="source_scores='rank': choose 'retriever' or 'attention'"):
+        CacheBlendSynthesizer(engine=engine, source_scores="rank")
+
 
 # ---------------------------------------------------------------------------- streaming and async
 def test_streaming_yields_the_same_text(engine, index):
@@ -268,9 +273,7 @@ def test_synthesizer_alone(engine, index):
     nodes = index.as_retriever(similarity_top_k=2).retrieve(QUESTION)
     resp = synth.synthesize(QUESTION, nodes)
     assert resp.response == engine.generate(QUESTION, chunk_texts(nodes), **GEN).text
-    assert [n.node.node_id for n in resp.source_nodes] == [n.node.node_id for n in nodes]
-    retriever_only = CacheBlendSynthesizer(engine=engine, source_scores="retriever", **GEN).synthesize(QUESTION, nodes)
-    assert retriever_only.source_nodes == nodes
+    assert resp.source_nodes == nodes
     texts = ["A short note.", "Another note."]
     assert synth.get_response(QUESTION, texts) == engine.generate(QUESTION, texts, **GEN).text
     assert asyncio.run(synth.aget_response(QUESTION, texts)) == synth.get_response(QUESTION, texts)

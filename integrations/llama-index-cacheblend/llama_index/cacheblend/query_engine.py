@@ -65,7 +65,7 @@ class CacheBlendQueryEngine(RetrieverQueryEngine):
         show_progress: bool = True,
         llm: Optional[CacheBlendLLM] = None,
         text_qa_template: Optional[BasePromptTemplate] = None,
-        source_scores: Literal["attention", "retriever"] = "attention",
+        source_scores: Literal["retriever", "attention"] = "retriever",
         **gen: Any,
     ) -> "CacheBlendQueryEngine":
         """Query ``index`` with CacheBlend in one line.
@@ -73,9 +73,9 @@ class CacheBlendQueryEngine(RetrieverQueryEngine):
         llm: the CacheBlendLLM to answer with (e.g. the one in ``Settings.llm``); else one is
             built over ``engine`` (default: the bundled model) with the ``**gen`` settings.
         text_qa_template: the prompt around the chunks (see :class:`CacheBlendSynthesizer`).
-        source_scores: ``response.source_nodes`` scored by the question's attention share
-            (default; the retriever's score stays in ``node.metadata["retriever_score"]``) or by
-            the retriever (see :class:`CacheBlendSynthesizer`).
+        source_scores: ``response.source_nodes`` scored by the retriever (default) or by the
+            question's attention share (``"attention"``; the retriever's score then stays in
+            ``node.metadata["retriever_score"]``; see :class:`CacheBlendSynthesizer`).
         similarity_top_k: nodes retrieved per query, each one a cached chunk.
         precompute: store the KV of every node in the index now (``precompute_index``), so even
             the first query reuses caches. Without it a chunk is computed (and stored) the first
@@ -105,7 +105,7 @@ class CacheBlendQueryEngine(RetrieverQueryEngine):
         metadata_mode: MetadataMode = DEFAULT_METADATA_MODE,
         text_qa_template: Optional[BasePromptTemplate] = None,
         engine: Optional[CacheBlendEngine] = None,
-        source_scores: Literal["attention", "retriever"] = "attention",
+        source_scores: Literal["retriever", "attention"] = "retriever",
         **gen: Any,
     ) -> "CacheBlendQueryEngine":
         """Like ``RetrieverQueryEngine.from_args`` but always with a CacheBlendSynthesizer

@@ -40,7 +40,7 @@ STATS_KEY = "cacheblend"
 
 #: Node metadata key holding the retriever's score once ``source_nodes`` carry the attention share.
 RETRIEVER_SCORE_KEY = "retriever_score"
-SOURCE_SCORES = ("attention", "retriever")
+SOURCE_SCORES = ("retriever", "attention")
 
 #: The default QA template: the chunks, then the question. The engine's prompt adds its own
 #: instruction, so the question turn is just the query.
@@ -77,14 +77,17 @@ class CacheBlendSynthesizer(BaseSynthesizer):
             The chunks become the engine's documents and the template's other text the question
             turn (after the engine's own instruction). Also settable with
             ``update_prompts({"text_qa_template": ...})``.
-        source_scores: what ``response.source_nodes[i].score`` holds. ``"attention"`` (default):
-            the node's share of the question's attention (``cacheblend_rag.sources``; the shares
-            of the retrieved nodes sum to 1, None for a node without text or repeating an
-            earlier node's text), the way a reranker replaces the retriever's score; each such
-            node is a copy whose ``metadata["retriever_score"]`` keeps the retriever's score,
-            left out of the text the LLM and the embedder see. Nodes stay in retrieved order.
-            Only where the answer's mode measures it (question-guided selection, the default);
-            otherwise, and with ``"retriever"``, the nodes are returned as retrieved.
+        source_scores: what ``response.source_nodes[i].score`` holds. ``"retriever"`` (default):
+            the retriever's score; the nodes are returned as retrieved. ``"attention"``: the
+            node's share of the question's attention (``cacheblend_rag.sources``; the retrieved
+            nodes' shares sum to 1, None for a node without text or repeating an earlier node's
+            text), the way a reranker replaces the retriever's score. Each such node is a copy
+            whose ``metadata["retriever_score"]`` keeps the retriever's score, left out of the
+            text the LLM and the embedder see; nodes stay in retrieved order. Only where the
+            answer's mode measures it (question-guided selection, the default); otherwise the
+            nodes are returned as retrieved. On the models measured the share follows the
+            chunk's place in the prompt more than its relevance (docs/sources.md): it says what
+            the model read, not which node is relevant.
 
     The response's ``metadata`` maps node ids to node metadata as usual, plus ``"cacheblend"``:
     the engine's stats, ``chunk_attention`` among them (for a streaming response, filled in once
@@ -101,11 +104,11 @@ class CacheBlendSynthesizer(BaseSynthesizer):
         metadata_mode: MetadataMode = DEFAULT_METADATA_MODE,
         callback_manager: Optional[CallbackManager] = None,
         text_qa_template: Optional[BasePromptTemplate] = None,
-        source_scores: Literal["attention", "retriever"] = "attention",
+        source_scores: Literal["retriever", "attention"] = "retriever",
         **gen: Any,
     ) -> None:
         if source_scores not in SOURCE_SCORES:
-            raise ValueError(f"source_scores={source_scores!r}: choose 'attention' (the question's attention share) or 'retriever'")
+            raise ValueError(f"source_scores={source_scores!r}: choose 'retriever' or 'attention' (the question's attention share)")
         if llm is None:
             llm = CacheBlendLLM(engine=engine, **gen)
         elif not isinstance(llm, CacheBlendLLM):
