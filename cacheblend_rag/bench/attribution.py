@@ -8,12 +8,16 @@ reports each chunk's share of the question's attention (``stats["chunk_attention
 ``cacheblend_rag.sources``). A chunk is relevant when it holds one of the question's supporting
 paragraphs (one of HotpotQA's supporting sentences of that paragraph appears in it).
 
-Three rankings pick ``k`` chunks per question:
+Rankings pick ``k`` chunks per question:
 
 * ``attention``: the ``k`` chunks with the largest attention share;
 * ``retriever``: the retriever's own top ``k`` (the first ``k`` in the prompt);
 * ``last``: the ``k`` chunks nearest the question (the last in the prompt), a position-only
-  reference: attention that only favoured recent text would match it.
+  reference: attention that only favoured recent text would match it;
+* ``attention_vs_position``: the largest shares divided by the mean share at their place in the
+  prompt over the other questions (leave-one-out): whether attention carries a signal beyond
+  position (an analysis, not something the engine reports: it needs the other questions);
+* ``random``: the expected scores of ``k`` chunks drawn at random.
 
 For each: precision@k (relevant chunks among the ``k``, over ``k``), recall@k (supporting
 paragraphs inside the ``k`` chunks, over those inside any retrieved chunk; questions whose
@@ -38,8 +42,11 @@ from .runner import BenchConfig, load_engine, read_results
 from .stats import bootstrap_mean_ci, sign_test
 
 ROWS = "attribution.jsonl"
-RANKINGS = ("attention", "retriever", "last")
+RANKINGS = ("attention", "retriever", "last", "attention_vs_position", "random")
 METRICS = ("precision", "recall", "hit1")
+# (ranking, against): the paired comparisons the summary makes.
+COMPARISONS = (("attention", "retriever"), ("attention", "last"), ("attention_vs_position", "retriever"),
+               ("attention_vs_position", "random"))
 
 
 @dataclass
@@ -114,11 +121,34 @@ def run_attribution(cfg: AttributionConfig, *, engine=None) -> list[dict]:
     return rows
 
 
-def ranking(row: dict, name: str, k: int) -> list[int]:
-    """The ``k`` chunk positions a ranking picks, best first (ties by prompt position)."""
+def position_prior(rows: list[dict]) -> list[list[float] | None]:
+    """Per row, the mean attention share at each prompt place over the other rows with as many
+    chunks (None where there is no other such row)."""
+    sums: dict[int, list[float]] = {}
+    counts: dict[int, int] = {}
+    for r in rows:
+        n = len(r["attention"])
+        acc = sums.setdefault(n, [0.0] * n)
+        for i, a in enumerate(r["attention"]):
+            acc[i] += a
+        counts[n] = counts.get(n, 0) + 1
+    out: list[list[float] | None] = []
+    for r in rows:
+        n, others = len(r["attention"]), counts[len(r["attention"])] - 1
+        out.append([(sums[n][i] - r["attention"][i]) / others for i in range(n)] if others else None)
+    return out
+
+
+def ranking(row: dict, name: str, k: int, prior: Sequence[float] | None = None) -> list[int]:
+    """The ``k`` chunk positions a ranking picks, best first (ties by prompt position); ``prior``:
+    ``attention_vs_position``'s mean share per place."""
     n = len(row["attention"])
     if name == "attention":
         return sorted(range(n), key=lambda i: (-row["attention"][i], i))[:k]
+    if name == "attention_vs_position":
+        if prior is None:
+            raise ValueError("attention_vs_position needs the mean share per place (position_prior)")
+        return sorted(range(n), key=lambda i: (-row["attention"][i] / max(prior[i], 1e-12), i))[:k]
     if name == "retriever":
         return list(range(min(k, n)))
     if name == "last":
@@ -126,11 +156,15 @@ def ranking(row: dict, name: str, k: int) -> list[int]:
     raise ValueError(f"unknown ranking {name!r}: choose one of {', '.join(RANKINGS)}")
 
 
-def scores(row: dict, name: str, k: int) -> dict[str, float | None]:
+def scores(row: dict, name: str, k: int, prior: Sequence[float] | None = None) -> dict[str, float | None]:
     """precision@k, recall@k (None when no retrieved chunk holds a supporting paragraph), hit@1."""
-    picked = ranking(row, name, k)
     holds = row["supports_in_chunk"]
     retrieved = {t for titles in holds for t in titles}
+    if name == "random":  # expectations: each chunk is picked with chance k / n
+        n = len(holds)
+        share = sum(bool(t) for t in holds) / n
+        return {"precision": share, "recall": min(k, n) / n if retrieved else None, "hit1": share}
+    picked = ranking(row, name, k, prior)
     found = {t for i in picked for t in holds[i]}
     return {
         "precision": sum(bool(holds[i]) for i in picked) / len(picked),
@@ -146,11 +180,16 @@ def _mean(xs: Sequence[float]) -> float:
 def summarize(rows: list[dict], k: int = 2) -> dict[str, Any]:
     """Each ranking's mean precision@k, recall@k and hit@1 with bootstrap 95% intervals, and the
     paired comparison of ``attention`` against ``retriever`` and ``last``."""
-    per = {name: [scores(r, name, k) for r in rows] for name in RANKINGS}
+    priors = position_prior(rows)
+    usable = [(r, p) for r, p in zip(rows, priors) if p is not None]
+    per = {name: [scores(r, name, k, p) for r, p in usable] for name in RANKINGS}
     out: dict[str, Any] = {
-        "k": k, "questions": len(rows), "recall_questions": sum(s["recall"] is not None for s in per["retriever"]),
-        "chunks": _mean([len(r["attention"]) for r in rows]),
-        "relevant_chunks": _mean([sum(bool(t) for t in r["supports_in_chunk"]) for r in rows]),
+        "k": k, "questions": len(usable), "recall_questions": sum(s["recall"] is not None for s in per["retriever"]),
+        "chunks": _mean([len(r["attention"]) for r, _ in usable]),
+        "relevant_chunks": _mean([sum(bool(t) for t in r["supports_in_chunk"]) for r, _ in usable]),
+        # The mean share at each place in the prompt (rows with the most common chunk count).
+        "share_by_place": _shares_by_place([r for r, _ in usable]),
+        "relevant_by_place": _relevant_by_place([r for r, _ in usable]),
         "rankings": {},
         "comparisons": {},
     }
@@ -161,16 +200,34 @@ def summarize(rows: list[dict], k: int = 2) -> dict[str, Any]:
             entry[m] = _mean(vals)
             entry[f"{m}_ci"] = bootstrap_mean_ci(vals)
         out["rankings"][name] = entry
-    for other in ("retriever", "last"):
+    for name, other in COMPARISONS:
         comp = {}
         for m in METRICS:
-            pairs = [(a[m], b[m]) for a, b in zip(per["attention"], per[other]) if a[m] is not None and b[m] is not None]
+            pairs = [(a[m], b[m]) for a, b in zip(per[name], per[other]) if a[m] is not None and b[m] is not None]
             diffs = [a - b for a, b in pairs]
             wins, losses = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
             comp[m] = {"diff": _mean(diffs), "diff_ci": bootstrap_mean_ci(diffs), "wins": wins, "losses": losses,
                        "ties": len(diffs) - wins - losses, "sign_p": sign_test(wins, losses)}
-        out["comparisons"][other] = comp
+        out["comparisons"][f"{name}-{other}"] = comp
     return out
+
+
+def _common_rows(rows: list[dict]) -> list[dict]:
+    counts: dict[int, int] = {}
+    for r in rows:
+        counts[len(r["attention"])] = counts.get(len(r["attention"]), 0) + 1
+    n = max(counts, key=lambda c: (counts[c], c)) if counts else 0
+    return [r for r in rows if len(r["attention"]) == n]
+
+
+def _shares_by_place(rows: list[dict]) -> list[float]:
+    same = _common_rows(rows)
+    return [_mean([r["attention"][i] for r in same]) for i in range(len(same[0]["attention"]))] if same else []
+
+
+def _relevant_by_place(rows: list[dict]) -> list[float]:
+    same = _common_rows(rows)
+    return [_mean([float(bool(r["supports_in_chunk"][i])) for r in same]) for i in range(len(same[0]["attention"]))] if same else []
 
 
 def _ci(mean: float, ci: tuple[float, float], signed: bool = False) -> str:
@@ -185,9 +242,11 @@ def _p(p: float) -> str:
 
 
 LABELS = {
-    "attention": "top-{k} by the question's attention",
-    "retriever": "the retriever's top {k}",
-    "last": "the {k} chunks nearest the question",
+    "attention": "top {k} by the question's attention (`chunk_attention`)",
+    "retriever": "the retriever's top {k} (first in the prompt)",
+    "last": "the {k} chunks nearest the question (last in the prompt)",
+    "attention_vs_position": "top {k} by attention over its place's mean share",
+    "random": "{k} chunks at random (expected)",
 }
 
 
@@ -203,16 +262,24 @@ def markdown_table(summary: dict[str, Any]) -> str:
         lines.append(f"| {LABELS[name].format(k=k)} | " + " | ".join(_ci(e[m], e[f"{m}_ci"]) for m in METRICS) + " |")
     lines += [
         "",
-        f"| attention minus | precision@{k} | better / worse / tie | p | recall@{k} | better / worse / tie | p |",
+        f"| paired | precision@{k}: difference | better / worse / tie | p | recall@{k}: difference | better / worse / tie | p |",
         "|---|---|---|---|---|---|---|",
     ]
-    for other in ("retriever", "last"):
+    short = {"attention": "attention", "retriever": "retriever", "last": "nearest", "attention_vs_position": "attention over place",
+             "random": "random"}
+    for name, other in COMPARISONS:
         cells = []
         for m in ("precision", "recall"):
-            c = summary["comparisons"][other][m]
+            c = summary["comparisons"][f"{name}-{other}"][m]
             cells += [_ci(c["diff"], c["diff_ci"], signed=True), f"{c['wins']} / {c['losses']} / {c['ties']}", _p(c["sign_p"])]
-        lines.append(f"| {LABELS[other].format(k=k)} | " + " | ".join(cells) + " |")
+        lines.append(f"| {short[name]} vs {short[other]} | " + " | ".join(cells) + " |")
+    places = " | ".join(str(i + 1) for i in range(len(summary["share_by_place"])))
     lines += [
+        "",
+        f"| place in the prompt | {places} |",
+        "|---|" + "---|" * len(summary["share_by_place"]),
+        "| mean attention share | " + " | ".join(f"{x:.3f}" for x in summary["share_by_place"]) + " |",
+        "| share of chunks relevant | " + " | ".join(f"{x:.2f}" for x in summary["relevant_by_place"]) + " |",
         "",
         f"{summary['questions']} questions ({summary['recall_questions']} with a supporting paragraph among the "
         f"retrieved chunks count for recall); {summary['chunks']:.1f} chunks a question, "

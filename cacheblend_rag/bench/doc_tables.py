@@ -38,6 +38,12 @@ def _format_probe(path: Path) -> str:
     return probe_table(json.loads(path.read_text(encoding="utf-8")))
 
 
+def _attribution(path: Path) -> str:
+    from .attribution import table_from_file
+
+    return table_from_file(path)
+
+
 # name: (result file under docs/results, renderer)
 TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "whole-answer-smollm2": ("whole_answer_smollm2.jsonl", _whole_answer),
@@ -45,6 +51,7 @@ TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "whole-answer-qwen05": ("whole_answer_qwen05.jsonl", _whole_answer),
     "decode-step-qwen05": ("decode_step_qwen05.json", _decode_step),
     "format-probe-smollm2": ("weight_formats_probe_smollm2.json", _format_probe),
+    "attribution-qwen05": ("attribution_qwen05.jsonl", _attribution),
 }
 
 
