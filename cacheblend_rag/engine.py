@@ -31,6 +31,7 @@ from .planner import PrefixRequest
 from .prompt import DEFAULT_INSTRUCTION, PromptBuilder, PromptLayout, Segment, check_texts, check_unicode, named_chunks
 from .selector import resolve_criterion
 from .self_test import self_test
+from .sources import STATS_KEY as SOURCES_KEY, chunk_attention
 from .store.disk import KVStore
 from .store.loader import ChunkLost, LayerAssembler
 from .store.lookup import Lookup, contains_many
@@ -382,7 +383,7 @@ class CacheBlendEngine:
             store, specs, len(layout), self.kv_shape, self.dtype, self.device, self.backbone.rotary_emb, self.num_layers,
             pipelined=self.pipelined if pipelined is None else pipelined,
         )
-        plan, scoring_s = req.plan, 0.0
+        plan, scoring_s, sources = req.plan, 0.0, None
         try:
             if mode == "cacheblend" and not req.hkvd:
                 # Question-guided selection: score the context by the question's attention over the
@@ -390,6 +391,7 @@ class CacheBlendEngine:
                 # K/V the scoring pass already read.
                 qp = question_pass(self.backbone, plan, loader, layers=config.question_layers, heads=config.question_heads)
                 plan, scoring_s = planner.guide(plan, layout, config, qp.scores, self.num_layers), qp.compute_s
+                sources = chunk_attention(qp.scores, layout)  # the same scores, summed per chunk
                 load = list(zip(qp.keys, qp.values)).__getitem__
             else:
                 load = loader
@@ -405,6 +407,8 @@ class CacheBlendEngine:
         if mode == "cacheblend":
             stats.update(criterion=getattr(config.criterion, "__name__", config.criterion), recompute_ratio=config.recompute_ratio,
                          strategy=config.strategy)
+        if sources is not None:
+            stats[SOURCES_KEY] = sources
         context = plan.context_attention
         return PrefillResult(cache, out.logits, layout, stats, out.selected,
                              attention_kwargs={} if context is None else {APE_KWARG: context.with_rows(None)})

@@ -88,7 +88,9 @@ class ChunkRegistry:
         self.prefix_chars = prefix_chars
         self.max_chunks = max_chunks
         self.evicted = 0  # texts dropped so far to stay within max_chunks
-        # stripped key -> registered text (first wins); ordered from least to most recently used
+        # stripped key -> registered text (first wins); ordered from least to most recently used.
+        # A plain dict, not cachetools: its eviction must also update the two indexes below, and
+        # texts() reports recency order, which cachetools' LRUCache does not iterate in.
         self._texts: dict[str, str] = {}
         self._long: dict[str, list[str]] = {}  # first prefix_chars chars -> keys, longest first
         self._short: dict[int, set[str]] = {}  # length (< prefix_chars) -> keys

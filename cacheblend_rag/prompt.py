@@ -20,6 +20,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+from cachetools import LRUCache
+
 DEFAULT_INSTRUCTION = (
     "You are a helpful assistant. Answer the question using the documents the user gives. "
     "Reply with a short answer of a few words, without explanation."
@@ -150,8 +152,8 @@ class TokenCache:
 
     def __init__(self, max_bytes: int = 64 * 2**20):
         self.max_bytes = max_bytes
-        self.bytes = 0
-        self._entries: OrderedDict[str, tuple[tuple[int, ...], int]] = OrderedDict()
+        # cachetools' byte-bounded LRU: text -> (ids, bytes); not thread-safe by itself.
+        self._entries: LRUCache[str, tuple[tuple[int, ...], int]] = LRUCache(max_bytes, getsizeof=lambda entry: entry[1])
         self._lock = threading.Lock()  # requests tokenize from several threads
 
     @staticmethod
@@ -160,26 +162,22 @@ class TokenCache:
         # anyway errs on the side of a smaller cache).
         return sys.getsizeof(text) + sys.getsizeof(ids) + 32 * len(ids)
 
+    @property
+    def bytes(self) -> int:
+        return int(self._entries.currsize)
+
     def get(self, text: str) -> tuple[int, ...] | None:
         with self._lock:
-            hit = self._entries.get(text)
-            if hit is None:
-                return None
-            self._entries.move_to_end(text)
-            return hit[0]
+            hit = self._entries.get(text)  # a hit counts as a use
+            return None if hit is None else hit[0]
 
     def put(self, text: str, ids: tuple[int, ...]) -> None:
         size = self.entry_bytes(text, ids)
         if size > self.max_bytes // 64:
             return
         with self._lock:
-            if text in self._entries:
-                return
-            self._entries[text] = (ids, size)
-            self.bytes += size
-            while self.bytes > self.max_bytes:
-                _, (_, old) = self._entries.popitem(last=False)
-                self.bytes -= old
+            if text not in self._entries:
+                self._entries[text] = (ids, size)  # evicts the least recently used to fit
 
     def __len__(self) -> int:
         return len(self._entries)

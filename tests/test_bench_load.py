@@ -17,6 +17,7 @@ def test_percentile_matches_linear_interpolation():
         values = rng.random(n).tolist()
         for q in (0, 50, 95, 100):
             assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    assert np.isnan(percentile([], 50))
 
 
 def test_load_run_covers_every_setting_and_batches_only_when_allowed(tmp_path):

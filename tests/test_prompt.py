@@ -56,3 +56,19 @@ def test_engines_with_other_hints_share_chunk_caches(tokenizer, tmp_path):
     assert result.stats["chunk_hits"] == len(SAMPLE_CHUNKS) and result.stats["chunk_misses"] == 0
     assert other.build_layout(SAMPLE_QUESTION, SAMPLE_CHUNKS).segments[-1] != first.build_layout(SAMPLE_QUESTION, SAMPLE_CHUNKS).segments[-1]
     first.close()
+
+
+def test_token_cache_keeps_the_most_recently_used_texts_within_its_bytes():
+    from cacheblend_rag.prompt import TokenCache
+
+    ids = tuple(range(10))
+    size = TokenCache.entry_bytes("text-00", ids)
+    cache = TokenCache(max_bytes=64 * size)  # 64 entries (the largest entry it keeps is 1/64 of it)
+    for i in range(64):
+        cache.put(f"text-{i:02d}", ids)
+    assert cache.get("text-00") == ids  # now the most recently used
+    cache.put("text-64", ids)  # evicts text-01, the least recently used
+    assert cache.get("text-01") is None and cache.get("text-00") == cache.get("text-64") == ids
+    assert len(cache) == 64 and cache.bytes == 64 * size == cache.max_bytes
+    cache.put("long " * 2000, ids)  # larger than max_bytes // 64: never kept
+    assert cache.get("long " * 2000) is None and len(cache) == 64

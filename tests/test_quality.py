@@ -95,6 +95,43 @@ def test_question_selects_the_tokens_with_most_question_attention(qengine, layer
     assert all(torch.equal(s, res.selected[0]) for s in res.selected[:-1])
 
 
+
+@pytest.mark.parametrize("strategy,layers", [("question", "all"), ("question", "last"), ("chunk", "all"), ("hybrid", "all")])
+def test_chunk_attention_is_the_question_attention_summed_per_chunk(qengine, strategy, layers):
+    """stats["chunk_attention"]: the scoring pass's attention (checked against eager attention)
+    summed over each chunk's tokens and normalised over the chunks, in prompt order."""
+    layout = qengine.build_layout(Q, CHUNKS)
+    res = qengine.prefill(layout, "cacheblend", BlendConfig(recompute_ratio=0.3, strategy=strategy, question_layers=layers))
+    scores = _brute_force_question_attention(qengine, layout, layers)
+    offsets = layout.offsets()
+    mass = torch.stack([scores[offsets[j] : offsets[j + 1]].sum() for j in range(1, len(offsets) - 1)])
+    shares = res.stats["chunk_attention"]
+    assert len(shares) == len(CHUNKS) and sum(shares) == pytest.approx(1.0)
+    torch.testing.assert_close(torch.tensor(shares, dtype=torch.float64), (mass / mass.sum()).double(), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode,config", [
+    ("full_recompute", None), ("full_recompute_saved", None), ("prefix_caching", None), ("full_reuse", None),
+    ("cacheblend", BlendConfig(strategy="hkvd")),
+])
+def test_chunk_attention_is_absent_where_no_scoring_pass_runs(qengine, mode, config):
+    res = qengine.generate(Q, CHUNKS, mode=mode, config=config, max_new_tokens=2)
+    assert "chunk_attention" not in res.stats
+
+
+def test_reporting_chunk_attention_changes_no_answer(qengine, monkeypatch):
+    import cacheblend_rag.engine as engine_module
+
+    layout = qengine.build_layout(Q, CHUNKS)
+    with_it = qengine.prefill(layout, "cacheblend")
+    answer = qengine.generate(Q, CHUNKS, max_new_tokens=8)
+    monkeypatch.setattr(engine_module, "chunk_attention", lambda scores, layout: [])  # not computed at all
+    without = qengine.prefill(layout, "cacheblend")
+    assert torch.equal(with_it.logits, without.logits)
+    assert all(torch.equal(a, b) for a, b in zip(with_it.selected, without.selected))
+    assert qengine.generate(Q, CHUNKS, max_new_tokens=8).token_ids == answer.token_ids
+    assert len(answer.stats["chunk_attention"]) == len(CHUNKS) and without.stats["chunk_attention"] == []
+
 def test_hybrid_narrows_the_question_seed_on_layer_one(qengine):
     layout = qengine.build_layout(Q, CHUNKS)
     q_start = layout.offsets()[-1]

@@ -77,7 +77,31 @@ def register(subparsers) -> None:
     whole.add_argument("--formats", type=_csv, default=("fp32", "fp16"), help="engine weight formats (default fp32,fp16)")
     whole.add_argument("--llama-cpp", type=_csv, default=("f16", "q8_0", "q4_0"),
                        help="llama.cpp quantisations, each with and without its prompt cache ('' for none; default f16,q8_0,q4_0)")
+    attribution = p.add_argument_group("sources (--attribution)")
+    attribution.add_argument("--attribution", action="store_true",
+                             help="HotpotQA dev: are the chunks the question attends to most (stats['chunk_attention']) the ones "
+                             "holding the supporting paragraphs? Against the retriever's own ranking (--n questions from "
+                             "--offset; no timing)")
+    attribution.add_argument("--offset", type=int, default=0, help="first HotpotQA dev question (default 0)")
+    attribution.add_argument("--attribution-k", type=int, default=2, help="chunks each ranking picks (default 2)")
     p.set_defaults(func=_bench)
+
+
+def _attribution(args: argparse.Namespace) -> int:
+    from .attribution import AttributionConfig, markdown_table, run_attribution, summarize
+    from .qwen import QwenPartsMissing
+
+    try:
+        cfg = AttributionConfig(model=args.model, n=args.n, offset=args.offset, top_k=args.top_k[0], chunk_tokens=args.chunk_tokens,
+                                k=args.attribution_k, out_dir=args.out, hotpotqa=args.hotpotqa, device=args.device,
+                                progress=not args.quiet)
+        rows = run_attribution(cfg)
+    except (FileNotFoundError, ImportError, QwenPartsMissing, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(markdown_table(summarize(rows, cfg.k)))
+    print(f"\nresults: {args.out}/attribution.jsonl")
+    return 0
 
 
 def _whole_answer(args: argparse.Namespace) -> int:
@@ -164,6 +188,8 @@ def _bench(args: argparse.Namespace) -> int:
         return _load(args)
     if args.whole_answer:
         return _whole_answer(args)
+    if args.attribution:
+        return _attribution(args)
     try:
         cfg = BenchConfig(
             model=args.model, datasets=args.datasets, n=args.n, chain_n=args.chain_n, methods=args.methods or DEFAULT_METHODS, ratios=args.ratios,

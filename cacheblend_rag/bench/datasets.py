@@ -38,6 +38,8 @@ class Example:
     documents: tuple[str, ...]  # the example's context, before chunking
     task: str = "qa"  # "qa" (answer F1) or "summary" (Rouge-L)
     supports: tuple[str, ...] = field(default=())  # sentences the answer needs, when known
+    # HotpotQA: the title of the paragraph each of ``supports`` comes from (its supporting paragraphs)
+    support_titles: tuple[str, ...] = field(default=())
 
 
 # ----------------------------------------------------------------------------- locating files
@@ -118,10 +120,9 @@ def load_hotpotqa(path=None, limit: int | None = None, distractor_questions: int
         for j in range(1, distractor_questions + 1):
             docs += paragraphs(data[(i + j) % len(data)])
         sents = {t: s for t, s in row["context"]}
-        supports = tuple(
-            sents[t][k].strip() for t, k in row.get("supporting_facts", []) if t in sents and k < len(sents[t])
-        )
-        out.append(Example("hotpotqa", row["_id"], row["question"], (row["answer"],), tuple(docs), supports=supports))
+        facts = [(t, sents[t][k].strip()) for t, k in row.get("supporting_facts", []) if t in sents and k < len(sents[t])]
+        out.append(Example("hotpotqa", row["_id"], row["question"], (row["answer"],), tuple(docs),
+                           supports=tuple(s for _, s in facts), support_titles=tuple(t for t, _ in facts)))
     return out
 
 

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from . import datasets as ds
@@ -88,14 +89,9 @@ class Pool:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0-100) by linear interpolation between order statistics."""
-    v = sorted(values)
-    if not v:
-        return float("nan")
-    pos = (len(v) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+    """The ``q``-th percentile (0-100) by linear interpolation between order statistics (NumPy's
+    default; ``statistics.quantiles`` needs two values and gives no 0th or 100th); nan for none."""
+    return float(np.percentile(values, q)) if len(values) else float("nan")
 
 
 def _request_kwargs(method: Method, engine, cfg: LoadConfig) -> dict[str, Any]:

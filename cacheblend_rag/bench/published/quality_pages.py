@@ -404,7 +404,15 @@ def _hint_values(res: Results) -> dict[str, Any]:
     return _hint(res)
 
 
+def _attribution(res: Results) -> str:
+    from ..attribution import table_from_file
+
+    res.rows("attribution_qwen05.jsonl")  # declared as read (the caption names it)
+    return table_from_file(res.folder / "attribution_qwen05.jsonl")
+
+
 TABLES = {
+    "attribution-qwen05": Table(("attribution_qwen05.jsonl",), _attribution),
     "fidelity-qwen05": _main_table(_qwen05),
     "fidelity-qwen05-by-dataset": Table(QWEN05, _by_dataset(_qwen05)),
     "fidelity-qwen05-paired": Table(QWEN05, _paired(_qwen05)),

@@ -123,3 +123,41 @@ def test_background_precompute_error_is_kept_for_wait(tiny_engine, vectorstore, 
     with pytest.raises(OSError, match="disk full"):
         bg.wait()
     bg.wait()  # reported once
+
+
+def test_chain_maps_the_question_attention_onto_its_documents(tiny_engine, vectorstore):
+    import asyncio
+
+    from langchain_core.documents import Document
+    from langchain_core.retrievers import BaseRetriever
+
+    inner = vectorstore.as_retriever(search_kwargs={"k": 3})
+    docs = inner.invoke(QUESTION)
+    ref = tiny_engine.generate(QUESTION, [d.page_content for d in docs], max_new_tokens=5)
+    shares = ref.stats["chunk_attention"]
+    assert len(shares) == 3 and sum(shares) == pytest.approx(1.0)
+    for llm in (ChatCacheBlend(engine=tiny_engine, max_new_tokens=5), CacheBlendLLM(engine=tiny_engine, max_new_tokens=5)):
+        chain = create_cacheblend_rag_chain(inner, llm, return_source_documents=True)
+        out = chain.invoke(QUESTION)
+        assert out["answer"] == ref.text and out["documents"] == docs
+        assert out["chunk_attention"] == pytest.approx(shares)
+        assert asyncio.run(chain.ainvoke(QUESTION))["chunk_attention"] == pytest.approx(shares)
+        parts = list(chain.stream(QUESTION))
+        assert "".join(p.get("answer", "") for p in parts) == ref.text  # the answer streams as decoded
+        assert parts[-1] == {"chunk_attention": pytest.approx(shares)}
+    # The chat model's own metadata carries the shares too, in the engine's chunk order.
+    msg = ChatCacheBlend(engine=tiny_engine, max_new_tokens=5).invoke({"question": QUESTION, "context": docs})
+    assert msg.response_metadata["chunk_attention"] == pytest.approx(shares)
+
+    class Repeats(BaseRetriever):  # a blank page and a repeat: read as no chunk of their own
+        def _get_relevant_documents(self, query, *, run_manager):
+            return [docs[0], Document(page_content=" "), docs[1], docs[0]]
+
+    out = create_cacheblend_rag_chain(Repeats(), ChatCacheBlend(engine=tiny_engine, max_new_tokens=5),
+                                      return_source_documents=True).invoke(QUESTION)
+    two = tiny_engine.generate(QUESTION, [docs[0].page_content, docs[1].page_content], max_new_tokens=5).stats["chunk_attention"]
+    assert out["chunk_attention"] == [pytest.approx(two[0]), None, pytest.approx(two[1]), None]
+    # A mode that does not measure attention: None for the whole entry.
+    full = create_cacheblend_rag_chain(inner, ChatCacheBlend(engine=tiny_engine, max_new_tokens=5, mode="full_recompute"),
+                                       return_source_documents=True).invoke(QUESTION)
+    assert full["chunk_attention"] is None and full["answer"]

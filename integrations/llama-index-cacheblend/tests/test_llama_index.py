@@ -197,6 +197,50 @@ def test_precompute_postprocessor_passes_nodes_through(engine, index):
     assert (stats["chunk_hits"], stats["chunk_misses"]) == (TOP_K, 0)
 
 
+def test_source_nodes_can_be_scored_by_the_question_attention(engine, index):
+    retrieved = index.as_retriever(similarity_top_k=TOP_K).retrieve(QUESTION)
+    resp = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, source_scores="attention", **GEN).query(QUESTION)
+    shares = resp.metadata["cacheblend"]["chunk_attention"]
+    # The engine's own shares for these chunks, one per node in retrieved order, summing to 1.
+    direct = engine.generate(QUESTION, chunk_texts(retrieved), **GEN).stats["chunk_attention"]
+    assert [n.score for n in resp.source_nodes] == pytest.approx(direct) == shares
+    assert sum(shares) == pytest.approx(1.0)
+    assert [n.node.metadata["retriever_score"] for n in resp.source_nodes] == [n.score for n in retrieved]
+    # Copies: the text (and so the chunk's cache key) is unchanged, the docstore's nodes untouched.
+    assert chunk_texts(resp.source_nodes) == chunk_texts(retrieved)
+    assert all("retriever_score" not in index.docstore.get_node(n.node.node_id).metadata for n in resp.source_nodes)
+    # By default, or in a mode that does not measure it, the retriever's nodes and scores.
+    default = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, **GEN).query(QUESTION)
+    assert default.source_nodes == retrieved and default.metadata["cacheblend"]["chunk_attention"] == pytest.approx(shares)
+    full = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, mode="full_recompute", source_scores="attention",
+                                            **GEN).query(QUESTION)
+    assert "chunk_attention" not in full.metadata["cacheblend"]
+    assert full.source_nodes == retrieved
+
+
+def test_streamed_source_nodes_get_their_scores_with_the_stats(engine, index):
+    plain = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, source_scores="attention", **GEN).query(QUESTION)
+    resp = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, streaming=True, source_scores="attention",
+                                            **GEN).query(QUESTION)
+    before = [n.score for n in resp.source_nodes]
+    assert before == [n.node.metadata.get("retriever_score", n.score) for n in plain.source_nodes]
+    "".join(resp.response_gen)
+    assert [n.score for n in resp.source_nodes] == pytest.approx([n.score for n in plain.source_nodes])
+
+
+def test_repeated_and_empty_nodes_get_no_share(engine):
+    twin = TextNode(text=PASSAGES[0][1], metadata={"topic": PASSAGES[0][0]}, id_="twin")
+    nodes = [NodeWithScore(node=TextNode(text=t, metadata={"topic": topic}, id_=f"m{i}"), score=1.0 - i / 10)
+             for i, (topic, t) in enumerate(PASSAGES[:2])]
+    nodes += [NodeWithScore(node=twin, score=0.5), NodeWithScore(node=TextNode(text="  ", id_="blank"), score=0.4)]
+    resp = CacheBlendSynthesizer(engine=engine, source_scores="attention", **GEN).synthesize(QUESTION, nodes)
+    scores = [n.score for n in resp.source_nodes]
+    assert scores[2:] == [None, None] and sum(scores[:2]) == pytest.approx(1.0)
+    assert [n.node.metadata["retriever_score"] for n in resp.source_nodes] == [n.score for n in nodes]
+    with pytest.raises(ValueError, match="source_scores='rank': choose 'retriever' or 'attention'"):
+        CacheBlendSynthesizer(engine=engine, source_scores="rank")
+
+
 # ---------------------------------------------------------------------------- streaming and async
 def _learned(engine, qe) -> None:
     """Serve QUESTION once and let the engine finish caching its nodes behind each other, so that

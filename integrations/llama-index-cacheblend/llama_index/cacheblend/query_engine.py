@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, List, Literal, Optional
 
 from cacheblend_rag import CacheBlendEngine
 from cacheblend_rag.learned_neighbours import LearnConfig
@@ -67,6 +67,7 @@ class CacheBlendQueryEngine(RetrieverQueryEngine):
         llm: Optional[CacheBlendLLM] = None,
         text_qa_template: Optional[BasePromptTemplate] = None,
         neighbours: int = 2,
+        source_scores: Literal["retriever", "attention"] = "retriever",
         **gen: Any,
     ) -> "CacheBlendQueryEngine":
         """Query ``index`` with CacheBlend in one line.
@@ -74,6 +75,9 @@ class CacheBlendQueryEngine(RetrieverQueryEngine):
         llm: the CacheBlendLLM to answer with (e.g. the one in ``Settings.llm``); else one is
             built over ``engine`` (default: the bundled model) with the ``**gen`` settings.
         text_qa_template: the prompt around the chunks (see :class:`CacheBlendSynthesizer`).
+        source_scores: ``response.source_nodes`` scored by the retriever (default) or by the
+            question's attention share (``"attention"``; the retriever's score then stays in
+            ``node.metadata["retriever_score"]``; see :class:`CacheBlendSynthesizer`).
         similarity_top_k: nodes retrieved per query, each one a cached chunk.
         precompute: store the KV of every node in the index now (``precompute_index``), so even
             the first query reuses caches. Without it a chunk is computed (and stored) the first
@@ -90,7 +94,8 @@ class CacheBlendQueryEngine(RetrieverQueryEngine):
             precompute_index(index, llm.engine, progress=show_progress, metadata_mode=metadata_mode, neighbours=neighbours)
         elif neighbours:
             llm.engine.learn_neighbours(LearnConfig(neighbours=neighbours))
-        synth = CacheBlendSynthesizer(llm=llm, streaming=streaming, metadata_mode=metadata_mode, text_qa_template=text_qa_template)
+        synth = CacheBlendSynthesizer(llm=llm, streaming=streaming, metadata_mode=metadata_mode, text_qa_template=text_qa_template,
+                                      source_scores=source_scores)
         return cls(
             retriever=index.as_retriever(similarity_top_k=similarity_top_k),
             response_synthesizer=synth,
@@ -108,12 +113,14 @@ class CacheBlendQueryEngine(RetrieverQueryEngine):
         metadata_mode: MetadataMode = DEFAULT_METADATA_MODE,
         text_qa_template: Optional[BasePromptTemplate] = None,
         engine: Optional[CacheBlendEngine] = None,
+        source_scores: Literal["retriever", "attention"] = "retriever",
         **gen: Any,
     ) -> "CacheBlendQueryEngine":
         """Like ``RetrieverQueryEngine.from_args`` but always with a CacheBlendSynthesizer
         (``llm``, else one over ``engine``, default the bundled model)."""
         llm = _resolve_llm(llm, engine, gen)
-        synth = CacheBlendSynthesizer(llm=llm, streaming=streaming, metadata_mode=metadata_mode, text_qa_template=text_qa_template)
+        synth = CacheBlendSynthesizer(llm=llm, streaming=streaming, metadata_mode=metadata_mode, text_qa_template=text_qa_template,
+                                      source_scores=source_scores)
         return cls(retriever, synth, node_postprocessors, callback_manager)
 
     @property

@@ -9,10 +9,11 @@ formatted over the chunks, and the chunks passed alongside so none of them is re
 
 from __future__ import annotations
 
-from typing import Any, AsyncGenerator, Dict, Generator, List, Optional, Sequence
+from typing import Any, AsyncGenerator, Callable, Dict, Generator, List, Literal, Optional, Sequence
 
 import llama_index.core.instrumentation as instrument
 from cacheblend_rag.prompt import validate_question
+from cacheblend_rag.sources import STATS_KEY as SOURCES_KEY, attention_by_text
 from llama_index.core.base.response.schema import RESPONSE_TYPE, Response, StreamingResponse
 from llama_index.core.callbacks.base import CallbackManager
 from llama_index.core.callbacks.schema import CBEventType, EventPayload
@@ -25,7 +26,7 @@ from llama_index.core.response_synthesizers.base import BaseSynthesizer, QueryTe
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
 from .llm import CacheBlendLLM
-from .nodes import DEFAULT_METADATA_MODE, node_chunks
+from .nodes import DEFAULT_METADATA_MODE, has_text, node_chunks, node_text
 
 try:  # llama-index-core >= 0.12.x ships an async streaming response
     from llama_index.core.base.response.schema import AsyncStreamingResponse
@@ -36,6 +37,10 @@ dispatcher = instrument.get_dispatcher(__name__)
 
 #: ``Response.metadata`` key holding the engine's stats (chunk_hits, chunk_misses, ttft_s, ...).
 STATS_KEY = "cacheblend"
+
+#: Node metadata key holding the retriever's score once ``source_nodes`` carry the attention share.
+RETRIEVER_SCORE_KEY = "retriever_score"
+SOURCE_SCORES = ("retriever", "attention")
 
 #: The default QA template: the chunks, then the question. The engine's prompt adds its own
 #: instruction, so the question turn is just the query.
@@ -72,9 +77,21 @@ class CacheBlendSynthesizer(BaseSynthesizer):
             The chunks become the engine's documents and the template's other text the question
             turn (after the engine's own instruction). Also settable with
             ``update_prompts({"text_qa_template": ...})``.
+        source_scores: what ``response.source_nodes[i].score`` holds. ``"retriever"`` (default):
+            the retriever's score; the nodes are returned as retrieved. ``"attention"``: the
+            node's share of the question's attention (``cacheblend_rag.sources``; the retrieved
+            nodes' shares sum to 1, None for a node without text or repeating an earlier node's
+            text), the way a reranker replaces the retriever's score. Each such node is a copy
+            whose ``metadata["retriever_score"]`` keeps the retriever's score, left out of the
+            text the LLM and the embedder see; nodes stay in retrieved order. Only where the
+            answer's mode measures it (question-guided selection, the default); otherwise the
+            nodes are returned as retrieved. On the models measured the share follows the
+            chunk's place in the prompt more than its relevance (docs/sources.md): it says what
+            the model read, not which node is relevant.
 
     The response's ``metadata`` maps node ids to node metadata as usual, plus ``"cacheblend"``:
-    the engine's stats (for a streaming response, filled in once the stream is exhausted).
+    the engine's stats, ``chunk_attention`` among them (for a streaming response, filled in once
+    the stream is exhausted, and the source nodes' scores with them).
     Empty or missing nodes raise ValueError instead of LlamaIndex's "Empty Response".
     """
 
@@ -87,8 +104,11 @@ class CacheBlendSynthesizer(BaseSynthesizer):
         metadata_mode: MetadataMode = DEFAULT_METADATA_MODE,
         callback_manager: Optional[CallbackManager] = None,
         text_qa_template: Optional[BasePromptTemplate] = None,
+        source_scores: Literal["retriever", "attention"] = "retriever",
         **gen: Any,
     ) -> None:
+        if source_scores not in SOURCE_SCORES:
+            raise ValueError(f"source_scores={source_scores!r}: choose 'retriever' or 'attention' (the question's attention share)")
         if llm is None:
             llm = CacheBlendLLM(engine=engine, **gen)
         elif not isinstance(llm, CacheBlendLLM):
@@ -101,6 +121,7 @@ class CacheBlendSynthesizer(BaseSynthesizer):
         super().__init__(llm=llm, callback_manager=callback_manager, streaming=streaming)
         self._metadata_mode = metadata_mode
         self._text_qa_template = check_qa_template(text_qa_template or DEFAULT_CACHEBLEND_QA_PROMPT)
+        self._source_scores = source_scores
 
     @property
     def llm(self) -> CacheBlendLLM:
@@ -109,6 +130,19 @@ class CacheBlendSynthesizer(BaseSynthesizer):
     @property
     def metadata_mode(self) -> MetadataMode:
         return self._metadata_mode
+
+    @property
+    def source_scores(self) -> str:
+        return self._source_scores
+
+    def scored_sources(self, nodes: Sequence[NodeWithScore], stats: Dict[str, Any]) -> List[NodeWithScore]:
+        """``nodes`` (the retrieved ones, in order) with the question's attention share as their
+        score (see ``source_scores``), or unchanged when the stats hold none."""
+        shares = stats.get(SOURCES_KEY)
+        if self._source_scores != "attention" or shares is None:
+            return list(nodes)
+        texts = [node_text(n, self._metadata_mode) if has_text(n) else "" for n in nodes]
+        return [_rescored(n, share) for n, share in zip(nodes, attention_by_text(texts, shares))]
 
     def _get_prompts(self) -> PromptDictType:
         return {"text_qa_template": self._text_qa_template}
@@ -173,11 +207,13 @@ class CacheBlendSynthesizer(BaseSynthesizer):
             response: RESPONSE_TYPE
             if self._streaming:
                 responses = self.llm.stream_complete(prompt, formatted=True, chunks=chunks, **response_kwargs)
-                response = StreamingResponse(_deltas(responses, metadata), source_nodes=source_nodes, metadata=metadata)
+                response = StreamingResponse(_deltas(responses, metadata, self._rescore(nodes, source_nodes)),
+                                             source_nodes=source_nodes, metadata=metadata)
             else:
                 completion = self.llm.complete(prompt, formatted=True, chunks=chunks, **response_kwargs)
                 metadata[STATS_KEY] = completion.additional_kwargs["cacheblend"]
-                response = Response(completion.text, source_nodes=source_nodes, metadata=metadata)
+                response = Response(completion.text, source_nodes=self._sources(nodes, source_nodes, metadata[STATS_KEY]),
+                                    metadata=metadata)
             event.on_end(payload={EventPayload.RESPONSE: response})
         dispatcher.event(SynthesizeEndEvent(query=query, response=response))
         return response
@@ -197,31 +233,65 @@ class CacheBlendSynthesizer(BaseSynthesizer):
             response: RESPONSE_TYPE
             if self._streaming and AsyncStreamingResponse is not None:
                 aresponses = await self.llm.astream_complete(prompt, formatted=True, chunks=chunks, **response_kwargs)
-                response = AsyncStreamingResponse(_adeltas(aresponses, metadata), source_nodes=source_nodes, metadata=metadata)
+                response = AsyncStreamingResponse(_adeltas(aresponses, metadata, self._rescore(nodes, source_nodes)),
+                                                  source_nodes=source_nodes, metadata=metadata)
             elif self._streaming:  # pragma: no cover - older cores: a sync stream
                 responses = self.llm.stream_complete(prompt, formatted=True, chunks=chunks, **response_kwargs)
-                response = StreamingResponse(_deltas(responses, metadata), source_nodes=source_nodes, metadata=metadata)
+                response = StreamingResponse(_deltas(responses, metadata, self._rescore(nodes, source_nodes)),
+                                             source_nodes=source_nodes, metadata=metadata)
             else:
                 completion = await self.llm.acomplete(prompt, formatted=True, chunks=chunks, **response_kwargs)
                 metadata[STATS_KEY] = completion.additional_kwargs["cacheblend"]
-                response = Response(completion.text, source_nodes=source_nodes, metadata=metadata)
+                response = Response(completion.text, source_nodes=self._sources(nodes, source_nodes, metadata[STATS_KEY]),
+                                    metadata=metadata)
             event.on_end(payload={EventPayload.RESPONSE: response})
         dispatcher.event(SynthesizeEndEvent(query=query, response=response))
         return response
 
+    def _sources(self, nodes: Sequence[NodeWithScore], source_nodes: List[NodeWithScore], stats: Dict[str, Any]) -> List[NodeWithScore]:
+        # The retrieved nodes rescored; additional source nodes were no chunk: as given.
+        return self.scored_sources(nodes, stats) + source_nodes[len(nodes):]
 
-def _deltas(responses: CompletionResponseGen, metadata: Dict[str, Any]) -> Generator[str, None, None]:
-    """The text deltas of a completion stream; its last response's stats go into ``metadata``."""
+    def _rescore(self, nodes: Sequence[NodeWithScore], source_nodes: List[NodeWithScore]) -> Callable[[Dict[str, Any]], None]:
+        """For a stream: rescore the response's own ``source_nodes`` list once the stats arrive."""
+        retrieved = list(nodes)
+
+        def on_stats(stats: Dict[str, Any]) -> None:
+            source_nodes[:] = self._sources(retrieved, source_nodes, stats)
+
+        return on_stats
+
+
+def _rescored(node: NodeWithScore, share: Optional[float]) -> NodeWithScore:
+    """A copy of ``node`` scored ``share``, the retriever's score kept in its metadata (excluded
+    from the LLM's and the embedder's text, so the chunk text and its cache key stay the same).
+    The node object itself may be the docstore's: it is never changed."""
+    base = node.node.model_copy()
+    base.metadata = {**node.node.metadata, RETRIEVER_SCORE_KEY: node.score}
+    base.excluded_llm_metadata_keys = [*node.node.excluded_llm_metadata_keys, RETRIEVER_SCORE_KEY]
+    base.excluded_embed_metadata_keys = [*node.node.excluded_embed_metadata_keys, RETRIEVER_SCORE_KEY]
+    return NodeWithScore(node=base, score=share)
+
+
+def _deltas(responses: CompletionResponseGen, metadata: Dict[str, Any],
+            on_stats: Optional[Callable[[Dict[str, Any]], None]] = None) -> Generator[str, None, None]:
+    """The text deltas of a completion stream; its last response's stats go into ``metadata``
+    and to ``on_stats``."""
     for r in responses:
         if "cacheblend" in r.additional_kwargs:
             metadata[STATS_KEY] = r.additional_kwargs["cacheblend"]
+            if on_stats is not None:
+                on_stats(metadata[STATS_KEY])
         if r.delta:
             yield r.delta
 
 
-async def _adeltas(responses: CompletionResponseAsyncGen, metadata: Dict[str, Any]) -> AsyncGenerator[str, None]:
+async def _adeltas(responses: CompletionResponseAsyncGen, metadata: Dict[str, Any],
+                   on_stats: Optional[Callable[[Dict[str, Any]], None]] = None) -> AsyncGenerator[str, None]:
     async for r in responses:
         if "cacheblend" in r.additional_kwargs:
             metadata[STATS_KEY] = r.additional_kwargs["cacheblend"]
+            if on_stats is not None:
+                on_stats(metadata[STATS_KEY])
         if r.delta:
             yield r.delta
