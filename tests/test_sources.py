@@ -67,7 +67,7 @@ PLANTED = "The Harwick lighthouse was painted blue in 1921 by Margaret Oyelaran,
 def test_the_chunk_holding_the_answer_draws_more_attention_than_a_neutral_one_in_its_place(tmp_path):
     """Qwen2.5-Coder-0.5B: wherever the chunk holding the answer sits, its share is larger than
     a neutral chunk's at the same place (the share also grows with nearness to the question, so
-    a position-paired comparison is the fair one; SmolLM2-135M fails it: docs/sources.md)."""
+    a position-paired comparison is the fair one). SmolLM2-135M fails it (docs/sources.md)."""
     from cacheblend_rag import BlendConfig, CacheBlendEngine
     from cacheblend_rag.bench.qwen import qwen_gguf_path
 
