@@ -32,7 +32,9 @@ ALLOWED: list[tuple[str, str]] = [
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
-        "--allowed-skips", choices=("ci", "none"), default="ci",
+        "--allowed-skips",
+        choices=("ci", "none"),
+        default="ci",
         help="skip_gate: 'ci' allows the reasons listed in .ci/skip_gate.py, 'none' allows no skip",
     )
 
@@ -81,8 +83,11 @@ class SkipGate:
         refused = self.refused()
         for node, where in refused:
             tr.write_line(f"NOT ALLOWED: {node}: {where}", red=True)
-        tr.write_line(f"{len(self.skips)} skipped, {len(refused)} not on the allowed list (.ci/skip_gate.py)",
-                      red=bool(refused), green=not refused)
+        tr.write_line(
+            f"{len(self.skips)} skipped, {len(refused)} not on the allowed list (.ci/skip_gate.py)",
+            red=bool(refused),
+            green=not refused,
+        )
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -177,7 +177,9 @@ def blend_attention_forward(module, query, key, value, attention_mask, **kwargs)
             return tail, None
         head_mask = attention_mask[:, :, :-n] if attention_mask is not None else None
         head_groups = [(a, min(b, query.shape[2] - n), e) for a, b, e in (groups or []) if a < query.shape[2] - n]
-        head = blend_attention_forward(module, query[:, :, :-n], key, value, head_mask, **kwargs, **{GROUPS_KWARG: head_groups or None})[0]
+        head = blend_attention_forward(
+            module, query[:, :, :-n], key, value, head_mask, **kwargs, **{GROUPS_KWARG: head_groups or None}
+        )[0]
         return torch.cat([head, tail], dim=1), None
     if pad:
         return _padded_causal(module, query, key, value, pad, **kwargs)

@@ -253,8 +253,11 @@ class Backbone:
     def check_fits(self, n: int, what: str, reserve: int = 0) -> None:
         """Refuse ``what`` (``n`` tokens, plus ``reserve`` to generate) beyond :attr:`context_window`."""
         if n + reserve > self.context_window:
-            window = "" if self.window is None else (
-                f" (its sliding attention window of {self.window} less one: inside it the fused prefill is exact)")
+            window = (
+                ""
+                if self.window is None
+                else (f" (its sliding attention window of {self.window} less one: inside it the fused prefill is exact)")
+            )
             raise ValueError(
                 f"{what} is {n} tokens{f' plus {reserve} to generate' if reserve else ''}, more than "
                 f"the model's context window of {self.context_window} tokens{window}: retrieve fewer or "

@@ -143,11 +143,15 @@ class ChunkCache:
             computed += fresh
         return computed
 
-    def compute_behind(self, store: ChunkStore, segment: Segment, behind: Sequence[Segment], *, learned: bool) -> tuple[str, bool]:
+    def compute_behind(
+        self, store: ChunkStore, segment: Segment, behind: Sequence[Segment], *, learned: bool
+    ) -> tuple[str, bool]:
         """Store ``segment``'s cache prefilled behind ``behind`` (unless stored already) and index it
         as one of its neighbour-aware caches; returns its key and whether it was computed now."""
         context = list(self.prompts.prefix_ids) + [t for b in behind for t in b.token_ids]
-        self.backbone.check_fits(len(context) + len(segment), f"chunk {segment.text[:40]!r}... behind {len(behind)} neighbours (use fewer neighbours)")
+        self.backbone.check_fits(
+            len(context) + len(segment), f"chunk {segment.text[:40]!r}... behind {len(behind)} neighbours (use fewer neighbours)"
+        )
         nb_key = self.key(segment, context_ids=context)
         fresh = not store.contains(nb_key)
         if fresh:
@@ -183,6 +187,7 @@ class ChunkCache:
         the slicing copies too run off the request's path. ``kv`` is [layers](K, V) [1, kv_heads,
         prompt, head_dim]; nothing writes into it in place afterwards (decoding appends into new
         tensors), so the writer reads the very values the answer used."""
+
         def put(key: str, off: int, n: int) -> None:
             store.put(key, [(k[0, :, off : off + n].contiguous(), v[0, :, off : off + n].contiguous()) for k, v in kv])
 

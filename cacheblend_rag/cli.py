@@ -69,8 +69,9 @@ def _ask(args: argparse.Namespace) -> int:
 
     if args.top_k < 0:
         raise SystemExit(f"error: --top-k {args.top_k}: pass a number of chunks >= 1, or 0 to send every chunk")
-    engine = CacheBlendEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, weights=args.weights,
-                                              store=_store(args.store))
+    engine = CacheBlendEngine.from_pretrained(
+        args.model, device=args.device, dtype=args.dtype, weights=args.weights, store=_store(args.store)
+    )
     try:
         chunks = retrieve(args.question, read_chunks(args.files, engine.tokenizer, args.chunk_tokens), args.top_k)
         if args.precompute:
@@ -130,8 +131,10 @@ _SERVER_LIMITS: dict[str, tuple[type, str]] = {
     "max_header_bytes": (int, "largest request header block in bytes (default 16384)"),
 }
 
-STORE_HELP = ("chunk cache tiers below memory, fastest first, comma-separated: disk, redis://host:6379/0 "
-              "(rediss:// for TLS); e.g. disk,redis://cache:6379/0 shares caches through Redis (default: disk)")
+STORE_HELP = (
+    "chunk cache tiers below memory, fastest first, comma-separated: disk, redis://host:6379/0 "
+    "(rediss:// for TLS); e.g. disk,redis://cache:6379/0 shares caches through Redis (default: disk)"
+)
 
 
 def _store(text: str | None) -> list[str] | None:
@@ -146,20 +149,29 @@ def _serve(args: argparse.Namespace) -> int:
         from .server import ServerConfig, create_app
         from .server.limits import uvicorn_settings
     except ImportError as exc:
-        raise SystemExit(f"error: serve needs the server extra ({exc.name} is missing): pip install 'cacheblend-rag[server]'") from None
+        raise SystemExit(
+            f"error: serve needs the server extra ({exc.name} is missing): pip install 'cacheblend-rag[server]'"
+        ) from None
     from .engine import CacheBlendEngine
 
     if args.max_queue < 0:
         raise SystemExit(f"error: --max-queue {args.max_queue}: pass how many requests may wait (>= 0)")
     if args.max_batch < 1:
-        raise SystemExit(f"error: --max-batch {args.max_batch}: pass how many answers to decode together (>= 1; 1: one at a time)")
+        raise SystemExit(
+            f"error: --max-batch {args.max_batch}: pass how many answers to decode together (>= 1; 1: one at a time)"
+        )
     try:
-        config = ServerConfig(model_name=args.served_model_name, max_batch=args.max_batch, max_queue=args.max_queue,
-                              **{name: getattr(args, name) for name in _SERVER_LIMITS if getattr(args, name) is not None})
+        config = ServerConfig(
+            model_name=args.served_model_name,
+            max_batch=args.max_batch,
+            max_queue=args.max_queue,
+            **{name: getattr(args, name) for name in _SERVER_LIMITS if getattr(args, name) is not None},
+        )
     except ValueError as exc:  # checked before the model loads
         raise SystemExit(f"error: {exc}") from None
-    engine = CacheBlendEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, weights=args.weights,
-                                              store_dir=args.store_dir, store=_store(args.store))
+    engine = CacheBlendEngine.from_pretrained(
+        args.model, device=args.device, dtype=args.dtype, weights=args.weights, store_dir=args.store_dir, store=_store(args.store)
+    )
     try:
         app = create_app(engine, config)
         # uvicorn stops on SIGINT/SIGTERM gracefully: it stops accepting connections, lets open
@@ -186,10 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("question")
     ask.add_argument("files", nargs="+", help="text files (split into paragraph chunks) or .json lists of chunks")
     ask.add_argument(
-        "--top-k", type=int, default=6,
+        "--top-k",
+        type=int,
+        default=6,
         help="answer over the K chunks most similar to the question (bundled MiniLM embedder; default 6; 0: every chunk)",
     )
-    ask.add_argument("--json", action="store_true", help="print one JSON object (answer, chunks used, stats) instead of streaming")
+    ask.add_argument(
+        "--json", action="store_true", help="print one JSON object (answer, chunks used, stats) instead of streaming"
+    )
     ask.add_argument("--model", default=None, help="model dir, .gguf file or hub id (default: bundled SmolLM2-135M-Instruct)")
     ask.add_argument("--mode", default="cacheblend", choices=list(MODES))
     ask.add_argument("--ratio", type=float, default=None, help="recompute ratio (default 0.15)")
@@ -208,10 +224,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--store-dir", default=None, help="chunk KV store directory (default: <cache home>/kv)")
     serve.add_argument("--store", default=None, help=STORE_HELP)
-    serve.add_argument("--max-batch", type=int, default=8,
-                       help="answers decoded together, sharing each decode step (default 8; 1: one answer at a time)")
-    serve.add_argument("--max-queue", type=int, default=8,
-                       help="requests that may wait while --max-batch answers run; more get 503 (default 8)")
+    serve.add_argument(
+        "--max-batch",
+        type=int,
+        default=8,
+        help="answers decoded together, sharing each decode step (default 8; 1: one answer at a time)",
+    )
+    serve.add_argument(
+        "--max-queue", type=int, default=8, help="requests that may wait while --max-batch answers run; more get 503 (default 8)"
+    )
     for name, (kind, help_text) in _SERVER_LIMITS.items():
         serve.add_argument("--" + name.removesuffix("_s").replace("_", "-"), dest=name, type=kind, default=None, help=help_text)
     serve.add_argument("--served-model-name", default=None, help="the name clients pass as model (default: the model's id)")

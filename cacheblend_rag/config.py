@@ -115,7 +115,11 @@ class BlendConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 < value < float("inf"):
                 raise ValueError(f"{name}={value!r} must be a positive finite number (1.0: attention unchanged)")
-        if isinstance(self.hybrid_seed, bool) or not isinstance(self.hybrid_seed, numbers.Real) or not 1.0 <= self.hybrid_seed < float("inf"):
+        if (
+            isinstance(self.hybrid_seed, bool)
+            or not isinstance(self.hybrid_seed, numbers.Real)
+            or not 1.0 <= self.hybrid_seed < float("inf")
+        ):
             raise ValueError(f"hybrid_seed={self.hybrid_seed!r} must be a finite number >= 1 (the seed's size in budgets)")
         if not isinstance(self.selection_window, int) or self.selection_window < 0:
             raise ValueError(f"selection_window={self.selection_window!r} must be an int >= 0")
@@ -140,9 +144,7 @@ class BlendConfig:
                     "increasing, non-negative layer indices"
                 )
             if any(not 0.0 <= f <= 1.0 for f in fracs) or fracs != sorted(fracs, reverse=True):
-                raise ValueError(
-                    f"schedule={self.schedule!r}: fractions must lie in [0, 1] and never grow"
-                )
+                raise ValueError(f"schedule={self.schedule!r}: fractions must lie in [0, 1] and never grow")
 
     @property
     def reweights_context(self) -> bool:

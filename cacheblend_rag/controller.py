@@ -44,6 +44,7 @@ __all__ = ["Decision", "DeviceProfile", "FusedCost", "LoadingController", "TierP
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class Decision:
     ratio: float  # the recompute ratio to use
@@ -135,7 +136,9 @@ class LoadingController:
         if self._load_delay is not None:
             return float(self._load_delay(tier, tokens))
         if tier not in self.profile.tiers:
-            raise KeyError(f"tier {tier!r} is not in the profile (has {sorted(self.profile.tiers)}); profile it or pass load_delay")
+            raise KeyError(
+                f"tier {tier!r} is not in the profile (has {sorted(self.profile.tiers)}); profile it or pass load_delay"
+            )
         return self.profile.kv_bytes(tokens, tier) / self.profile.tiers[tier].read_bytes_per_s
 
     def contention_delay(self, tier: str, tokens: int) -> float:
@@ -193,7 +196,8 @@ class LoadingController:
         recomputing ``ratio`` of them."""
         budget = self.recompute_delay(ratio, context_tokens)
         return [
-            t for t in self.profile.tiers
+            t
+            for t in self.profile.tiers
             if self.load_delay(t, context_tokens) - self.contention_delay(t, context_tokens) <= budget
         ]
 
@@ -251,16 +255,20 @@ class LoadingController:
         if path.is_file():
             profile = DeviceProfile.load(path)
             if profile.fingerprint != engine.fingerprint:
-                raise ValueError(f"profile {path} was measured for another model ({profile.model_id}); re-run `cacheblend-rag profile`")
+                raise ValueError(
+                    f"profile {path} was measured for another model ({profile.model_id}); re-run `cacheblend-rag profile`"
+                )
             if profile.fused is None:
                 log.warning(
                     "profile %s has no fused-cost calibration (measured by an older version): using the "
-                    "uncalibrated estimator, which under-predicts recompute; run `cacheblend-rag profile --force`", path,
+                    "uncalibrated estimator, which under-predicts recompute; run `cacheblend-rag profile --force`",
+                    path,
                 )
             elif not fused_code_matches(profile):
                 log.warning(
                     "profile %s calibrated the fused prefill with other fusor/loader code; its recompute estimates may "
-                    "be off: run `cacheblend-rag profile --force`", path,
+                    "be off: run `cacheblend-rag profile --force`",
+                    path,
                 )
         elif measure:
             profile = profile_engine(engine)

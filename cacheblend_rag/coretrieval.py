@@ -70,8 +70,11 @@ class CoRetrieval:
     # ------------------------------------------------------------------ persistence
     def to_json(self) -> dict[str, Any]:
         with self._lock:
-            return {"max_chunks": self.max_chunks, "max_predecessors": self.max_predecessors,
-                    "counts": [[k, dict(v)] for k, v in self._counts.items()]}
+            return {
+                "max_chunks": self.max_chunks,
+                "max_predecessors": self.max_predecessors,
+                "counts": [[k, dict(v)] for k, v in self._counts.items()],
+            }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CoRetrieval:
@@ -79,8 +82,9 @@ class CoRetrieval:
         try:
             out = cls(int(data["max_chunks"]), int(data["max_predecessors"]))
             for key, counts in data["counts"][-out.max_chunks :]:
-                if not isinstance(key, str) or not all(isinstance(p, str) and isinstance(c, int) and c > 0
-                                                       for p, c in counts.items()):
+                if not isinstance(key, str) or not all(
+                    isinstance(p, str) and isinstance(c, int) and c > 0 for p, c in counts.items()
+                ):
                     raise ValueError("a co-retrieval entry is not {chunk key: {key: positive count}}")
                 kept = sorted(counts.items(), key=lambda pc: -pc[1])[: out.max_predecessors]
                 out._counts[key] = dict(kept)

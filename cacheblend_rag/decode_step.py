@@ -40,10 +40,14 @@ def _fused(linears: list[nn.Module]) -> nn.Module:
     them (a fused fp16 linear adds its half-size packed matrix)."""
     weight = torch.cat([m.weight for m in linears])
     biases = [m.bias for m in linears]
-    bias = None if all(b is None for b in biases) else torch.cat(
-        [b if b is not None else weight.new_zeros(m.weight.shape[0]) for m, b in zip(linears, biases)])
-    fused: nn.Module = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device,
-                                 dtype=weight.dtype).requires_grad_(False)
+    bias = (
+        None
+        if all(b is None for b in biases)
+        else torch.cat([b if b is not None else weight.new_zeros(m.weight.shape[0]) for m, b in zip(linears, biases)])
+    )
+    fused: nn.Module = nn.Linear(
+        weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype
+    ).requires_grad_(False)
     fused.weight.data = weight
     if bias is not None:
         fused.bias.data = bias
@@ -86,12 +90,19 @@ class FastDecodeStep:
         self.layers = []
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            self.layers.append(_Layer(
-                layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
-                _fused([attn.q_proj, attn.k_proj, attn.v_proj]), attn.o_proj,
-                layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-                _fused([mlp.gate_proj, mlp.up_proj]), mlp.down_proj, float(attn.scaling),
-            ))
+            self.layers.append(
+                _Layer(
+                    layer.input_layernorm.weight,
+                    layer.input_layernorm.variance_epsilon,
+                    _fused([attn.q_proj, attn.k_proj, attn.v_proj]),
+                    attn.o_proj,
+                    layer.post_attention_layernorm.weight,
+                    layer.post_attention_layernorm.variance_epsilon,
+                    _fused([mlp.gate_proj, mlp.up_proj]),
+                    mlp.down_proj,
+                    float(attn.scaling),
+                )
+            )
         self.norm, self.norm_eps = model.model.norm.weight, model.model.norm.variance_epsilon
         self.embed, self.head, self.rotary = model.model.embed_tokens, model.lm_head, model.model.rotary_emb
 
@@ -144,8 +155,9 @@ class FastDecodeStep:
             qkv = layer.qkv(x).view(rows, heads + 2 * kv, 1, d)
             q, k = _rotate(qkv[:, :heads], cos, sin), _rotate(qkv[:, heads : heads + kv], cos, sin)
             keys, values = cache.layers[i].update(k, qkv[:, heads + kv :])  # [rows, kv, length + 1, d]
-            out = F.scaled_dot_product_attention(q.reshape(rows, kv, heads // kv, d), keys, values, attn_mask=attend,
-                                                 scale=layer.scale)
+            out = F.scaled_dot_product_attention(
+                q.reshape(rows, kv, heads // kv, d), keys, values, attn_mask=attend, scale=layer.scale
+            )
             h = h + layer.o(out.reshape(rows, 1, heads * d))
             gate, up = layer.gate_up(F.rms_norm(h, shape, layer.norm2, layer.eps2)).split(self.intermediate, -1)
             h = h + layer.down(F.silu(gate) * up)
@@ -166,8 +178,16 @@ class FastDecodeStep:
                 model(input_ids=ids[None], use_cache=True, **{kw: cache})
             for pos in range(tokens, tokens + steps):
                 token = int(ids[pos % tokens])
-                want = model(input_ids=torch.tensor([[token]], device=device), position_ids=torch.tensor([[pos]], device=device),
-                             use_cache=True, **{kw: theirs}).logits[0, -1].float()
+                want = (
+                    model(
+                        input_ids=torch.tensor([[token]], device=device),
+                        position_ids=torch.tensor([[pos]], device=device),
+                        use_cache=True,
+                        **{kw: theirs},
+                    )
+                    .logits[0, -1]
+                    .float()
+                )
                 got = self(token, pos, mine)
                 err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
                 if not err <= 1e-4:
@@ -198,9 +218,17 @@ class FastDecodeStep:
             for step in range(steps):
                 tokens = [int(ids[step]), int(ids[-1 - step])]
                 mask = torch.cat([mask, mask.new_ones(2, 1)], dim=1)
-                want = model(input_ids=torch.tensor(tokens, device=device)[:, None],
-                             position_ids=torch.tensor(positions, device=device)[:, None], attention_mask=mask,
-                             use_cache=True, **{kw: theirs}).logits[:, -1].float()
+                want = (
+                    model(
+                        input_ids=torch.tensor(tokens, device=device)[:, None],
+                        position_ids=torch.tensor(positions, device=device)[:, None],
+                        attention_mask=mask,
+                        use_cache=True,
+                        **{kw: theirs},
+                    )
+                    .logits[:, -1]
+                    .float()
+                )
                 got = self.batched(tokens, positions, mine, mask)
                 positions = [p + 1 for p in positions]
                 err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
@@ -228,8 +256,17 @@ def _unsupported(model: Any, window: int | None) -> str | None:
     if weight_format(model) not in ("fp32", "fp16"):
         return "an unknown weight format"
     layer = model.model.layers[0]
-    needed = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-              "mlp.up_proj", "mlp.down_proj", "input_layernorm.variance_epsilon", "post_attention_layernorm.variance_epsilon")
+    needed = (
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+        "input_layernorm.variance_epsilon",
+        "post_attention_layernorm.variance_epsilon",
+    )
     for path in needed:
         obj = layer
         for part in path.split("."):

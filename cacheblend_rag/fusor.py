@@ -176,7 +176,9 @@ class QuestionPass:
 
 
 @torch.inference_mode()
-def question_pass(backbone: "Backbone", plan: FusionPlan, load: LayerLoader, *, layers: str = "all", heads: str = "mean") -> QuestionPass:
+def question_pass(
+    backbone: Backbone, plan: FusionPlan, load: LayerLoader, *, layers: str = "all", heads: str = "mean"
+) -> QuestionPass:
     """Run ``plan.always`` (the question and the text between chunks) over the reused K/V of every
     layer and score each position by the attention of the last ``plan.num_query`` rows.
 
@@ -217,7 +219,7 @@ def question_pass(backbone: "Backbone", plan: FusionPlan, load: LayerLoader, *, 
 
 
 @torch.inference_mode()
-def fuse(backbone: "Backbone", plan: FusionPlan, load: LayerLoader, criterion: Criterion | None = None) -> FusionOutput:
+def fuse(backbone: Backbone, plan: FusionPlan, load: LayerLoader, criterion: Criterion | None = None) -> FusionOutput:
     """Prefill ``plan`` layer by layer over ``load(i)``'s K/V; ``criterion`` ranks candidates on
     check layers (a plan without checks needs none)."""
     layers = backbone.layers
@@ -289,7 +291,9 @@ def fuse(backbone: "Backbone", plan: FusionPlan, load: LayerLoader, criterion: C
             # the other selected tokens need their fresh K/V for decoding, not their attention or
             # MLP outputs. So they get a capture pass and the last position alone runs the layer.
             if i not in plan.checks:  # a check's capture pass has already refreshed the kept rows
-                _capture(layer, hidden, sel, ScatterKV(k_full, v_full, sel, None), cache_kw, rope, mask, AttentionProbe(0, stop=True))
+                _capture(
+                    layer, hidden, sel, ScatterKV(k_full, v_full, sel, None), cache_kw, rope, mask, AttentionProbe(0, stop=True)
+                )
             hidden, sel = hidden[:, -1:], sel[-1:]
             mask, rope, blocks = selection_inputs(hidden, sel)
             context = context_rows(sel)

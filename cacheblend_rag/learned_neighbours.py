@@ -129,8 +129,11 @@ class NeighbourLearner:
             self.save()
 
     def _maybe_queue(self, store: ChunkStore, key: str, seg: Segment) -> None:
-        preds = [p for p in self.stats.predecessors(key, self.config.max_predecessors)
-                 if self.stats.count(key, p) >= self.config.min_count][: self.config.neighbours]
+        preds = [
+            p
+            for p in self.stats.predecessors(key, self.config.max_predecessors)
+            if self.stats.count(key, p) >= self.config.min_count
+        ][: self.config.neighbours]
         if not preds:
             return
         # Most frequent right in front of the chunk, as the embedding neighbours are ordered.

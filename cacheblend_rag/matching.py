@@ -75,7 +75,7 @@ class ChunkRegistry:
     of one framework and a model wrapper of another see the same chunks.
     """
 
-    _per_engine: "weakref.WeakKeyDictionary[object, ChunkRegistry]" = weakref.WeakKeyDictionary()
+    _per_engine: weakref.WeakKeyDictionary[object, ChunkRegistry] = weakref.WeakKeyDictionary()
     _per_engine_lock = threading.Lock()
 
     def __init__(
@@ -98,7 +98,7 @@ class ChunkRegistry:
         self.add(texts)
 
     @classmethod
-    def for_engine(cls, engine: object) -> "ChunkRegistry":
+    def for_engine(cls, engine: object) -> ChunkRegistry:
         """The registry shared by everything that uses ``engine`` (created on first use)."""
         with cls._per_engine_lock:
             reg = cls._per_engine.get(engine)

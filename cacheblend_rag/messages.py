@@ -71,7 +71,9 @@ class SplitMessages:
     """True when the chunks came from flagged parts, False when the registry found them (or none)."""
 
 
-def split_messages(messages: Sequence[tuple[str, str | Sequence[object]]], registry: ChunkRegistry | None = None) -> SplitMessages:
+def split_messages(
+    messages: Sequence[tuple[str, str | Sequence[object]]], registry: ChunkRegistry | None = None
+) -> SplitMessages:
     """Split ``(role, content)`` pairs. Flagged chunk parts win; only when there are none does
     ``registry`` (if given) look for known chunk texts verbatim inside the messages' text."""
     explicit = has_chunk_parts([content for _, content in messages])

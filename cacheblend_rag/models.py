@@ -193,8 +193,7 @@ def load_model(
             hf_model, tokenizer = _load_local_dir(source, torch_dtype, shown=model_id)
         elif path.is_dir():
             model_id = str(path)
-            hf_model, tokenizer = _load_local_dir(_model_dir_or_gguf(path, cache_root), torch_dtype,
-                                                  shown=model_id)
+            hf_model, tokenizer = _load_local_dir(_model_dir_or_gguf(path, cache_root), torch_dtype, shown=model_id)
         elif path.exists():
             raise ModelLoadError(
                 f"{text!r} is a file but not a .gguf file; pass a Hugging Face model directory "
@@ -267,14 +266,10 @@ def _load_local_dir(
     return hf_model, tokenizer
 
 
-def _load_hub(
-    hub_id: str, dtype: torch.dtype
-) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
+def _load_hub(hub_id: str, dtype: torch.dtype) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
     # The user explicitly passed a hub id, so a download is allowed here (and only here).
     try:
-        hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-            hub_id, **_from_pretrained_kwargs(dtype)
-        )
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(hub_id, **_from_pretrained_kwargs(dtype))
         tokenizer = transformers.AutoTokenizer.from_pretrained(hub_id)
     except OSError as e:  # not in the local HF cache and no network (or no such repo)
         raise ModelLoadError(
@@ -355,14 +350,11 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 
     # float32 keeps the de-quantized values exact (Q4_1 gives scale*q + min in float arithmetic);
     # the requested dtype is applied when the converted directory is loaded.
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
     # save_pretrained refuses GGUF-loaded models, so write the pieces ourselves.
-    save_file(_deduplicated_state_dict(hf_model), str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(_deduplicated_state_dict(hf_model), str(out / "model.safetensors"), metadata={"format": "pt"})
 
     config = hf_model.config.to_dict()
     # The weights are now plain float tensors; keeping the GGUF quantization_config would make
@@ -433,16 +425,18 @@ def check_rope_support(model: Any) -> None:
 # --------------------------------------------------------------------------------------------
 
 # Config fields that do not change what the model computes (or are covered by the dtype argument).
-_CONFIG_IGNORED = frozenset({
-    "_name_or_path",
-    "_commit_hash",
-    "transformers_version",
-    "dtype",
-    "torch_dtype",
-    "_attn_implementation",
-    "_attn_implementation_autoset",
-    "attn_implementation",
-})
+_CONFIG_IGNORED = frozenset(
+    {
+        "_name_or_path",
+        "_commit_hash",
+        "transformers_version",
+        "dtype",
+        "torch_dtype",
+        "_attn_implementation",
+        "_attn_implementation_autoset",
+        "attn_implementation",
+    }
+)
 
 
 def _strip_config(obj: Any) -> Any:

@@ -95,8 +95,11 @@ class NeighbourIndex:
 
     # ------------------------------------------------------------------ persistence
     def to_json(self) -> dict[str, Any]:
-        return {"max_per_chunk": self.max_per_chunk, "max_chunks": self.max_chunks,
-                "caches": [[chunk, [[c.key, list(c.behind), c.learned] for c in caches]] for chunk, caches in self.items()]}
+        return {
+            "max_per_chunk": self.max_per_chunk,
+            "max_chunks": self.max_chunks,
+            "caches": [[chunk, [[c.key, list(c.behind), c.learned] for c in caches]] for chunk, caches in self.items()],
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> NeighbourIndex:
@@ -105,8 +108,12 @@ class NeighbourIndex:
             out = cls(int(data["max_per_chunk"]), int(data["max_chunks"]))
             for chunk, caches in data["caches"]:
                 for key, behind, learned in caches:
-                    if not (isinstance(chunk, str) and isinstance(key, str) and isinstance(learned, bool)
-                            and all(isinstance(b, str) for b in behind)):
+                    if not (
+                        isinstance(chunk, str)
+                        and isinstance(key, str)
+                        and isinstance(learned, bool)
+                        and all(isinstance(b, str) for b in behind)
+                    ):
                         raise ValueError("a neighbour cache entry is not [key, [chunk keys], learned]")
                     out.add(chunk, NeighbourCache(key, tuple(behind), learned))
         except (KeyError, TypeError) as exc:

@@ -18,8 +18,7 @@ from .embedder import Embedder, bundled_embedder
 __all__ = ["Embedder", "bundled_embedder", "nearest"]
 
 
-def nearest(texts: Sequence[str], n: int, embed: Embedder | None = None,
-            corpus: Sequence[str] | None = None) -> list[list[int]]:
+def nearest(texts: Sequence[str], n: int, embed: Embedder | None = None, corpus: Sequence[str] | None = None) -> list[list[int]]:
     """For each text, the indices into ``corpus`` (default: ``texts``) of its ``n`` most similar
     other texts, least similar first (so the most similar one sits right in front of the chunk when
     prefilled in this order). A text is never its own neighbour, even when ``corpus`` holds it."""
@@ -36,8 +35,10 @@ def nearest(texts: Sequence[str], n: int, embed: Embedder | None = None,
         if t in where:
             sim[i, where[t]] = -float("inf")
     top = torch.topk(sim, k, dim=-1)  # most similar first; ties by index
-    return [[j for j, s in zip(reversed(idx), reversed(val)) if s != -float("inf")]
-            for idx, val in zip(top.indices.tolist(), top.values.tolist())]
+    return [
+        [j for j, s in zip(reversed(idx), reversed(val)) if s != -float("inf")]
+        for idx, val in zip(top.indices.tolist(), top.values.tolist())
+    ]
 
 
 def _embedded(embed: Embedder, texts: list[str]) -> torch.Tensor:

@@ -48,11 +48,12 @@ def data_file(name: str, value: str | os.PathLike[str] | None = None) -> Path:
         var = next((v for v in spec.env if os.environ.get(v)), None)
         if var is None:
             raise DataFileError(
-                f"no {name} data file given: pass {spec.flag} PATH or set {spec.env[0]}=PATH "
-                f"({spec.description})"
+                f"no {name} data file given: pass {spec.flag} PATH or set {spec.env[0]}=PATH ({spec.description})"
             )
         source = f"{var}={os.environ[var]}"
         path = Path(os.environ[var]).expanduser()
     if not path.is_file():
-        raise DataFileError(f"{source}: {str(path)!r} is not a file; pass {spec.flag} PATH to an existing file ({spec.description})")
+        raise DataFileError(
+            f"{source}: {str(path)!r} is not a file; pass {spec.flag} PATH to an existing file ({spec.description})"
+        )
     return path

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from .config import SamplingParams
 from .engine import CacheBlendEngine, GenerationStream
@@ -28,7 +28,7 @@ class ChatPrompt(str):
     parts: tuple[tuple[str, bool], ...]
     """(text, is_message_text) in order; joined they are the string itself."""
 
-    def __new__(cls, parts: Sequence[tuple[str, bool]]) -> "ChatPrompt":
+    def __new__(cls, parts: Sequence[tuple[str, bool]]) -> ChatPrompt:
         self = super().__new__(cls, "".join(text for text, _ in parts))
         self.parts = tuple((text, content) for text, content in parts if text)
         return self
@@ -41,7 +41,7 @@ def _marker(i: int) -> str:
 def _render(tokenizer, msgs: list[dict[str, str]]) -> str:
     try:
         return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    except Exception:  # a template that rejects the system role
+    except Exception:  # noqa: BLE001 - a template that rejects the system role raises any type
         return tokenizer.apply_chat_template(_fold_system(msgs), tokenize=False, add_generation_prompt=True)
 
 
@@ -79,8 +79,10 @@ def chat_text(tokenizer, messages: Sequence[Mapping[str, str]]) -> str:
     if parts is not None:
         # The template changes the text in a way not undone above: keep its layout, the text as given.
         return ChatPrompt(parts)
-    log.warning("the chat template does not place each message once: the chat is tokenized as rendered, "
-                "so special-token strings inside messages act as control tokens")
+    log.warning(
+        "the chat template does not place each message once: the chat is tokenized as rendered, "
+        "so special-token strings inside messages act as control tokens"
+    )
     return rendered
 
 

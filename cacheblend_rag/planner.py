@@ -32,8 +32,18 @@ from .store.keys import chunk_key
 from .store.loader import LoadSpec
 
 __all__ = [
-    "FusedRequest", "Load", "PrefixRequest", "causal_plan", "context_attention", "fusion_keys", "guide", "plan_full",
-    "plan_fusion", "plan_prefix", "prefix_keys", "suffix_blocks_pay",
+    "FusedRequest",
+    "Load",
+    "PrefixRequest",
+    "causal_plan",
+    "context_attention",
+    "fusion_keys",
+    "guide",
+    "plan_full",
+    "plan_fusion",
+    "plan_prefix",
+    "prefix_keys",
+    "suffix_blocks_pay",
 ]
 
 Contains = Callable[[str], bool]  # the store's contents: is every layer of this chunk there?
@@ -56,6 +66,7 @@ class Load:
 # How much more a key read costs in a masked attention call than in SDPA's causal kernel on CPU
 # (a scratch measurement on the shared dev machine put it near 2; re-measure on a quiet one).
 MASKED_KEY_COST = 2
+
 
 @dataclass
 class PrefixRequest:
@@ -81,7 +92,11 @@ class FusedRequest:
 
 
 def plan_prefix(
-    layout: PromptLayout, fingerprint: str, contains: Contains, avoid: Collection[str] = (), device: torch.device | str = "cpu",
+    layout: PromptLayout,
+    fingerprint: str,
+    contains: Contains,
+    avoid: Collection[str] = (),
+    device: torch.device | str = "cpu",
 ) -> PrefixRequest:
     """Each segment is keyed by everything before it, so only a true prefix ever matches; the
     segments after the first miss are prefilled and written back for the next request.
@@ -111,7 +126,9 @@ def prefix_keys(layout: PromptLayout, fingerprint: str) -> list[str]:
     return [chunk_key(fingerprint, token_ids[:off], seg.token_ids) for seg, off in zip(layout.segments[:-1], layout.offsets())]
 
 
-def fusion_keys(layout: PromptLayout, fingerprint: str, prefix_ids: Sequence[int], neighbours: NeighbourIndex | None = None) -> list[str]:
+def fusion_keys(
+    layout: PromptLayout, fingerprint: str, prefix_ids: Sequence[int], neighbours: NeighbourIndex | None = None
+) -> list[str]:
     """Every key ``plan_fusion`` may ask the store about: the instruction prefix's, each chunk's
     and its cross-chunk-aware caches', to look them up in one batch (``store.lookup.Lookup``)."""
     prefix = tuple(prefix_ids)
@@ -157,7 +174,10 @@ def causal_plan(layout: PromptLayout, start: int, device: torch.device | str = "
     none = torch.zeros_like(always)
     return FusionPlan(
         input_ids=torch.tensor(layout.token_ids, dtype=torch.long, device=device),
-        always=always, candidate=none, forced=none, recompute_first_layer=False,
+        always=always,
+        candidate=none,
+        forced=none,
+        recompute_first_layer=False,
         causal_suffix=not suffix_blocks_pay(start, length),
     )
 
@@ -210,7 +230,11 @@ def plan_fusion(
             continue
         exact = off == len(prefix) and tuple(token_ids[:off]) == prefix
         key = chunk_key(fingerprint, prefix, seg.token_ids)
-        nb = neighbours.choose(key, chunk_keys, stored) if neighbours is not None and config.neighbour_caches and not exact else None
+        nb = (
+            neighbours.choose(key, chunk_keys, stored)
+            if neighbours is not None and config.neighbour_caches and not exact
+            else None
+        )
         chunk_keys.append(key)
         if nb is not None:
             key = nb.key
@@ -272,9 +296,15 @@ def guide(plan: FusionPlan, layout: PromptLayout, config: BlendConfig, scores: t
         for i in pick_chunks(scores, spans, budget):
             forced[spans[i][0] : spans[i][1]] = True
     return FusionPlan(
-        input_ids=plan.input_ids, always=plan.always, candidate=candidate, forced=forced,
-        recompute_first_layer=hybrid, checks=checks, num_query=plan.num_query,
-        attention_groups=plan.attention_groups, context_attention=plan.context_attention,
+        input_ids=plan.input_ids,
+        always=plan.always,
+        candidate=candidate,
+        forced=forced,
+        recompute_first_layer=hybrid,
+        checks=checks,
+        num_query=plan.num_query,
+        attention_groups=plan.attention_groups,
+        context_attention=plan.context_attention,
     )
 
 

@@ -43,8 +43,14 @@ from .device_profile import DeviceProfile, FusedCost, TierProfile, device_tag, f
 from .store.spec import TIER_COSTS
 
 __all__ = [
-    "FusedMeasurement", "TierReading", "default_tiers", "engine_redis_tiers", "measure_fused", "measure_prefill",
-    "measure_tier_read", "profile_engine",
+    "FusedMeasurement",
+    "TierReading",
+    "default_tiers",
+    "engine_redis_tiers",
+    "measure_fused",
+    "measure_prefill",
+    "measure_tier_read",
+    "profile_engine",
 ]
 
 log = logging.getLogger(__name__)
@@ -266,7 +272,11 @@ def profile_engine(
     costs = {**DEFAULT_TIER_COSTS, **(tier_costs or {})}
     heads, dim = engine.kv_shape
     points = measure_prefill(engine, lengths, repeats)
-    fused = measure_fused(engine, tokens=fused_tokens, ratios=fused_ratios, chunks=fused_chunks, repeats=repeats) if fused_ratios else None
+    fused = (
+        measure_fused(engine, tokens=fused_tokens, ratios=fused_ratios, chunks=fused_chunks, repeats=repeats)
+        if fused_ratios
+        else None
+    )
     own = tiers is None
     tmp = None
     if own:
@@ -279,11 +289,18 @@ def profile_engine(
         measured = {}
         for name, store in tiers.items():
             got = measure_tier_read(
-                store, num_layers=engine.num_layers, kv_shape=engine.kv_shape, dtype=stored_dtype or engine.dtype,
-                tokens=tier_tokens, repeats=repeats, device=engine.device,
+                store,
+                num_layers=engine.num_layers,
+                kv_shape=engine.kv_shape,
+                dtype=stored_dtype or engine.dtype,
+                tokens=tier_tokens,
+                repeats=repeats,
+                device=engine.device,
             )
             measured[name] = TierProfile(
-                read_bytes_per_s=got.read_bytes_per_s, cost_per_byte=costs.get(name, 1.0), element_bytes=got.element_bytes,
+                read_bytes_per_s=got.read_bytes_per_s,
+                cost_per_byte=costs.get(name, 1.0),
+                element_bytes=got.element_bytes,
                 cpu_s_per_byte=got.cpu_s_per_byte,
             )
     finally:
@@ -311,9 +328,13 @@ def profile_engine(
         profile.assemble_s_per_token = fused.assemble_s_per_token
         cfg = engine.config
         profile.meta["fused_calibration"] = {
-            "chunks": fused.chunks, "criterion": getattr(cfg.criterion, "__name__", cfg.criterion),
-            "filter_layers": cfg.filter_layers, "schedule": cfg.schedule, "boundary_tokens": cfg.boundary_tokens,
-            "tokens": fused.points[0][0], "code": fused_code_id(),
+            "chunks": fused.chunks,
+            "criterion": getattr(cfg.criterion, "__name__", cfg.criterion),
+            "filter_layers": cfg.filter_layers,
+            "schedule": cfg.schedule,
+            "boundary_tokens": cfg.boundary_tokens,
+            "tokens": fused.points[0][0],
+            "code": fused_code_id(),
         }
         try:
             profile.fused = FusedCost.fit(fused.points, profile.prefill_s)
@@ -321,5 +342,3 @@ def profile_engine(
             log.warning("fused-cost calibration rejected (%s); the controller will use the uncalibrated estimator", exc)
             profile.meta["fused_calibration"]["rejected"] = [list(p) for p in fused.points]
     return profile
-
-

@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import sys
 import threading
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -215,7 +214,7 @@ class PromptBuilder:
         self._text_tokenizer = _text_only(tokenizer)
         self.instruction = instruction
         if not isinstance(answer_hint, str):
-            raise TypeError(f"answer_hint must be a str (\"\" for none), got {type(answer_hint).__name__}")
+            raise TypeError(f'answer_hint must be a str ("" for none), got {type(answer_hint).__name__}')
         self.answer_hint = answer_hint.strip()
         self.separator = separator
         head, tail = self._split_template()

@@ -46,8 +46,12 @@ def self_test(backbone: Backbone, tokens: int = 12, shift: int = 37) -> None:
 
     def forward(start: int) -> tuple[torch.Tensor, Any]:
         cache = DynamicCache(config=config)
-        out = model(input_ids=ids[None], position_ids=torch.arange(start, start + tokens, device=device)[None],
-                    use_cache=True, **{kw: cache})
+        out = model(
+            input_ids=ids[None],
+            position_ids=torch.arange(start, start + tokens, device=device)[None],
+            use_cache=True,
+            **{kw: cache},
+        )
         return out.logits[0, -1].float(), cache
 
     ref, cache = forward(0)

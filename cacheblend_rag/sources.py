@@ -29,7 +29,7 @@ full prefill would give them. Other modes (``full_recompute``, ``prefix_caching`
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

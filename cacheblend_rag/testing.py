@@ -80,7 +80,6 @@ def make_engine(arch: str = "llama", seed: int = 0, store_dir=None, **engine_kwa
     return CacheBlendEngine(make_model(arch, seed), make_tokenizer(), store=KVStore(store_dir), **engine_kwargs)
 
 
-
 def make_store_engine(store, *, memory_bytes: int = 2**26, arch: str = "llama", seed: int = 0, store_dir=None, **engine_kwargs):
     """A ``CacheBlendEngine`` over a tiny random model and the tiers ``store`` names (``store.spec``:
     ``"disk"``, a Redis URL, a list of them), with a memory tier of ``memory_bytes`` in front: the
@@ -95,6 +94,5 @@ def make_store_engine(store, *, memory_bytes: int = 2**26, arch: str = "llama", 
     model, tok = make_model(arch, seed), make_tokenizer()
     fingerprint = model_fingerprint(model, tok, torch.float32)
     directory = store_dir or os.path.join(tempfile.gettempdir(), f"cbrag-kv-{os.getpid()}")  # used by a "disk" tier only
-    opened = open_store(store, directory=str(directory), size_limit=2**30,
-                        fingerprint=fingerprint, memory_bytes=memory_bytes)
+    opened = open_store(store, directory=str(directory), size_limit=2**30, fingerprint=fingerprint, memory_bytes=memory_bytes)
     return CacheBlendEngine(model, tok, store=opened, fingerprint=fingerprint, **engine_kwargs)

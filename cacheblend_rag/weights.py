@@ -98,8 +98,7 @@ def apply_weight_format(model: nn.Module, weights: str) -> nn.Module:
         )
     if param.dtype != torch.float32:
         raise ModelLoadError(
-            f'weights="fp16" keeps activations in float32 and needs a float32 model, not {param.dtype}: '
-            'load with dtype="float32"'
+            f'weights="fp16" keeps activations in float32 and needs a float32 model, not {param.dtype}: load with dtype="float32"'
         )
     if "fbgemm" not in torch.backends.quantized.supported_engines:
         raise ModelLoadError('weights="fp16" needs a torch build with fbgemm (x86-64); use weights="fp32"')

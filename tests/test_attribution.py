@@ -22,7 +22,11 @@ def test_rankings_and_scores_by_hand():
     assert at.ranking(row, "attention_vs_position", 2, prior=[0.05, 0.1, 0.3, 0.8]) == [0, 1]  # 2.0, 2.0, 1.0, 0.5
     assert at.scores(row, "retriever", 2) == {"precision": 1.0, "recall": 1.0, "hit1": 1.0}
     assert at.scores(row, "attention", 2) == {"precision": 0.0, "recall": 0.0, "hit1": 0.0}
-    assert at.scores(_row([0.5, 0.1, 0.4, 0.0], row["supports_in_chunk"]), "attention", 2) == {"precision": 0.5, "recall": 0.5, "hit1": 1.0}
+    assert at.scores(_row([0.5, 0.1, 0.4, 0.0], row["supports_in_chunk"]), "attention", 2) == {
+        "precision": 0.5,
+        "recall": 0.5,
+        "hit1": 1.0,
+    }
     assert at.scores(row, "random", 2) == {"precision": 0.5, "recall": 0.5, "hit1": 0.5}
     assert at.scores(_row([0.5, 0.5], [[], []]), "retriever", 1)["recall"] is None  # no evidence retrieved
     with pytest.raises(ValueError, match="unknown ranking 'best'"):
@@ -32,8 +36,11 @@ def test_rankings_and_scores_by_hand():
 
 
 def test_summary_pairs_rankings_and_takes_the_position_prior_from_the_other_questions():
-    rows = [_row([0.1, 0.2, 0.7], [["A"], [], []], "a"), _row([0.3, 0.1, 0.6], [[], ["A"], []], "b"),
-            _row([0.2, 0.3, 0.5], [["A"], ["B"], []], "c")]
+    rows = [
+        _row([0.1, 0.2, 0.7], [["A"], [], []], "a"),
+        _row([0.3, 0.1, 0.6], [[], ["A"], []], "b"),
+        _row([0.2, 0.3, 0.5], [["A"], ["B"], []], "c"),
+    ]
     prior = at.position_prior(rows)
     assert prior[0] == pytest.approx([0.25, 0.2, 0.55])
     s = at.summarize(rows, k=1)
@@ -63,6 +70,8 @@ def test_attribution_command_path_on_the_tiny_model(tmp_path):
         assert r["supports"] == 2 and r["supports_found"] == 2  # both supporting paragraphs are in the documents
     lines = (tmp_path / at.ROWS).read_text().splitlines()
     assert [json.loads(line)["qid"] for line in lines] == [r["qid"] for r in rows]
-    again = at.run_attribution(at.AttributionConfig(model="tiny", n=3, top_k=3, chunk_tokens=512, out_dir=str(tmp_path), progress=False))
+    again = at.run_attribution(
+        at.AttributionConfig(model="tiny", n=3, top_k=3, chunk_tokens=512, out_dir=str(tmp_path), progress=False)
+    )
     assert len(again) == 3 and len((tmp_path / at.ROWS).read_text().splitlines()) == 3  # resumed: one new question
     assert at.table_from_file(tmp_path / at.ROWS, k=1).startswith("| chunks picked | precision@1 |")

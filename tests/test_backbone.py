@@ -19,8 +19,17 @@ from cacheblend_rag.self_test import self_test
 from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tokenizer
 
-BASE = dict(vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=1024, eos_token_id=2, tie_word_embeddings=False)
+BASE = dict(
+    vocab_size=400,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
 ROPE = {"rope_theta": 10000.0}
 
 EXACT = {
@@ -31,22 +40,54 @@ EXACT = {
     "qwen3": ("Qwen3Config", dict(head_dim=16)),
     "gemma": ("GemmaConfig", dict(head_dim=16)),
     "phi3": ("Phi3Config", dict(pad_token_id=0)),
-    "granite": ("GraniteConfig", dict(embedding_multiplier=12.0, logits_scaling=8.0, residual_multiplier=0.22,
-                                      attention_multiplier=0.0078)),
+    "granite": (
+        "GraniteConfig",
+        dict(embedding_multiplier=12.0, logits_scaling=8.0, residual_multiplier=0.22, attention_multiplier=0.0078),
+    ),
     "llama_linear": ("LlamaConfig", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, **ROPE})),
-    "llama_llama3": ("LlamaConfig", dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 256, **ROPE})),
-    "llama_yarn": ("LlamaConfig", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0,
-                                                        "original_max_position_embeddings": 256, **ROPE})),
+    "llama_llama3": (
+        "LlamaConfig",
+        dict(
+            rope_parameters={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256,
+                **ROPE,
+            }
+        ),
+    ),
+    "llama_yarn": (
+        "LlamaConfig",
+        dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, **ROPE}),
+    ),
 }
 REFUSED = {
     "gemma2": ("Gemma2Config", dict(head_dim=16, sliding_window=512), "eager", "attn_logit_softcapping"),
     "gemma3": ("Gemma3TextConfig", dict(head_dim=16, sliding_window=512), "sdpa", "per-layer rotary embeddings"),
     "cohere": ("CohereConfig", dict(logit_scale=0.0625), "sdpa", "interleaved rotary embeddings"),
-    "stablelm": ("StableLmConfig", dict(partial_rotary_factor=0.25), "sdpa", r"rotates only 4 of its 16 head channels \(partial rotary\)"),
+    "stablelm": (
+        "StableLmConfig",
+        dict(partial_rotary_factor=0.25),
+        "sdpa",
+        r"rotates only 4 of its 16 head channels \(partial rotary\)",
+    ),
     "llama_dynamic": ("LlamaConfig", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, **ROPE}), "sdpa", "'dynamic'"),
-    "llama_longrope": ("LlamaConfig", dict(rope_parameters={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
-                                                            "original_max_position_embeddings": 256, **ROPE}), "sdpa", "'longrope'"),
+    "llama_longrope": (
+        "LlamaConfig",
+        dict(
+            rope_parameters={
+                "rope_type": "longrope",
+                "short_factor": [1.0] * 8,
+                "long_factor": [2.0] * 8,
+                "original_max_position_embeddings": 256,
+                **ROPE,
+            }
+        ),
+        "sdpa",
+        "'longrope'",
+    ),
 }
 
 
@@ -81,16 +122,23 @@ def test_supported_architectures_are_exact(name):
         # Full reuse: a chunk's layer-0 keys (a function of its tokens and positions alone) equal
         # the keys the model computes for the chunk at its new place in the prompt.
         reuse = engine.prefill(layout, "full_reuse")
-        seg, off = next((s, o) for s, o in zip(layout.segments, layout.offsets()) if s.reusable and o > len(engine.prompts.prefix_ids))
+        seg, off = next(
+            (s, o) for s, o in zip(layout.segments, layout.offsets()) if s.reusable and o > len(engine.prompts.prefix_ids)
+        )
         with torch.inference_mode():
-            there = model(input_ids=torch.tensor([list(seg.token_ids)]), position_ids=torch.arange(off, off + len(seg))[None],
-                          use_cache=True).past_key_values
+            there = model(
+                input_ids=torch.tensor([list(seg.token_ids)]),
+                position_ids=torch.arange(off, off + len(seg))[None],
+                use_cache=True,
+            ).past_key_values
         torch.testing.assert_close(_kv(reuse.cache, 0)[0][0, :, off : off + len(seg)], _kv(there, 0)[0][0], rtol=1e-4, atol=1e-4)
         # A shifted layer-0 key equals the key computed at the new position.
         with torch.inference_mode():
             k0 = model(input_ids=ids[:, :20], use_cache=True).past_key_values
             k1 = model(input_ids=ids[:, :20], position_ids=torch.arange(100, 120)[None], use_cache=True).past_key_values
-        torch.testing.assert_close(shift_keys(engine.backbone.rotary_emb, _kv(k0, 0)[0], 100), _kv(k1, 0)[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            shift_keys(engine.backbone.rotary_emb, _kv(k0, 0)[0], 100), _kv(k1, 0)[0], rtol=1e-4, atol=1e-4
+        )
     finally:
         engine.close()
 
@@ -124,8 +172,12 @@ def test_sliding_window_detection_follows_the_layer_types():
     assert sliding_window(transformers.MistralConfig(sliding_window=None)) is None
     assert sliding_window(transformers.MistralConfig(sliding_window=4096)) == 4096
     assert sliding_window(transformers.Qwen2Config(sliding_window=4096)) is None  # use_sliding_window=False
-    assert sliding_window(transformers.Qwen2Config(use_sliding_window=True, sliding_window=32, max_window_layers=1,
-                                                   num_hidden_layers=3)) == 32
+    assert (
+        sliding_window(
+            transformers.Qwen2Config(use_sliding_window=True, sliding_window=32, max_window_layers=1, num_hidden_layers=3)
+        )
+        == 32
+    )
 
 
 def test_self_test_refuses_a_model_whose_scales_the_adapter_misses():

@@ -137,8 +137,9 @@ def test_leaving_a_tickets_iteration_early_cancels_it(engine):
 def test_a_batched_run_closed_early_or_cancelled_frees_its_row(engine):
     engine.precompute(SAMPLE_CHUNKS, progress=False)
     with Batcher(engine) as batcher:
-        closed, cancelled = (Run(engine, Request.over_chunks(*REQUESTS[i]).with_settings(max_new_tokens=LONG),
-                                 batcher=batcher) for i in (0, 1))
+        closed, cancelled = (
+            Run(engine, Request.over_chunks(*REQUESTS[i]).with_settings(max_new_tokens=LONG), batcher=batcher) for i in (0, 1)
+        )
         deltas = iter(closed)
         next(deltas)
         deltas.close()
@@ -176,8 +177,13 @@ def test_the_batched_fast_step_gives_the_forwards_logits_over_left_padded_rows(e
         mask = torch.cat([mask, mask.new_ones(len(pres), 1)], dim=1)
         got = engine.fast_step.batched(tokens, positions, ours, mask)
         with torch.inference_mode():
-            want = engine.model(input_ids=torch.tensor(tokens)[:, None], position_ids=torch.tensor(positions)[:, None],
-                                attention_mask=mask, use_cache=True, logits_to_keep=1,
-                                **{cache_kwarg(engine.model): theirs}).logits[:, -1]
+            want = engine.model(
+                input_ids=torch.tensor(tokens)[:, None],
+                position_ids=torch.tensor(positions)[:, None],
+                attention_mask=mask,
+                use_cache=True,
+                logits_to_keep=1,
+                **{cache_kwarg(engine.model): theirs},
+            ).logits[:, -1]
         torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-5)
         tokens, positions = [int(t) for t in want.argmax(-1)], [p + 1 for p in positions]

@@ -38,8 +38,11 @@ def test_generate_gives_full_prefills_answer_and_logits(engine):
 
 def test_baseline_method_names_and_errors():
     names = [(m.name, m.kind, m.quant) for m in parse_methods(["generate", "llama_cpp", "llama_cpp_prefix:f16"])]
-    assert names == [("generate", "generate", None), ("llama_cpp", "llama_cpp", None),
-                     ("llama_cpp_prefix:f16", "llama_cpp_prefix", "f16")]
+    assert names == [
+        ("generate", "generate", None),
+        ("llama_cpp", "llama_cpp", None),
+        ("llama_cpp_prefix:f16", "llama_cpp_prefix", "f16"),
+    ]
     with pytest.raises(ValueError, match="unknown llama.cpp quantisation 'q9'; choose from f32, f16"):
         parse_methods(["llama_cpp:q9"])
     with pytest.raises(ValueError, match="run a GGUF file; --model 'tiny' is none"):
@@ -64,8 +67,10 @@ def test_missing_llama_cpp_names_the_install(monkeypatch, tmp_path):
 
 
 @pytest.mark.llamacpp
-@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
-                    reason="llama-cpp-python is not installed: pip install -e '.[llamacpp]' or run .ci/llamacpp")
+@pytest.mark.skipif(
+    importlib.util.find_spec("llama_cpp") is None,
+    reason="llama-cpp-python is not installed: pip install -e '.[llamacpp]' or run .ci/llamacpp",
+)
 def test_llama_cpp_answers_the_engines_prompt(tmp_path, monkeypatch):
     from cacheblend_rag.engine import CacheBlendEngine
 

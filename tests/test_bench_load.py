@@ -21,9 +21,21 @@ def test_percentile_matches_linear_interpolation():
 
 
 def test_load_run_covers_every_setting_and_batches_only_when_allowed(tmp_path):
-    cfg = LoadConfig(model="tiny", dataset="crosschunk", n=3, methods=("full_recompute", "cacheblend@0.15"), clients=(1, 3),
-                     rates=(200.0,), requests=4, max_batches=(1, 3), max_new_tokens=6, top_k=2, chunk_tokens=40,
-                     out_dir=str(tmp_path), progress=False)
+    cfg = LoadConfig(
+        model="tiny",
+        dataset="crosschunk",
+        n=3,
+        methods=("full_recompute", "cacheblend@0.15"),
+        clients=(1, 3),
+        rates=(200.0,),
+        requests=4,
+        max_batches=(1, 3),
+        max_new_tokens=6,
+        top_k=2,
+        chunk_tokens=40,
+        out_dir=str(tmp_path),
+        progress=False,
+    )
     engine = tiny_engine(str(tmp_path / "kv"))
     summary = run_load(cfg, engine=engine)
     engine.close()
@@ -39,12 +51,15 @@ def test_load_run_covers_every_setting_and_batches_only_when_allowed(tmp_path):
     assert (tmp_path / "plots" / "load.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(methods=("map_reduce",)), "engine prefill modes only"),
-    (dict(clients=(0,)), "clients=\\(0,\\): every value must be an int >= 1"),
-    (dict(rates=(0.0,)), "arrival rates must be > 0"),
-    (dict(requests=0), "requests and n must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(methods=("map_reduce",)), "engine prefill modes only"),
+        (dict(clients=(0,)), "clients=\\(0,\\): every value must be an int >= 1"),
+        (dict(rates=(0.0,)), "arrival rates must be > 0"),
+        (dict(requests=0), "requests and n must be >= 1"),
+    ],
+)
 def test_bad_load_settings_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LoadConfig(**kwargs)

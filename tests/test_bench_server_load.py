@@ -10,14 +10,25 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
 
-from cacheblend_rag.bench.runner import tiny_engine  # noqa: E402
-from cacheblend_rag.bench.server_load import ROWS, SUMMARY, ServerLoadConfig, main, markdown_table, run_server_load  # noqa: E402
+from cacheblend_rag.bench.runner import tiny_engine
+from cacheblend_rag.bench.server_load import ROWS, SUMMARY, ServerLoadConfig, main, markdown_table, run_server_load
 
 
 def test_server_load_covers_every_setting_and_batches_only_when_allowed(tmp_path, capsys):
-    cfg = ServerLoadConfig(model="tiny", dataset="crosschunk", n=3, methods=("full_recompute", "question@0.5"), clients=(1, 3),
-                           requests=4, max_batches=(1, 3), max_new_tokens=6, top_k=2, chunk_tokens=40, out_dir=str(tmp_path),
-                           progress=False)
+    cfg = ServerLoadConfig(
+        model="tiny",
+        dataset="crosschunk",
+        n=3,
+        methods=("full_recompute", "question@0.5"),
+        clients=(1, 3),
+        requests=4,
+        max_batches=(1, 3),
+        max_new_tokens=6,
+        top_k=2,
+        chunk_tokens=40,
+        out_dir=str(tmp_path),
+        progress=False,
+    )
     engine = tiny_engine(str(tmp_path / "kv"))
     try:
         summary = run_server_load(cfg, engine=engine)
@@ -43,13 +54,16 @@ def test_server_load_covers_every_setting_and_batches_only_when_allowed(tmp_path
     assert capsys.readouterr().out.strip() == table
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(methods=("cacheblend@0.15",)), "sets only the prefill mode and the recompute ratio"),
-    (dict(methods=("map_reduce",)), "sets only the prefill mode and the recompute ratio"),
-    (dict(clients=(0,)), "clients=\\(0,\\): give one or more ints >= 1"),
-    (dict(max_batches=()), "max_batches=\\(\\): give one or more ints >= 1"),
-    (dict(requests=0), "requests, n and max_new_tokens must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(methods=("cacheblend@0.15",)), "sets only the prefill mode and the recompute ratio"),
+        (dict(methods=("map_reduce",)), "sets only the prefill mode and the recompute ratio"),
+        (dict(clients=(0,)), "clients=\\(0,\\): give one or more ints >= 1"),
+        (dict(max_batches=()), "max_batches=\\(\\): give one or more ints >= 1"),
+        (dict(requests=0), "requests, n and max_new_tokens must be >= 1"),
+    ],
+)
 def test_bad_server_load_settings_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ServerLoadConfig(**kwargs)
@@ -61,7 +75,27 @@ def test_the_bench_command_routes_server_to_the_server_load(monkeypatch, tmp_pat
 
     seen = {}
     monkeypatch.setattr(server_load, "run_server_load", lambda cfg: seen.setdefault("cfg", cfg) and [])
-    assert cli.main(["bench", "--load", "--server", "--model", "smollm2", "--datasets", "hotpotqa", "--clients", "1,4,8",
-                     "--max-batch", "1,8", "--max-new-tokens", "64", "--out", str(tmp_path)]) == 0
+    assert (
+        cli.main(
+            [
+                "bench",
+                "--load",
+                "--server",
+                "--model",
+                "smollm2",
+                "--datasets",
+                "hotpotqa",
+                "--clients",
+                "1,4,8",
+                "--max-batch",
+                "1,8",
+                "--max-new-tokens",
+                "64",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     cfg = seen["cfg"]
     assert (cfg.clients, cfg.max_batches, cfg.max_new_tokens, cfg.methods) == ((1, 4, 8), (1, 8), 64, ("question@0.15",))

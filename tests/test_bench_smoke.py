@@ -53,8 +53,17 @@ def bench_run(tmp_path_factory):
         pytest.skip(missing)
     out = tmp_path_factory.mktemp("bench")
     cfg = BenchConfig(
-        model="tiny", n=2, chain_n=1, methods=METHODS, ratios=(0.15,), top_ks=(2,), chunk_tokens=40,
-        max_new_tokens=3, summary_max_new_tokens=3, chain_max_new_tokens=3, out_dir=str(out),
+        model="tiny",
+        n=2,
+        chain_n=1,
+        methods=METHODS,
+        ratios=(0.15,),
+        top_ks=(2,),
+        chunk_tokens=40,
+        max_new_tokens=3,
+        summary_max_new_tokens=3,
+        chain_max_new_tokens=3,
+        out_dir=str(out),
         progress=False,
     )
     engines = []
@@ -98,11 +107,7 @@ def test_every_dataset_and_method_is_measured(bench_run):
 
 def test_metrics_are_in_range_and_match_a_recomputation(bench_run):
     cfg, _, rows, *_ = bench_run
-    examples = {
-        (e.dataset, e.qid): e
-        for name in ds.DATASETS
-        for e in ds.load_dataset(name, 2, chunk_tokens=cfg.chunk_tokens)
-    }
+    examples = {(e.dataset, e.qid): e for name in ds.DATASETS for e in ds.load_dataset(name, 2, chunk_tokens=cfg.chunk_tokens)}
     for r in rows:
         assert 0.0 <= r["quality"] <= 1.0
         assert r["ttft_s"] > 0 and r["total_s"] >= r["ttft_s"]
@@ -171,7 +176,9 @@ def test_kv_modes_match_the_engine_called_directly(bench_run):
     row = next(r for r in rows if r["dataset"] == "crosschunk" and r["method"] == "full_recompute")
     ex = next(e for e in ds.make_crosschunk(2, doc_words=int(cfg.chunk_tokens * 0.55)) if e.qid == row["qid"])
     eng = make_engine("llama")
-    chunks = WordRetriever().top_k(ex.question, ds.chunk_documents(ex.documents, ds.token_counter(eng.tokenizer), cfg.chunk_tokens), 2)
+    chunks = WordRetriever().top_k(
+        ex.question, ds.chunk_documents(ex.documents, ds.token_counter(eng.tokenizer), cfg.chunk_tokens), 2
+    )
     direct = eng.generate(ex.question, chunks, mode="full_recompute", max_new_tokens=cfg.max_new_tokens)
     assert row["answer"] == direct.text.strip()
     assert row["prompt_tokens"] == direct.stats["prompt_tokens"]
@@ -294,8 +301,17 @@ def test_chain_n_limits_chains_and_ratios_pair_questions(bench_run):
 
 def test_summary_pairs_questions_for_ratios():
     def row(method, qid, ttft, quality):
-        return {"dataset": "d", "top_k": 6, "method": method, "qid": qid, "ttft_s": ttft, "total_s": ttft + 1,
-                "quality": quality, "metric": "f1", "answer": "x"}
+        return {
+            "dataset": "d",
+            "top_k": 6,
+            "method": method,
+            "qid": qid,
+            "ttft_s": ttft,
+            "total_s": ttft + 1,
+            "quality": quality,
+            "metric": "f1",
+            "answer": "x",
+        }
 
     rows = [row("full_recompute", q, t, f) for q, t, f in (("a", 1.0, 0.5), ("b", 10.0, 0.0), ("c", 100.0, 0.0))]
     rows += [row("cacheblend@0.15", q, t / 2, 0.0) for q, t in (("a", 1.0), ("b", 10.0), ("c", 100.0))]
@@ -318,9 +334,20 @@ def test_summary_pairs_questions_for_ratios():
 
 def test_summary_speedup_spread():
     """Intervals are the bootstrap over questions; ``--repeats`` rounds give one ratio each."""
+
     def row(method, qid, rounds):
-        return {"dataset": "d", "top_k": 6, "method": method, "qid": qid, "ttft_s": sorted(rounds)[1],
-                "ttft_rounds_s": rounds, "total_s": 1.0, "quality": 0.0, "metric": "f1", "answer": "x"}
+        return {
+            "dataset": "d",
+            "top_k": 6,
+            "method": method,
+            "qid": qid,
+            "ttft_s": sorted(rounds)[1],
+            "ttft_rounds_s": rounds,
+            "total_s": 1.0,
+            "quality": 0.0,
+            "metric": "f1",
+            "answer": "x",
+        }
 
     rows = [row("full_recompute", q, [4.0, 4.0, 4.0]) for q in "abcd"]
     rows += [row("cacheblend@0.15", q, [1.0, 2.0, 2.0 if q in "ab" else 1.0]) for q in "abcd"]
@@ -393,15 +420,21 @@ def test_missing_langchain_cacheblend_names_the_fix(monkeypatch, tmp_path):
     def factory(c):
         raise AssertionError("the model loaded before the missing integration was reported")
 
-    cfg = BenchConfig(model="tiny", datasets=("crosschunk",), n=1, methods=("map_rerank",), out_dir=str(tmp_path),
-                      progress=False, plots=False)
+    cfg = BenchConfig(
+        model="tiny", datasets=("crosschunk",), n=1, methods=("map_rerank",), out_dir=str(tmp_path), progress=False, plots=False
+    )
     with pytest.raises(ImportError, match="langchain-cacheblend"):
         run_benchmark(cfg, engine_factory=factory, retriever=WordRetriever())
     # Importing the package and the bench never needs it.
     ok = subprocess.run(
-        [sys.executable, "-c", "import sys; sys.modules['langchain_cacheblend'] = None; "
-         "import cacheblend_rag, cacheblend_rag.bench, cacheblend_rag.bench.runner, cacheblend_rag.cli"],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-c",
+            "import sys; sys.modules['langchain_cacheblend'] = None; "
+            "import cacheblend_rag, cacheblend_rag.bench, cacheblend_rag.bench.runner, cacheblend_rag.cli",
+        ],
+        capture_output=True,
+        text=True,
     )
     assert ok.returncode == 0, ok.stderr
 
@@ -434,9 +467,19 @@ def test_repeats_time_every_kv_method_in_rounds_with_prefix_caching_first_seen(m
         return res, logits
 
     monkeypatch.setattr(runner, "run_kv", spy)
-    cfg = BenchConfig(model="tiny", datasets=("crosschunk",), n=1, methods=("full_recompute", "prefix_caching", "cacheblend@0.15"),
-                      top_ks=(3,), chunk_tokens=40, max_new_tokens=2, out_dir=str(tmp_path), progress=False, plots=False,
-                      repeats=3)
+    cfg = BenchConfig(
+        model="tiny",
+        datasets=("crosschunk",),
+        n=1,
+        methods=("full_recompute", "prefix_caching", "cacheblend@0.15"),
+        top_ks=(3,),
+        chunk_tokens=40,
+        max_new_tokens=2,
+        out_dir=str(tmp_path),
+        progress=False,
+        plots=False,
+        repeats=3,
+    )
     rows = run_benchmark(cfg, retriever=WordRetriever())
     assert {r["method"] for r in rows} == {"full_recompute", "prefix_caching", "cacheblend@0.15"}
     for r in rows:

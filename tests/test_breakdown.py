@@ -21,8 +21,12 @@ def test_breakdown_accounts_for_the_whole_prefill():
         rows = run(engine, [(SAMPLE_QUESTION, list(SAMPLE_CHUNKS))], ["full_recompute_saved", "cacheblend"], rounds=2)
     finally:
         engine.close()
-    assert [(r["round"], r["mode"]) for r in rows] == [(0, "full_recompute_saved"), (0, "cacheblend"),
-                                                       (1, "full_recompute_saved"), (1, "cacheblend")]
+    assert [(r["round"], r["mode"]) for r in rows] == [
+        (0, "full_recompute_saved"),
+        (0, "cacheblend"),
+        (1, "full_recompute_saved"),
+        (1, "cacheblend"),
+    ]
     for r in rows:
         # Python is the remainder of the profiled wall time after the operators, never negative,
         # so the categories cover all of it (operators on several threads may add up to more).

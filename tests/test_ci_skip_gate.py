@@ -38,12 +38,31 @@ SUITE = textwrap.dedent(
 def run_gate(tmp_path: Path, want_data: bool, *args: str) -> subprocess.CompletedProcess[str]:
     (tmp_path / "test_suite.py").write_text(SUITE.replace("WANT_DATA", str(want_data)))
     # No third-party plugins: the run only needs skip_gate, and starts in a fraction of the time.
-    env = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(CI), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ,
+        PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(CI), os.environ.get("PYTHONPATH")])),
+    )
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "skip_gate", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
-         "test_suite.py", *args],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "skip_gate",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            str(tmp_path),
+            "test_suite.py",
+            *args,
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 

@@ -110,7 +110,16 @@ def test_benchmark_commands_plug_in_through_the_entry_point(monkeypatch):
         f"the installed cacheblend-rag metadata has {installed} for {cli.COMMANDS_GROUP}, pyproject.toml {declared}: "
         "re-run `pip install -e .` (or install.sh) so the command line finds its commands"
     )
-    assert _commands(cli.build_parser()) == ["ask", "serve", "sweep", "bench", "fidelity", "calibrate", "profile", "pipeline-bench"]
+    assert _commands(cli.build_parser()) == [
+        "ask",
+        "serve",
+        "sweep",
+        "bench",
+        "fidelity",
+        "calibrate",
+        "profile",
+        "pipeline-bench",
+    ]
     # Without the entry point (the core alone) the parser has only its own commands.
     monkeypatch.setattr(cli, "entry_points", lambda group: [])
     assert _commands(cli.build_parser()) == ["ask", "serve"]
@@ -118,7 +127,9 @@ def test_benchmark_commands_plug_in_through_the_entry_point(monkeypatch):
 
 # ---------------------------------------------------------------------- ask
 def test_ask_json_matches_the_engine_called_directly(docs, tiny_from_pretrained, capsys):
-    assert cli.main(["ask", QUESTION, str(docs), "--json", "--top-k", "0", "--chunk-tokens", "1", "--max-new-tokens", str(N)]) == 0
+    assert (
+        cli.main(["ask", QUESTION, str(docs), "--json", "--top-k", "0", "--chunk-tokens", "1", "--max-new-tokens", str(N)]) == 0
+    )
     out = json.loads(capsys.readouterr().out)
     ref_engine = make_engine("llama", seed=0, pipelined=False)
     try:
@@ -168,7 +179,9 @@ def test_data_file_from_flag_then_environment(tmp_path, no_data_env):
 
 
 def test_data_file_errors_name_the_flag_and_the_variable(tmp_path, no_data_env):
-    with pytest.raises(DataFileError, match=r"no musique data file given: pass --musique PATH or set CACHEBLEND_RAG_MUSIQUE=PATH"):
+    with pytest.raises(
+        DataFileError, match=r"no musique data file given: pass --musique PATH or set CACHEBLEND_RAG_MUSIQUE=PATH"
+    ):
         data_file("musique")
     with pytest.raises(DataFileError, match=r"^--musique .*missing.json'? is not a file; pass --musique PATH"):
         data_file("musique", str(tmp_path / "missing.json"))

@@ -75,9 +75,11 @@ def test_routing_decisions_count_as_holdings_until_the_replicas_report_confirms_
 def test_min_match_and_bad_policies():
     table, _ = _table(min_match=2)
     assert table.rank(["d1", "d9"], {A: ["d1"], B: []}, {})[0] == [B]  # one match is not enough
-    for bad, message in [({"min_match": 0}, "min_match=0 must be an int >= 1"),
-                         ({"max_queue_gap": -1}, "max_queue_gap=-1 must be an int >= 0"),
-                         ({"assignment_ttl_s": -1}, "assignment_ttl_s=-1 must be a number of seconds >= 0")]:
+    for bad, message in [
+        ({"min_match": 0}, "min_match=0 must be an int >= 1"),
+        ({"max_queue_gap": -1}, "max_queue_gap=-1 must be an int >= 0"),
+        ({"assignment_ttl_s": -1}, "assignment_ttl_s=-1 must be a number of seconds >= 0"),
+    ]:
         with pytest.raises(ValueError, match=message):
             AffinityPolicy(**bad)
 

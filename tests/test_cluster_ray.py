@@ -2,6 +2,7 @@
 two engine replicas over one throw-away Redis answer as the in-process engine does, share chunk
 caches through Redis, and chunk-affinity routing sends repeated documents to the replica whose
 memory tier holds them."""
+# ruff: noqa: E402 - the imports below need the optional package checked (importorskip) first
 
 from __future__ import annotations
 
@@ -52,15 +53,22 @@ def redis_server(tmp_path_factory):
 def cluster(redis_server):
     """Serve's HTTP proxy on a free loopback port, two replicas of the tiny engine over Redis."""
     try:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=80 * 2**20,
-                 log_to_driver=False, configure_logging=False)
+        ray.init(
+            address="local",
+            num_cpus=2,
+            include_dashboard=False,
+            object_store_memory=80 * 2**20,
+            log_to_driver=False,
+            configure_logging=False,
+        )
     except Exception as exc:  # noqa: BLE001 - a machine where Ray cannot start
         pytest.skip(f"a local Ray instance cannot start here: {exc!r}")
     port = _free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        spec = EngineSpec(factory="cacheblend_rag.testing:make_store_engine",
-                          factory_kwargs={"store": redis_server.url, "memory_bytes": 2**26})
+        spec = EngineSpec(
+            factory="cacheblend_rag.testing:make_store_engine", factory_kwargs={"store": redis_server.url, "memory_bytes": 2**26}
+        )
         options = ClusterOptions(routing_stats_period_s=1.0, server={"model_name": MODEL})
         # Half a CPU each: both replicas and the front fit on Ray's two.
         app = build_app(spec, options, num_replicas=2, ray_actor_options={"num_cpus": 0.5})
@@ -80,8 +88,13 @@ def local():
 
 
 def _chat(url: str, documents: list[str], *, stream: bool = False) -> tuple[str, dict, httpx.Response]:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "documents": documents, "max_tokens": N,
-            "stream": stream}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": QUESTION}],
+        "documents": documents,
+        "max_tokens": N,
+        "stream": stream,
+    }
     r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=TIMEOUT)
     assert r.status_code == 200, r.text
     if not stream:
@@ -119,8 +132,9 @@ def _wait_in_redis(local, redis_server, documents: list[str]) -> None:
 
 
 def test_two_replicas_answer_as_the_engine_share_chunks_through_redis_and_keep_affinity(cluster, local, redis_server):
-    expected = {name: local.generate(QUESTION, docs, max_new_tokens=N).text
-                for name, docs in {"P": P, "Q": Q, "QP": Q + P[:1]}.items()}
+    expected = {
+        name: local.generate(QUESTION, docs, max_new_tokens=N).text for name, docs in {"P": P, "Q": Q, "QP": Q + P[:1]}.items()
+    }
 
     # New documents go to the replica holding the fewest: P to one, Q to the other.
     text, stats, first = _chat(cluster, P)

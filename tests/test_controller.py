@@ -39,8 +39,14 @@ KV_VALUES = 1000  # K+V elements per token over all layers -> 4000 bytes/token i
 def synthetic(**tiers: TierProfile) -> DeviceProfile:
     # Full prefill: 1 s per 1000 tokens up to 1000, then 1.5 s per 1000 (attention grows).
     return DeviceProfile(
-        model_id="synthetic", fingerprint="f" * 40, device="cpu-2t", dtype="float32", num_layers=10,
-        kv_values_per_token=KV_VALUES, prefill_points=[(1000, 1.0), (2000, 2.5)], tiers=dict(tiers),
+        model_id="synthetic",
+        fingerprint="f" * 40,
+        device="cpu-2t",
+        dtype="float32",
+        num_layers=10,
+        kv_values_per_token=KV_VALUES,
+        prefill_points=[(1000, 1.0), (2000, 2.5)],
+        tiers=dict(tiers),
     )
 
 
@@ -71,8 +77,14 @@ BENCH_FUSED = FusedCost(fixed=0.12, per_ratio=1.45)  # an assumed calibration: ~
 
 def bench_profile(device: str = "cpu-2t", fused: FusedCost | None = BENCH_FUSED) -> DeviceProfile:
     return DeviceProfile(
-        model_id="SmolLM2-135M", fingerprint="b" * 40, device=device, dtype="float32", num_layers=30,
-        kv_values_per_token=2 * 30 * 3 * 64, prefill_points=[(BENCH_TOKENS, 5.7)], fused=fused,
+        model_id="SmolLM2-135M",
+        fingerprint="b" * 40,
+        device=device,
+        dtype="float32",
+        num_layers=30,
+        kv_values_per_token=2 * 30 * 3 * 64,
+        prefill_points=[(BENCH_TOKENS, 5.7)],
+        fused=fused,
         assemble_s_per_token=5e-6 if fused else None,
         tiers={
             "memory": TierProfile(read_bytes_per_s=60_000 * MB, cost_per_byte=1.0, cpu_s_per_byte=1 / (60_000 * MB)),
@@ -136,9 +148,7 @@ def test_decide_mixes_tiers_and_ignores_recomputed_chunks():
 
 def test_user_estimators_override_the_papers():
     # Recompute cost that grows with r^2 (say, attention-bound): equal delay at sqrt(load / 2).
-    ctl = Exact(
-        synthetic(**TIERS), recompute_delay=lambda r, n: 2.0 * r * r, load_delay=lambda tier, n: 0.5
-    )
+    ctl = Exact(synthetic(**TIERS), recompute_delay=lambda r, n: 2.0 * r * r, load_delay=lambda tier, n: 0.5)
     assert ctl.ratio_for(1000, "anything") == pytest.approx(0.5, abs=1e-6)
     assert ctl.equal_delay_ratio(1000, 0.02) == pytest.approx(0.1, abs=1e-6)
 
@@ -158,13 +168,19 @@ def test_profile_round_trips_and_checks_its_version(tmp_path):
 
 # A profile file as version 1 wrote it: no fused cost, no loader CPU costs.
 OLD_PROFILE = {
-    "model_id": "synthetic", "fingerprint": "f" * 40, "device": "cpu-2t", "dtype": "float32", "num_layers": 10,
-    "kv_values_per_token": KV_VALUES, "prefill_points": [[1000, 1.0], [2000, 2.5]],
+    "model_id": "synthetic",
+    "fingerprint": "f" * 40,
+    "device": "cpu-2t",
+    "dtype": "float32",
+    "num_layers": 10,
+    "kv_values_per_token": KV_VALUES,
+    "prefill_points": [[1000, 1.0], [2000, 2.5]],
     "tiers": {
         "memory": {"read_bytes_per_s": 10_000 * MB, "cost_per_byte": 1.0, "element_bytes": 4},
         "slow": {"read_bytes_per_s": 10 * MB, "cost_per_byte": 0.01, "element_bytes": 4},
     },
-    "meta": {"torch_threads": 2}, "version": 1,
+    "meta": {"torch_threads": 2},
+    "version": 1,
 }
 
 
@@ -368,10 +384,18 @@ def clock(monkeypatch):
 
 def test_measure_tier_sees_the_throttle(clock):
     mem = MemoryTier()
-    free = measure_tier_read(CpuStore(mem, clock, DISK_CPU), num_layers=2, kv_shape=(2, 8), dtype=torch.float32, tokens=64, repeats=1)
+    free = measure_tier_read(
+        CpuStore(mem, clock, DISK_CPU), num_layers=2, kv_shape=(2, 8), dtype=torch.float32, tokens=64, repeats=1
+    )
     assert free.read_bytes_per_s == pytest.approx(1 / DISK_CPU) and free.element_bytes == 4
-    slow = measure_tier_read(ThrottledStore(CpuStore(mem, clock, DISK_CPU), 2 * MB), num_layers=2, kv_shape=(2, 8),
-                             dtype=torch.float16, tokens=64, repeats=1)
+    slow = measure_tier_read(
+        ThrottledStore(CpuStore(mem, clock, DISK_CPU), 2 * MB),
+        num_layers=2,
+        kv_shape=(2, 8),
+        dtype=torch.float16,
+        tokens=64,
+        repeats=1,
+    )
     assert slow.element_bytes == 2 and slow.read_bytes_per_s == pytest.approx(2 * MB)
     assert len(mem) == 0  # the probe chunk is discarded
 
@@ -379,13 +403,20 @@ def test_measure_tier_sees_the_throttle(clock):
 def test_measure_tier_counts_cpu_not_waiting(clock):
     # A throttled read does the disk's CPU work, then sleeps out the rest: the sleep is not CPU
     # the compute loses, so the CPU cost per byte is the disk's, not 1 / the throttled rate.
-    r = measure_tier_read(ThrottledStore(CpuStore(MemoryTier(), clock, DISK_CPU), 2 * MB), num_layers=2, kv_shape=(2, 8),
-                          dtype=torch.float16, tokens=256, repeats=2)
+    r = measure_tier_read(
+        ThrottledStore(CpuStore(MemoryTier(), clock, DISK_CPU), 2 * MB),
+        num_layers=2,
+        kv_shape=(2, 8),
+        dtype=torch.float16,
+        tokens=256,
+        repeats=2,
+    )
     assert r.read_bytes_per_s == pytest.approx(2 * MB) and r.element_bytes == 2
     assert r.cpu_s_per_byte == pytest.approx(DISK_CPU)
     # A read that is all CPU work costs, per byte, exactly the inverse of its rate.
-    busy = measure_tier_read(CpuStore(MemoryTier(), clock, DISK_CPU), num_layers=2, kv_shape=(2, 8), dtype=torch.float32,
-                             tokens=64, repeats=1)
+    busy = measure_tier_read(
+        CpuStore(MemoryTier(), clock, DISK_CPU), num_layers=2, kv_shape=(2, 8), dtype=torch.float32, tokens=64, repeats=1
+    )
     assert busy.cpu_s_per_byte * busy.read_bytes_per_s == pytest.approx(1.0)
 
 

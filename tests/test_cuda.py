@@ -36,10 +36,14 @@ def test_fused_path_at_ratio_one_equals_full_prefill_on_cuda(gpu_engine):
 
 
 def test_cuda_blend_matches_cpu_blend_in_fp32():
-    engines = [CacheBlendEngine(make_model("qwen2").to(device), make_tokenizer(), store=KVStore(None)) for device in ("cpu", "cuda")]
+    engines = [
+        CacheBlendEngine(make_model("qwen2").to(device), make_tokenizer(), store=KVStore(None)) for device in ("cpu", "cuda")
+    ]
     try:
         cfg = BlendConfig(recompute_ratio=0.15)
-        cpu, gpu = (e.prefill(e.build_layout(SAMPLE_QUESTION, SAMPLE_CHUNKS), "cacheblend", cfg).logits.float().cpu() for e in engines)
+        cpu, gpu = (
+            e.prefill(e.build_layout(SAMPLE_QUESTION, SAMPLE_CHUNKS), "cacheblend", cfg).logits.float().cpu() for e in engines
+        )
         torch.testing.assert_close(gpu, cpu, rtol=1e-3, atol=1e-4)
     finally:
         for e in engines:

@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-USER_DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md")),
-             *sorted((REPO / "integrations").glob("*/README.md"))]
+USER_DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md")), *sorted((REPO / "integrations").glob("*/README.md"))]
 # Development-history language and paths outside the repository have no place in user docs.
 FORBIDDEN = re.compile(
     r"\bsessions? [0-9]|the issue\b|issue.s (target|prototype)|\.\./shared|/work/|/root/|/home/\w",
@@ -34,17 +33,33 @@ def test_mkdocs_build_strict(tmp_path):
         pytest.fail(f"the documentation tools are not installed ({exc}): pip install -e '.[docs]'")
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
     env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(REPO), str(REPO / "integrations" / "langchain-cacheblend"),
-                      str(REPO / "integrations" / "llama-index-cacheblend"), env.get("PYTHONPATH")])
+        filter(
+            None,
+            [
+                str(REPO),
+                str(REPO / "integrations" / "langchain-cacheblend"),
+                str(REPO / "integrations" / "llama-index-cacheblend"),
+                env.get("PYTHONPATH"),
+            ],
+        )
     )
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
     site = tmp_path / "site"
-    for page in ("index.html", "quickstart/index.html", "cli/index.html", "api/engine/index.html",
-                 "tutorials/measure_your_data/index.html"):
+    for page in (
+        "index.html",
+        "quickstart/index.html",
+        "cli/index.html",
+        "api/engine/index.html",
+        "tutorials/measure_your_data/index.html",
+    ):
         assert (site / page).is_file(), f"the site has no {page}"
     api = (site / "api" / "engine" / "index.html").read_text()
     assert "CacheBlendEngine" in api and "BlendConfig" in api, "the API reference lost the engine's classes"
@@ -53,8 +68,9 @@ def test_mkdocs_build_strict(tmp_path):
 
 @pytest.mark.parametrize("path", USER_DOCS, ids=lambda p: str(p.relative_to(REPO)))
 def test_docs_hold_no_history_or_outside_paths(path):
-    bad = [f"{path.name}:{n}: {line.strip()}" for n, line in enumerate(path.read_text().splitlines(), 1)
-           if FORBIDDEN.search(line)]
+    bad = [
+        f"{path.name}:{n}: {line.strip()}" for n, line in enumerate(path.read_text().splitlines(), 1) if FORBIDDEN.search(line)
+    ]
     assert not bad, "development history or a path outside the repository:\n" + "\n".join(bad)
 
 
@@ -119,8 +135,10 @@ def _prose(path: Path) -> str:
 
 def test_docs_tables_and_numbers_equal_what_the_committed_result_files_give():
     stale = doc_tables.update(REPO, write=False)
-    assert not stale, ("tables or numbers in the docs differ from docs/results; run "
-                       "python -m cacheblend_rag.bench.doc_tables and commit the pages:\n" + "\n".join(stale))
+    assert not stale, (
+        "tables or numbers in the docs differ from docs/results; run "
+        "python -m cacheblend_rag.bench.doc_tables and commit the pages:\n" + "\n".join(stale)
+    )
 
 
 def _copy_docs(tmp_path: Path) -> Path:
@@ -168,12 +186,17 @@ def test_a_changed_result_file_of_another_kind_changes_its_table(tmp_path):
 def test_every_table_is_generated_or_holds_no_measurements(path):
     """A `|` table outside a generated block must be on ALLOWED_TABLES (no measured numbers)."""
     lines = _prose(path).splitlines()
-    heads = [line.strip() for i, line in enumerate(lines)
-             if line.lstrip().startswith("|") and (i == 0 or not lines[i - 1].lstrip().startswith("|"))]
+    heads = [
+        line.strip()
+        for i, line in enumerate(lines)
+        if line.lstrip().startswith("|") and (i == 0 or not lines[i - 1].lstrip().startswith("|"))
+    ]
     stray = [h for h in heads if (path.name, h) not in ALLOWED_TABLES]
-    assert not stray, (f"{path.name} has tables that are neither generated from docs/results nor free of "
-                       f"measurements: {stray}; generate them (cacheblend_rag.bench.published) or add the "
-                       "header to ALLOWED_TABLES with the reason")
+    assert not stray, (
+        f"{path.name} has tables that are neither generated from docs/results nor free of "
+        f"measurements: {stray}; generate them (cacheblend_rag.bench.published) or add the "
+        "header to ALLOWED_TABLES with the reason"
+    )
 
 
 @pytest.mark.parametrize("path", _checked_pages(), ids=lambda p: p.name)
@@ -197,7 +220,8 @@ def test_every_generated_table_names_its_rows_and_engine():
     for name in tables:
         text = renderer.table(name)
         assert re.search(r"`docs/results/[\w.]+` \(cacheblend-rag \d[\w.]*, commits? [0-9a-f]{7}", text), (
-            f"table {name} does not say which rows and engine made it:\n{text}")
+            f"table {name} does not say which rows and engine made it:\n{text}"
+        )
     for group in values.values():
         for file in group.files:
             provenance.of(REPO / "docs" / "results", file)  # raises, naming the fix, when missing

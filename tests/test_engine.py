@@ -239,7 +239,9 @@ def test_generation_matches_transformers_greedy(engine):
     res = engine.generate(Q, CHUNKS, mode="full_recompute", max_new_tokens=6)
     ids = torch.tensor([layout.token_ids])
     with torch.inference_mode():
-        ref = engine.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+        ref = engine.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
     want = ref[0, ids.shape[1] :].tolist()
     assert len(want) == 6  # the reference ran to the limit, so the whole answer is compared
     eos = eos_token_ids(engine.model, engine.tokenizer)

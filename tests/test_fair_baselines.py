@@ -113,8 +113,10 @@ def test_prefix_caching_is_exact_and_does_no_more_attention_than_full_prefill(en
     assert prefix_work <= saved_work <= plain_work
     if cached == "all_but_question":
         assert reused == len(layout) - len(layout.segments[-1]) and prefix_work < saved_work
-    print(f"attention work ({cached}, {len(layout)} tokens, {reused} reused): full {plain_work}, "
-          f"full saved {saved_work}, prefix caching {prefix_work}")
+    print(
+        f"attention work ({cached}, {len(layout)} tokens, {reused} reused): full {plain_work}, "
+        f"full saved {saved_work}, prefix caching {prefix_work}"
+    )
 
 
 def test_prefix_caching_writes_back_on_the_writer_thread(engine, monkeypatch):
@@ -145,8 +147,17 @@ def test_bench_runs_the_saved_full_prefill_and_reports_the_ratio_to_it():
     assert (m.name, m.kind, m.mode) == ("full_recompute_saved", "kv", "full_recompute_saved")
 
     def row(method, ttft):
-        return {"dataset": "d", "top_k": 6, "method": method, "qid": "a", "ttft_s": ttft, "total_s": ttft,
-                "quality": 0.0, "metric": "f1", "answer": "x"}
+        return {
+            "dataset": "d",
+            "top_k": 6,
+            "method": method,
+            "qid": "a",
+            "ttft_s": ttft,
+            "total_s": ttft,
+            "quality": 0.0,
+            "metric": "f1",
+            "answer": "x",
+        }
 
     blend = dict(row("cacheblend@0.15", 1.0), compute_fraction=0.25)
     saved = dict(row("full_recompute_saved", 2.0), compute_fraction=1.0)

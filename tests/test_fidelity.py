@@ -36,8 +36,12 @@ def test_teacher_forced_loglik_equals_a_full_forward_over_prompt_and_answer(engi
     expected = float(lp.gather(1, torch.tensor(target)[:, None]).mean())
     assert got == pytest.approx(expected, abs=1e-4)
     # A cache that decoding already extended is cropped back to the prompt first.
-    engine.model(input_ids=torch.tensor([[7, 8]]), position_ids=torch.tensor([[len(layout), len(layout) + 1]]),
-                 use_cache=True, cache=pre.cache)
+    engine.model(
+        input_ids=torch.tensor([[7, 8]]),
+        position_ids=torch.tensor([[len(layout), len(layout) + 1]]),
+        use_cache=True,
+        cache=pre.cache,
+    )
     assert teacher_forced_loglik(engine, pre.cache, pre.logits, len(layout), target) == pytest.approx(expected, abs=1e-4)
 
 
@@ -80,8 +84,17 @@ def test_fidelity_run_scores_an_exact_method_as_agreeing(tmp_path, monkeypatch):
     from cacheblend_rag.bench.runner import tiny_engine
 
     engine = tiny_engine(str(tmp_path / "kv"))
-    cfg = FidelityConfig(model="tiny", datasets=("hotpotqa",), n=1, methods=("full_reuse", "question@1", "question@0.2/nb"),
-                         neighbours=1, max_new_tokens=4, out_dir=str(tmp_path / "out"), progress=False, plots=False)
+    cfg = FidelityConfig(
+        model="tiny",
+        datasets=("hotpotqa",),
+        n=1,
+        methods=("full_reuse", "question@1", "question@0.2/nb"),
+        neighbours=1,
+        max_new_tokens=4,
+        out_dir=str(tmp_path / "out"),
+        progress=False,
+        plots=False,
+    )
     answered = []  # (method, question, first-token logits) of every answer the run computed
     real_answer = fidelity.answer_once
 
@@ -118,8 +131,11 @@ def test_fidelity_run_scores_an_exact_method_as_agreeing(tmp_path, monkeypatch):
         assert summary["full_reuse"]["agree_confident"] == pytest.approx(sum(r["agree"] for r in confident) / len(confident))
     saved = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert {e["method"] for e in saved["summary"]} == set(by)
-    assert {(c["a"], c["b"]) for c in saved["comparisons"]} == {("full_reuse", "question@1"), ("full_reuse", "question@0.2/nb"),
-                                                                ("question@1", "question@0.2/nb")}
+    assert {(c["a"], c["b"]) for c in saved["comparisons"]} == {
+        ("full_reuse", "question@1"),
+        ("full_reuse", "question@0.2/nb"),
+        ("question@1", "question@0.2/nb"),
+    }
     # Resumable: a second run finds every question finished, loads no model, and can plot.
     assert len(run_fidelity(replace(cfg, plots=True), engine=None)) == len(rows)
     assert (tmp_path / "out" / "plots" / "fidelity_tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -143,8 +159,18 @@ def test_fidelity_with_corpus_neighbours_records_the_pool_and_keeps_it_apart(tmp
     from cacheblend_rag.bench.runner import tiny_engine
 
     engine = tiny_engine(str(tmp_path / "kv"))
-    cfg = FidelityConfig(model="tiny", datasets=("hotpotqa",), n=2, methods=("full_reuse", "full_reuse/nb"), neighbours=1,
-                         neighbour_pool="corpus", max_new_tokens=2, out_dir=str(tmp_path / "out"), progress=False, plots=False)
+    cfg = FidelityConfig(
+        model="tiny",
+        datasets=("hotpotqa",),
+        n=2,
+        methods=("full_reuse", "full_reuse/nb"),
+        neighbours=1,
+        neighbour_pool="corpus",
+        max_new_tokens=2,
+        out_dir=str(tmp_path / "out"),
+        progress=False,
+        plots=False,
+    )
     try:
         rows = run_fidelity(cfg, engine=engine)
     finally:
@@ -152,7 +178,9 @@ def test_fidelity_with_corpus_neighbours_records_the_pool_and_keeps_it_apart(tmp
     assert len(rows) == 4 and {r["neighbour_pool"] for r in rows} == {"corpus"}
     assert all(0.0 <= r["neighbours_in_prompt"] <= 1.0 for r in rows)
     assert all(r["neighbour_hits"] == r["num_chunks"] - 1 for r in rows if r["method"] == "full_reuse/nb")
-    with pytest.raises(ValueError, match="measured with neighbour_pool='corpus', not 'retrieved': pass the same --neighbour-pool"):
+    with pytest.raises(
+        ValueError, match="measured with neighbour_pool='corpus', not 'retrieved': pass the same --neighbour-pool"
+    ):
         run_fidelity(replace(cfg, neighbour_pool="retrieved"), engine=None)
 
 
@@ -165,7 +193,9 @@ def test_calibrate_saves_the_cheapest_ratio_that_agrees_and_from_pretrained_uses
 
     engine = tiny_engine(str(tmp_path / "kv"))
     try:
-        profile = calibrate(engine, [(SAMPLE_QUESTION, SAMPLE_CHUNKS)], "question", [0.0, 1.0], 0.99, max_new_tokens=6, progress=False)
+        profile = calibrate(
+            engine, [(SAMPLE_QUESTION, SAMPLE_CHUNKS)], "question", [0.0, 1.0], 0.99, max_new_tokens=6, progress=False
+        )
     finally:
         engine.close()
     assert profile.curve["1"] == 1.0  # ratio 1 is exact, so it agrees
@@ -217,9 +247,24 @@ def test_sign_test_and_paired_comparison_against_brute_force():
 
 
 def _row(qid: str, method: str, ttft_full: float, ttft: float, dataset: str = "hotpotqa") -> dict:
-    return {"model": "m", "dataset": dataset, "qid": qid, "method": method, "agree": True, "agree_f1": 1.0, "f1": 0.5,
-            "f1_full": 0.5, "kl": 0.1, "tf_loglik": -0.5, "tf_loglik_full": -0.4, "ttft_full_s": ttft_full, "ttft_s": ttft,
-            "recompute_fraction": 0.1, "answer_hint": "", "margin_full": 1.0}
+    return {
+        "model": "m",
+        "dataset": dataset,
+        "qid": qid,
+        "method": method,
+        "agree": True,
+        "agree_f1": 1.0,
+        "f1": 0.5,
+        "f1_full": 0.5,
+        "kl": 0.1,
+        "tf_loglik": -0.5,
+        "tf_loglik_full": -0.4,
+        "ttft_full_s": ttft_full,
+        "ttft_s": ttft,
+        "recompute_fraction": 0.1,
+        "answer_hint": "",
+        "margin_full": 1.0,
+    }
 
 
 def test_report_only_summarises_the_rows_and_times_only_the_quiet_questions(tmp_path):
@@ -228,8 +273,15 @@ def test_report_only_summarises_the_rows_and_times_only_the_quiet_questions(tmp_
     # q1 ran on a quiet machine (full 10 s, method 2 s: 5x); q2 shared it (full 30 s, method 3 s: 10x).
     rows = [_row("q1", "full_reuse", 10.0, 2.0), _row("q2", "full_reuse", 30.0, 3.0)]
     (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = FidelityConfig(model="m", methods=("full_reuse",), out_dir=str(out), progress=False, plots=False,
-                         report_only=True, ttft_questions=("hotpotqa/q1",))
+    cfg = FidelityConfig(
+        model="m",
+        methods=("full_reuse",),
+        out_dir=str(out),
+        progress=False,
+        plots=False,
+        report_only=True,
+        ttft_questions=("hotpotqa/q1",),
+    )
     assert len(run_fidelity(cfg)) == 2  # no dataset, no model: the rows as they are
     saved = {e["dataset"]: e for e in json.loads((out / "summary.json").read_text())["summary"]}
     assert saved["all"]["n"] == 2 and saved["all"]["ttft_questions"] == 1

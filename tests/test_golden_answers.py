@@ -20,8 +20,9 @@ import json
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -118,8 +119,9 @@ def _llama_index_cases(engine, spec: dict) -> dict[str, str]:
         out[f"llama_index/query_engine/{i}"] = qe.query(q).response
     for i, q in enumerate(spec["chats"]):
         out[f"llama_index/complete/plain/{i}"] = llm.complete(q).text
-        out[f"llama_index/chat/plain/{i}"] = llm.chat([ChatMessage(role="system", content=SYSTEM),
-                                                       ChatMessage(role="user", content=q)]).message.content
+        out[f"llama_index/chat/plain/{i}"] = llm.chat(
+            [ChatMessage(role="system", content=SYSTEM), ChatMessage(role="user", content=q)]
+        ).message.content
     out["llama_index/complete/sampled"] = llm.complete(spec["chats"][0], **SAMPLED).text
     return out
 
@@ -144,7 +146,7 @@ def _server_cases(engine, spec: dict) -> dict[str, str]:
             assert r.status_code == 200
             for line in r.iter_lines():
                 if line.startswith("data: {"):
-                    choices = json.loads(line[len("data: "):]).get("choices") or [{}]
+                    choices = json.loads(line[len("data: ") :]).get("choices") or [{}]
                     text.append(choices[0].get("delta", {}).get("content") or "")
         return "".join(text)
 

@@ -168,14 +168,17 @@ def test_the_scan_finds_a_cycle_however_the_import_is_written(tmp_path: Path, a_
 
 
 def test_the_scan_resolves_relative_imports_from_subpackages(tmp_path: Path) -> None:
-    root = _package(tmp_path, {
-        "__init__.py": "from .core import x",  # the façade: not an edge of everything below it
-        "core.py": "from .sub.leaf import y",
-        "sub/__init__.py": "",
-        "sub/leaf.py": "from ..util import z\nfrom .. import other",
-        "util.py": "",
-        "other.py": "",
-    })
+    root = _package(
+        tmp_path,
+        {
+            "__init__.py": "from .core import x",  # the façade: not an edge of everything below it
+            "core.py": "from .sub.leaf import y",
+            "sub/__init__.py": "",
+            "sub/leaf.py": "from ..util import z\nfrom .. import other",
+            "util.py": "",
+            "other.py": "",
+        },
+    )
     edges = graph(root, "pkg")
     assert edges["pkg.sub.leaf"] == {"pkg.util", "pkg.other"}
     assert edges["pkg.core"] == {"pkg.sub.leaf"}

@@ -48,9 +48,11 @@ def test_the_readme_layout_table_lists_every_module():
 
 
 def test_the_layout_reader_resolves_short_names_against_the_cell_path():
-    cells = layout_table("# x\n\n## Layout\n\n| file | concept |\n| --- | --- |\n"
-                         "| `cacheblend_rag/store/keys.py`, `dtypes.py` | keys |\n| `cacheblend_rag/rope.py` | rope |\n"
-                         "\n## Next\n\n| `cacheblend_rag/other.py` | not in the layout |\n")
+    cells = layout_table(
+        "# x\n\n## Layout\n\n| file | concept |\n| --- | --- |\n"
+        "| `cacheblend_rag/store/keys.py`, `dtypes.py` | keys |\n| `cacheblend_rag/rope.py` | rope |\n"
+        "\n## Next\n\n| `cacheblend_rag/other.py` | not in the layout |\n"
+    )
     assert listed_paths(cells) == {"cacheblend_rag/store/keys.py", "cacheblend_rag/store/dtypes.py", "cacheblend_rag/rope.py"}
 
 
@@ -58,8 +60,13 @@ def hand_named_loggers(source: str) -> list[str]:
     """``logging.getLogger(...)`` calls whose name is not ``__name__``."""
     found = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "getLogger" \
-                and node.args and not (isinstance(node.args[0], ast.Name) and node.args[0].id == "__name__"):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "getLogger"
+            and node.args
+            and not (isinstance(node.args[0], ast.Name) and node.args[0].id == "__name__")
+        ):
             found.append(f"line {node.lineno}: getLogger({ast.unparse(node.args[0])})")
     return found
 
@@ -68,8 +75,12 @@ def test_every_logger_is_named_after_its_module():
     sources = sorted(PACKAGE.rglob("*.py")) + sorted(
         p for p in (REPO / "integrations").rglob("*.py") if "tests" not in p.relative_to(REPO).parts
     )
-    bad = [f"{path.relative_to(REPO)} {hit}" for path in sources for hit in hand_named_loggers(path.read_text(encoding="utf-8"))
-           if str(path.relative_to(REPO)) not in KNOWN_LOGGER_NAMES]
+    bad = [
+        f"{path.relative_to(REPO)} {hit}"
+        for path in sources
+        for hit in hand_named_loggers(path.read_text(encoding="utf-8"))
+        if str(path.relative_to(REPO)) not in KNOWN_LOGGER_NAMES
+    ]
     assert not bad, "loggers not named logging.getLogger(__name__):\n" + "\n".join(bad)
     assert hand_named_loggers('import logging\nlog = logging.getLogger("cacheblend_rag.kv_store")')
     assert not hand_named_loggers("import logging\nlog = logging.getLogger(__name__)")

@@ -147,7 +147,11 @@ _sep = st.text(alphabet=" \n\t-|:#", min_size=1, max_size=5)
 
 
 @settings(max_examples=200, deadline=None)
-@given(chunks=st.lists(_chunk, min_size=1, max_size=8, unique_by=str.strip), seps=st.lists(_sep, min_size=9, max_size=9), prefix_chars=st.integers(1, 40))
+@given(
+    chunks=st.lists(_chunk, min_size=1, max_size=8, unique_by=str.strip),
+    seps=st.lists(_sep, min_size=9, max_size=9),
+    prefix_chars=st.integers(1, 40),
+)
 def test_property_random_chunks_joined_by_random_separators_are_recovered(chunks, seps, prefix_chars):
     # Texts where one chunk occurs inside another (or inside separator+chunk junctions) are
     # legitimately ambiguous; the property covers chunk sets with no containment.

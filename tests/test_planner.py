@@ -47,8 +47,14 @@ def _prefix_key() -> str:
 
 def _fusion(layout, stored, mode="cacheblend", config=None, **kw):
     return plan_fusion(
-        layout, mode, config or BlendConfig(strategy="hkvd"), fingerprint=FP, prefix_ids=PREFIX_IDS,
-        contains=stored.__contains__, num_layers=4, **kw,
+        layout,
+        mode,
+        config or BlendConfig(strategy="hkvd"),
+        fingerprint=FP,
+        prefix_ids=PREFIX_IDS,
+        contains=stored.__contains__,
+        num_layers=4,
+        **kw,
     )
 
 
@@ -79,14 +85,19 @@ def test_prefix_plan_stops_at_the_first_miss_and_writes_back_the_rest():
     assert req.plan.always.nonzero().flatten().tolist() == list(range(7, len(layout)))
 
 
-@pytest.mark.parametrize("reused,length,blocks", [(553, 3072, False), (7, 17, False), (90, 105, True), (3000, 3050, True),
-                                                  (1, 3000, False), (0, 50, False)])
+@pytest.mark.parametrize(
+    "reused,length,blocks",
+    [(553, 3072, False), (7, 17, False), (90, 105, True), (3000, 3050, True), (1, 3000, False), (0, 50, False)],
+)
 def test_a_suffix_uses_masked_blocks_only_where_they_read_far_fewer_keys(reused, length, blocks):
     assert suffix_blocks_pay(reused, length) is blocks
     if blocks:  # never more key reads than a causal prefill of the whole prompt, even at MASKED_KEY_COST
         reads = sum((b - a) * keys for a, b, keys in row_groups(torch.arange(reused, length), 1))
         assert MASKED_KEY_COST * reads <= length * (length + 1) // 2
-    segments = (Segment("prefix", tuple(range(reused)), reusable=False), Segment("question", (5,) * (length - reused), reusable=False))
+    segments = (
+        Segment("prefix", tuple(range(reused)), reusable=False),
+        Segment("question", (5,) * (length - reused), reusable=False),
+    )
     layout = PromptLayout(segments)
     assert causal_plan(layout, reused).causal_suffix is not blocks
 
@@ -108,7 +119,10 @@ def test_fusion_plan_marks_exact_candidate_and_always_positions():
     plan = req.plan
     assert plan.input_ids.tolist() == layout.token_ids
     assert [(load.spec.start, load.spec.length, load.spec.delta, load.source) for load in req.loads] == [
-        (0, 3, 0, STORE), (3, 4, 0, STORE), (7, 3, 4, STORE), (10, 5, 7, STORE),
+        (0, 3, 0, STORE),
+        (3, 4, 0, STORE),
+        (7, 3, 4, STORE),
+        (10, 5, 7, STORE),
     ]
     # The first chunk sits behind exactly the prefix it was cached behind: reused as is.
     assert plan.candidate.nonzero().flatten().tolist() == list(range(7, 15))
@@ -151,12 +165,16 @@ def test_fusion_plan_reads_neighbour_aware_caches_except_for_the_first_chunk():
 def test_fusion_plan_picks_the_cache_whose_prefix_matches_the_chunks_in_front():
     layout = _layout()  # chunks 0, 1, 2 in this order
     other = (50, 51, 52)  # a chunk of the corpus that is not in this prompt
-    nb = _index({CHUNKS[2]: [
-        ("similar", [other], False),                        # embedding neighbours: none in the prompt
-        ("learned-1", [other, CHUNKS[1]], True),            # one of them right in front
-        ("learned-01", [CHUNKS[0], CHUNKS[1]], True),       # exactly the chunks in front, in order
-        ("learned-10", [CHUNKS[1], CHUNKS[0]], True),       # the same chunks, other order
-    ]})
+    nb = _index(
+        {
+            CHUNKS[2]: [
+                ("similar", [other], False),  # embedding neighbours: none in the prompt
+                ("learned-1", [other, CHUNKS[1]], True),  # one of them right in front
+                ("learned-01", [CHUNKS[0], CHUNKS[1]], True),  # exactly the chunks in front, in order
+                ("learned-10", [CHUNKS[1], CHUNKS[0]], True),  # the same chunks, other order
+            ]
+        }
+    )
     stored = {_prefix_key(), *map(_plain_key, CHUNKS), "similar", "learned-1", "learned-01", "learned-10"}
     assert _fusion(layout, stored, neighbours=nb).loads[3].spec.key == "learned-01"
     # Gone from the store: the next best match, then any neighbour-aware cache over the plain one.

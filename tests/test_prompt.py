@@ -54,7 +54,10 @@ def test_engines_with_other_hints_share_chunk_caches(tokenizer, tmp_path):
     other = CacheBlendEngine(model, tokenizer, store=store, pipelined=False, answer_hint="Answer in one word.")
     result = other.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, max_new_tokens=2)
     assert result.stats["chunk_hits"] == len(SAMPLE_CHUNKS) and result.stats["chunk_misses"] == 0
-    assert other.build_layout(SAMPLE_QUESTION, SAMPLE_CHUNKS).segments[-1] != first.build_layout(SAMPLE_QUESTION, SAMPLE_CHUNKS).segments[-1]
+    assert (
+        other.build_layout(SAMPLE_QUESTION, SAMPLE_CHUNKS).segments[-1]
+        != first.build_layout(SAMPLE_QUESTION, SAMPLE_CHUNKS).segments[-1]
+    )
     first.close()
 
 

@@ -22,7 +22,11 @@ def _kv(cache, layer):
 @pytest.fixture(params=["llama", "qwen2", "qwen2-7to1"])
 def qengine(request, tokenizer, tmp_path):
     # qwen2-7to1: Qwen2.5-0.5B's head layout (7 query heads per K/V head) with q/k/v biases.
-    arch, over = ("qwen2", dict(hidden_size=56, num_attention_heads=7, num_key_value_heads=1)) if request.param == "qwen2-7to1" else (request.param, {})
+    arch, over = (
+        ("qwen2", dict(hidden_size=56, num_attention_heads=7, num_key_value_heads=1))
+        if request.param == "qwen2-7to1"
+        else (request.param, {})
+    )
     eng = CacheBlendEngine(make_model(arch, **over), tokenizer, store=KVStore(tmp_path / "kv"), pipelined=False)
     eng.precompute(CHUNKS, progress=False)
     yield eng
@@ -69,14 +73,21 @@ def _brute_force_question_attention(engine, layout, layers: str) -> torch.Tensor
     eager.set_attn_implementation("eager")
     ids = torch.tensor([layout.token_ids[q_start:]])
     with torch.inference_mode():
-        out = eager(input_ids=ids, position_ids=torch.arange(q_start, len(layout))[None], cache=cache,
-                    use_cache=True, output_attentions=True)
+        out = eager(
+            input_ids=ids,
+            position_ids=torch.arange(q_start, len(layout))[None],
+            cache=cache,
+            use_cache=True,
+            output_attentions=True,
+        )
     per_layer = [a[0].mean(dim=(0, 1)) for a in out.attentions]  # [L] each: mean over heads, rows
     return per_layer[-1] if layers == "last" else torch.stack(per_layer).mean(0)
 
 
 def _dims(cfg) -> dict:
-    return dict(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads)
+    return dict(
+        hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads
+    )
 
 
 @pytest.mark.parametrize("layers", ["all", "last"])
@@ -95,7 +106,6 @@ def test_question_selects_the_tokens_with_most_question_attention(qengine, layer
     assert all(torch.equal(s, res.selected[0]) for s in res.selected[:-1])
 
 
-
 @pytest.mark.parametrize("strategy,layers", [("question", "all"), ("question", "last"), ("chunk", "all"), ("hybrid", "all")])
 def test_chunk_attention_is_the_question_attention_summed_per_chunk(qengine, strategy, layers):
     """stats["chunk_attention"]: the scoring pass's attention (checked against eager attention)
@@ -110,10 +120,16 @@ def test_chunk_attention_is_the_question_attention_summed_per_chunk(qengine, str
     torch.testing.assert_close(torch.tensor(shares, dtype=torch.float64), (mass / mass.sum()).double(), rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode,config", [
-    ("full_recompute", None), ("full_recompute_saved", None), ("prefix_caching", None), ("full_reuse", None),
-    ("cacheblend", BlendConfig(strategy="hkvd")),
-])
+@pytest.mark.parametrize(
+    "mode,config",
+    [
+        ("full_recompute", None),
+        ("full_recompute_saved", None),
+        ("prefix_caching", None),
+        ("full_reuse", None),
+        ("cacheblend", BlendConfig(strategy="hkvd")),
+    ],
+)
 def test_chunk_attention_is_absent_where_no_scoring_pass_runs(qengine, mode, config):
     res = qengine.generate(Q, CHUNKS, mode=mode, config=config, max_new_tokens=2)
     assert "chunk_attention" not in res.stats
@@ -131,6 +147,7 @@ def test_reporting_chunk_attention_changes_no_answer(qengine, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(with_it.selected, without.selected))
     assert qengine.generate(Q, CHUNKS, max_new_tokens=8).token_ids == answer.token_ids
     assert len(answer.stats["chunk_attention"]) == len(CHUNKS) and without.stats["chunk_attention"] == []
+
 
 def test_hybrid_narrows_the_question_seed_on_layer_one(qengine):
     layout = qengine.build_layout(Q, CHUNKS)
@@ -188,8 +205,12 @@ def _assert_cached_behind(eng, cache, layout, j: int, text: str, behind: list[st
     for layer in (0, eng.num_layers - 1):
         k, v = _kv(cache, layer)
         torch.testing.assert_close(v[0, :, off : off + len(seg)], manual[layer][1])
-        torch.testing.assert_close(k[0, :, off : off + len(seg)],
-                                   shift_keys(eng.model.model.rotary_emb, manual[layer][0], off - plen), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            k[0, :, off : off + len(seg)],
+            shift_keys(eng.model.model.rotary_emb, manual[layer][0], off - plen),
+            rtol=1e-4,
+            atol=1e-5,
+        )
     assert not torch.allclose(manual[-1][1], eng.compute_chunk(seg)[-1][1])  # layer 0 sees no context
 
 
@@ -311,8 +332,13 @@ def test_context_attention_reweights_the_chunk_keys_of_the_question_rows_only(ro
     module = torch.nn.Module()
     got = blend_attention_forward(module, q, k, v, mask, scaling=8**-0.5, **{APE_KWARG: spec})[0]
     n = 5 if rows is None else rows
-    expected = torch.cat([_manual_attention(q[:, :, :-n], k, v, mask[:, :, :-n], None, 8**-0.5),
-                          _manual_attention(q[:, :, -n:], k, v, mask[:, :, -n:], spec, 8**-0.5)], dim=1)
+    expected = torch.cat(
+        [
+            _manual_attention(q[:, :, :-n], k, v, mask[:, :, :-n], None, 8**-0.5),
+            _manual_attention(q[:, :, -n:], k, v, mask[:, :, -n:], spec, 8**-0.5),
+        ],
+        dim=1,
+    )
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="context_scale=0 must be a positive finite number"):
         BlendConfig(context_scale=0)
@@ -341,7 +367,12 @@ def test_ape_reweighting_reaches_decoding(qengine):
     for _ in range(len(stream.result.token_ids)):
         tokens.append(int(logits.argmax()))
         with torch.inference_mode():
-            out = qengine.model(input_ids=torch.tensor([[tokens[-1]]]), position_ids=torch.tensor([[pos]]), use_cache=True,
-                                cache=fresh.cache, **fresh.attention_kwargs)
+            out = qengine.model(
+                input_ids=torch.tensor([[tokens[-1]]]),
+                position_ids=torch.tensor([[pos]]),
+                use_cache=True,
+                cache=fresh.cache,
+                **fresh.attention_kwargs,
+            )
         logits, pos = out.logits[0, -1], pos + 1
     assert tokens == stream.result.token_ids

@@ -50,10 +50,16 @@ def env(tmp_path):
     models = default_cache_dir() / "models"
     models.mkdir(parents=True, exist_ok=True)
     (home / "models").symlink_to(models, target_is_directory=True)
-    paths = [str(ROOT), str(ROOT / "integrations" / "langchain-cacheblend"),
-             str(ROOT / "integrations" / "llama-index-cacheblend")]
-    return {**os.environ, "CACHEBLEND_RAG_HOME": str(home),
-            "PYTHONPATH": os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")])}
+    paths = [
+        str(ROOT),
+        str(ROOT / "integrations" / "langchain-cacheblend"),
+        str(ROOT / "integrations" / "llama-index-cacheblend"),
+    ]
+    return {
+        **os.environ,
+        "CACHEBLEND_RAG_HOME": str(home),
+        "PYTHONPATH": os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]),
+    }
 
 
 @pytest.mark.parametrize("kind, code", BLOCKS, ids=[f"{k}-{i}" for i, (k, _) in enumerate(BLOCKS)])

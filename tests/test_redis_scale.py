@@ -1,6 +1,7 @@
 """The Redis tier at scale, against a throw-away redis-server on 127.0.0.1: a request's round
 trips do not grow with its chunk count, a process's stores share one connection pool, and a Redis
 Cluster is refused with the reason."""
+# ruff: noqa: E402 - the imports below need the optional package checked (importorskip) first
 
 from __future__ import annotations
 
@@ -25,8 +26,10 @@ from cacheblend_rag.testing import make_model
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server not found on PATH (apt-get install redis-server)")
 
 # Twelve distinct chunks; a request reads the first 6 or all 12.
-FACTS = [f"Fact {i}: the {w} box holds {i * 7 % 13} marbles and sits on shelf {i % 4}." for i, w in enumerate(
-    ["red", "blue", "green", "amber", "white", "black", "grey", "pink", "teal", "gold", "plum", "jade"])]
+FACTS = [
+    f"Fact {i}: the {w} box holds {i * 7 % 13} marbles and sits on shelf {i % 4}."
+    for i, w in enumerate(["red", "blue", "green", "amber", "white", "black", "grey", "pink", "teal", "gold", "plum", "jade"])
+]
 Q = "Which box holds the most marbles?"
 
 
@@ -127,8 +130,15 @@ def test_a_redis_cluster_node_is_refused_with_the_reason(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         bus = s.getsockname()[1]
-    node = LocalRedis(tmp_path / "cluster", "--cluster-enabled", "yes", "--cluster-config-file", str(tmp_path / "nodes.conf"),
-                      "--cluster-port", str(bus))
+    node = LocalRedis(
+        tmp_path / "cluster",
+        "--cluster-enabled",
+        "yes",
+        "--cluster-config-file",
+        str(tmp_path / "nodes.conf"),
+        "--cluster-port",
+        str(bus),
+    )
     try:
         before = redis_pool.shared_pools()
         with pytest.raises(RedisClusterError, match="Redis Cluster.*CROSSSLOT.*standalone Redis"):

@@ -33,9 +33,7 @@ from cacheblend_rag.store.tiers import MemoryTier, Tier, TieredStore  # noqa: E4
 from cacheblend_rag.testing import make_model  # noqa: E402
 
 REDIS_SERVER = shutil.which("redis-server")
-pytestmark = pytest.mark.skipif(
-    REDIS_SERVER is None, reason="redis-server not found on PATH (apt-get install redis-server)"
-)
+pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server not found on PATH (apt-get install redis-server)")
 
 CHUNKS = [
     "The Eiffel Tower is in Paris, the capital of France.",
@@ -66,8 +64,20 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         # Later arguments win: ``extra`` may turn the plain port off for a TLS-only server.
-        cmd = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-               "--dir", str(self.directory), *self.extra]
+        cmd = [
+            REDIS_SERVER,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.directory),
+            *self.extra,
+        ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline:
@@ -271,6 +281,7 @@ def test_hung_redis_times_out_and_falls_back(tokenizer, own_server, clean, monke
                 return method(*args, **kwargs)
             finally:
                 inside.depth -= 1
+
         return call
 
     for name in ("contains", "meta", "get_layer", "get_layers", "put", "discard"):
@@ -435,8 +446,21 @@ def test_acl_user_with_the_documented_rules_can_use_the_store(server):
     user = f"cb{uuid.uuid4().hex[:8]}"
     admin = redis.Redis.from_url(server.url)
     # The rule docs/sharing.md gives, for this test's prefix.
-    admin.execute_command("ACL", "SETUSER", user, "on", ">acl-pw", "resetkeys", f"~{cfg.prefix}:*",
-                          "+@read", "+@write", "+@keyspace", "+ping", "+multi", "+exec")
+    admin.execute_command(
+        "ACL",
+        "SETUSER",
+        user,
+        "on",
+        ">acl-pw",
+        "resetkeys",
+        f"~{cfg.prefix}:*",
+        "+@read",
+        "+@write",
+        "+@keyspace",
+        "+ping",
+        "+multi",
+        "+exec",
+    )
     try:
         url = f"redis://{user}:acl-pw@127.0.0.1:{server.port}/0"
         store = RedisStore(RedisConfig(url, prefix=cfg.prefix))
@@ -459,9 +483,27 @@ def _self_signed(directory: Path) -> tuple[Path, Path]:
         pytest.skip("openssl not found: cannot make a certificate for the TLS test")
     cert, key = directory / "cert.pem", directory / "key.pem"
     subprocess.run(
-        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1",
-         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True, timeout=60,
+        [
+            openssl,
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
     )
     return cert, key
 
@@ -470,8 +512,20 @@ def test_tls_url_with_the_servers_ca_works(tmp_path, caplog):
     cert, key = _self_signed(tmp_path)
     srv = RedisServer(tmp_path / "redis")
     # TLS only: "--port 0" turns the plain port off, the test's port speaks TLS.
-    srv.extra = ("--port", "0", "--tls-port", str(srv.port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
-                 "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no")
+    srv.extra = (
+        "--port",
+        "0",
+        "--tls-port",
+        str(srv.port),
+        "--tls-cert-file",
+        str(cert),
+        "--tls-key-file",
+        str(key),
+        "--tls-ca-cert-file",
+        str(cert),
+        "--tls-auth-clients",
+        "no",
+    )
     srv.start()
     try:
         store = RedisStore(_config(f"rediss://127.0.0.1:{srv.port}/0?ssl_ca_certs={cert}"))
@@ -514,8 +568,11 @@ def test_from_pretrained_store_forms(server, tmp_path, monkeypatch):
         return LoadedModel(m, tok, "tiny", model_fingerprint(m, tok))
 
     monkeypatch.setattr(models, "load_model", load_model)
-    for spec, names in ((server.url, ["memory", "redis"]), (["disk", server.url], ["memory", "disk", "redis"]),
-                        ([server.url, server.url], ["memory", "redis", "redis2"])):
+    for spec, names in (
+        (server.url, ["memory", "redis"]),
+        (["disk", server.url], ["memory", "disk", "redis"]),
+        ([server.url, server.url], ["memory", "redis", "redis2"]),
+    ):
         eng = CacheBlendEngine.from_pretrained("tiny", cache_dir=str(tmp_path), store=spec)
         assert [t.name for t in eng.store.tiers] == names
         assert eng.store.tier("redis").store.fingerprint == eng.fingerprint
@@ -532,13 +589,16 @@ def test_ttl_applies_to_every_record_of_a_chunk(server):
     store.close()
 
 
-@pytest.mark.parametrize("field, bad, words", [
-    ("ttl_s", 1.5, "whole number of seconds"),  # redis-py's SET EX takes only ints: every write failed
-    ("ttl_s", 600.0, "whole number of seconds"),
-    ("ttl_s", True, "whole number of seconds"),
-    ("socket_timeout_s", 0, "positive number of seconds"),  # a non-blocking socket: reads fail at random
-    ("connect_timeout_s", -1, "positive number of seconds"),  # redis-py's ValueError at open, from a socket
-])
+@pytest.mark.parametrize(
+    "field, bad, words",
+    [
+        ("ttl_s", 1.5, "whole number of seconds"),  # redis-py's SET EX takes only ints: every write failed
+        ("ttl_s", 600.0, "whole number of seconds"),
+        ("ttl_s", True, "whole number of seconds"),
+        ("socket_timeout_s", 0, "positive number of seconds"),  # a non-blocking socket: reads fail at random
+        ("connect_timeout_s", -1, "positive number of seconds"),  # redis-py's ValueError at open, from a socket
+    ],
+)
 def test_bad_redis_options_are_refused_with_their_name(server, field, bad, words):
     with pytest.raises(ValueError, match=f"{field}={bad!r} must be a {words}"):
         RedisConfig(server.url, **{field: bad})

@@ -259,6 +259,7 @@ def test_special_tokens_inside_chunks_and_question_stay_text(eng) -> None:
     for seg in chunks:
         assert not special & set(seg.token_ids), "a document produced a control token"
         assert tok.decode(seg.token_ids) == seg.text + eng.prompts.separator  # the text survives intact
+
     # The question segment carries exactly the template's control tokens (closing the user turn,
     # opening the assistant's), no more.
     def controls(ids):

@@ -165,7 +165,12 @@ TestKVStoreAgainstDictModel = StoreMachine.TestCase
 
 
 @FAST
-@given(tokens=st.integers(0, 2**32 - 1), layers=st.integers(1, 2**32 - 1), dtype=st.sampled_from(["float32", "float16", "bfloat16"]), data=st.data())
+@given(
+    tokens=st.integers(0, 2**32 - 1),
+    layers=st.integers(1, 2**32 - 1),
+    dtype=st.sampled_from(["float32", "float16", "bfloat16"]),
+    data=st.data(),
+)
 def test_meta_round_trips_and_rejects_every_damaged_byte(tokens, layers, dtype, data) -> None:
     meta = ChunkMeta(num_tokens=tokens, num_layers=layers, dtype=dtype)
     blob = encode_meta(meta)

@@ -139,7 +139,9 @@ def code_loading_calls(source: str, filename: str = "<src>") -> list[str]:
                     flag(node, "torch.load(...) without weights_only=True")
             if name in {"load", "unsafe_load", "full_load"} and owner == "yaml":
                 flag(node, f"yaml.{name}(...)")
-            if name == "read_pickle" or (name == "load" and isinstance(kw.get("allow_pickle"), ast.Constant) and kw["allow_pickle"].value):
+            if name == "read_pickle" or (
+                name == "load" and isinstance(kw.get("allow_pickle"), ast.Constant) and kw["allow_pickle"].value
+            ):
                 flag(node, f"{name}(...) of a pickle")
             rc = kw.get("trust_remote_code")
             if rc is not None and not (isinstance(rc, ast.Constant) and rc.value is False):

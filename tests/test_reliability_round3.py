@@ -148,8 +148,12 @@ def live(engine):
 
 
 def _good(url: str) -> dict:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": SAMPLE_QUESTION}], "documents": SAMPLE_CHUNKS,
-            "max_tokens": N}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": SAMPLE_QUESTION}],
+        "documents": SAMPLE_CHUNKS,
+        "max_tokens": N,
+    }
     r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=BOUND_S)
     assert r.status_code == 200, r.text
     return r.json()
@@ -170,13 +174,17 @@ def _chat_body(**fields) -> dict:
     return body
 
 
-@pytest.mark.parametrize("fields, status, names", [
-    (dict(stop=["zz" + "a" * 100] * 2000), 400, "max_stop_strings"),
-    (dict(stop=["a" * 5000]), 400, "max_stop_chars"),
-    (dict(documents=[f"doc {i}" for i in range(200)]), 400, "max_documents"),
-    (dict(documents=["x" * 200_000]), 400, "max_document_chars"),
-    (dict(documents=["x" * 100_000] * 90), 413, "max_body_bytes"),
-], ids=["stop-count", "stop-length", "documents", "document-chars", "body-bytes"])
+@pytest.mark.parametrize(
+    "fields, status, names",
+    [
+        (dict(stop=["zz" + "a" * 100] * 2000), 400, "max_stop_strings"),
+        (dict(stop=["a" * 5000]), 400, "max_stop_chars"),
+        (dict(documents=[f"doc {i}" for i in range(200)]), 400, "max_documents"),
+        (dict(documents=["x" * 200_000]), 400, "max_document_chars"),
+        (dict(documents=["x" * 100_000] * 90), 413, "max_body_bytes"),
+    ],
+    ids=["stop-count", "stop-length", "documents", "document-chars", "body-bytes"],
+)
 def test_oversized_requests_are_refused_naming_the_limit_and_a_good_request_still_answers(live, expected, fields, status, names):
     """Attacks 1 and 2: a 2 MB body of long stop strings held the worker for 101 s; megabyte
     documents grew the server. Each limit answers in OpenAI's error shape, naming the setting."""
@@ -203,8 +211,9 @@ def test_a_chunked_body_over_the_limit_is_refused_while_it_streams(engine, expec
 
     try:
         try:
-            r = httpx.post(f"{server.url}/v1/chat/completions", content=body(), timeout=BOUND_S,
-                           headers={"content-type": "application/json"})
+            r = httpx.post(
+                f"{server.url}/v1/chat/completions", content=body(), timeout=BOUND_S, headers={"content-type": "application/json"}
+            )
             assert r.status_code == 413 and "max_body_bytes" in r.json()["error"]["message"], r.text
         except httpx.TransportError:
             pass  # the server answered and closed while the client was still sending: also refused
@@ -219,6 +228,7 @@ def test_refused_megabyte_requests_leave_resident_memory_flat(live, expected):
     100 refused 1 MB requests the process (server and engine) holds within 50 MB of before."""
     doc = ("The river Thames flows through London. " * 30_000)[:1_000_000]
     with httpx.Client(timeout=BOUND_S) as client:
+
         def refuse(i: int) -> None:
             r = client.post(f"{live.url}/v1/chat/completions", json=_chat_body(documents=[f"{i} {doc}"]))
             assert r.status_code == 400 and "max_document_chars" in r.text
@@ -240,6 +250,7 @@ def test_documents_the_engine_refuses_are_not_kept_by_the_tokenization_cache(eng
     doc = ("Marie Curie won two Nobel prizes. " * 40_000)[:1_000_000]
     try:
         with httpx.Client(timeout=BOUND_S) as client:
+
             def refuse(i: int) -> None:
                 r = client.post(f"{server.url}/v1/chat/completions", json=_chat_body(documents=[f"{i} {doc}"]))
                 assert r.status_code == 400 and "context window" in r.text, r.text
@@ -379,11 +390,14 @@ def test_special_token_text_in_a_plain_chat_stays_text(engine, live):
     ids = _plain_ids(engine, attacked)
     assert _control_ids(tok, ids) == _control_ids(tok, _plain_ids(engine, harmless)) == 5
     assert tok.decode(ids) == chat_text(tok, attacked)
-    r = httpx.post(f"{live.url}/v1/chat/completions", json={"model": MODEL, "messages": attacked, "max_tokens": 2},
-                   timeout=BOUND_S)
+    r = httpx.post(
+        f"{live.url}/v1/chat/completions", json={"model": MODEL, "messages": attacked, "max_tokens": 2}, timeout=BOUND_S
+    )
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids), r.text
     r = httpx.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": ATTACK, "max_tokens": 2}, timeout=BOUND_S)
-    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(_plain_ids(engine, [{"role": "user", "content": ATTACK}]))
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(
+        _plain_ids(engine, [{"role": "user", "content": ATTACK}])
+    )
 
 
 def test_a_plain_chat_without_special_tokens_is_tokenized_as_before(engine):
@@ -391,9 +405,12 @@ def test_a_plain_chat_without_special_tokens_is_tokenized_as_before(engine):
     the messages separately gives the same ids as tokenizing the rendered chat whole."""
     from cacheblend_rag.plain import chat_text
 
-    msgs = [{"role": "system", "content": "You are a helpful assistant."},
-            {"role": "user", "content": SAMPLE_QUESTION}, {"role": "assistant", "content": "Thirteen."},
-            {"role": "user", "content": " Where is the Eiffel Tower? "}]
+    msgs = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": SAMPLE_QUESTION},
+        {"role": "assistant", "content": "Thirteen."},
+        {"role": "user", "content": " Where is the Eiffel Tower? "},
+    ]
     whole = engine.tokenizer(str(chat_text(engine.tokenizer, msgs)), add_special_tokens=False)["input_ids"]
     assert _plain_ids(engine, msgs) == whole
 
@@ -433,12 +450,16 @@ def _plant_settings(directory, rows) -> None:
     con.close()
 
 
-@pytest.mark.parametrize("rows", [
-    [("disk_evil", 1)],
-    [("sqlite_query_only", 1)],
-    [("disk_min_file_size", "big"), ("size", "many"), ("count", None)],
-    [("eviction_policy", "none"), ("sqlite_journal_mode", "off"), ("size_limit", "x"), ("tag_index", 0)],
-], ids=["unknown-disk-row", "query-only-pragma", "wrong-typed-values", "wrong-known-values"])
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [("disk_evil", 1)],
+        [("sqlite_query_only", 1)],
+        [("disk_min_file_size", "big"), ("size", "many"), ("count", None)],
+        [("eviction_policy", "none"), ("sqlite_journal_mode", "off"), ("size_limit", "x"), ("tag_index", 0)],
+    ],
+    ids=["unknown-disk-row", "query-only-pragma", "wrong-typed-values", "wrong-known-values"],
+)
 def test_planted_settings_rows_neither_stop_the_store_nor_leave_it_read_only(tmp_path, rows, caplog):
     """Attack 4: a planted disk_* row made the store's open raise TypeError (and with it
     from_pretrained and serve); a planted sqlite_* row left it read-only for good. The store
@@ -704,21 +725,40 @@ def _chunk_part(text):
     return {"type": "text", "text": text, "extras": {"cacheblend_chunk": True}}
 
 
-@pytest.mark.parametrize("fields, names", [
-    (dict(messages=[{"role": "user", "content": [_chunk_part(None), "Where?"]}]), "has no text"),
-    (dict(messages=[{"role": "user", "content": [{"type": "text", "extras": {"cacheblend_chunk": True}}, "Where?"]}]), "has no text"),
-    (dict(messages=[{"role": "user", "content": [{"type": "text", "text": {"a": 1}}]}]), "text of type dict"),
-    (dict(max_tokens=True), "max_tokens"),
-    (dict(max_tokens="3"), "max_tokens"),
-    (dict(max_tokens=2.0), "max_tokens"),
-    (dict(seed=True), "seed"),
-    (dict(stream="yes"), "stream"),
-    (dict(temperature=True), "temperature"),
-    (dict(n=True), "n"),
-    (dict(cacheblend={"top_k": True}), "top_k"),
-    (dict(cacheblend={"recompute_ratio": True}), "recompute_ratio"),
-], ids=["null-chunk-text", "chunk-without-text", "dict-text", "bool-max-tokens", "str-max-tokens", "float-max-tokens",
-        "bool-seed", "str-stream", "bool-temperature", "bool-n", "bool-top-k", "bool-ratio"])
+@pytest.mark.parametrize(
+    "fields, names",
+    [
+        (dict(messages=[{"role": "user", "content": [_chunk_part(None), "Where?"]}]), "has no text"),
+        (
+            dict(messages=[{"role": "user", "content": [{"type": "text", "extras": {"cacheblend_chunk": True}}, "Where?"]}]),
+            "has no text",
+        ),
+        (dict(messages=[{"role": "user", "content": [{"type": "text", "text": {"a": 1}}]}]), "text of type dict"),
+        (dict(max_tokens=True), "max_tokens"),
+        (dict(max_tokens="3"), "max_tokens"),
+        (dict(max_tokens=2.0), "max_tokens"),
+        (dict(seed=True), "seed"),
+        (dict(stream="yes"), "stream"),
+        (dict(temperature=True), "temperature"),
+        (dict(n=True), "n"),
+        (dict(cacheblend={"top_k": True}), "top_k"),
+        (dict(cacheblend={"recompute_ratio": True}), "recompute_ratio"),
+    ],
+    ids=[
+        "null-chunk-text",
+        "chunk-without-text",
+        "dict-text",
+        "bool-max-tokens",
+        "str-max-tokens",
+        "float-max-tokens",
+        "bool-seed",
+        "str-stream",
+        "bool-temperature",
+        "bool-n",
+        "bool-top-k",
+        "bool-ratio",
+    ],
+)
 def test_bad_bodies_get_a_400_naming_the_field_not_a_500_or_a_coercion(live, fields, names):
     """Attack 8: a chunk part without text was a 500 (KeyError); "text": null became the document
     "None"; max_tokens: true was answered as max_tokens 1."""
@@ -742,8 +782,8 @@ def test_an_ape_answer_does_not_pause_the_batched_answers(engine, monkeypatch):
     decode. Now both advance in turns; answers are unchanged."""
     import threading
 
-    from cacheblend_rag.serving import Batcher, Ticket
     from cacheblend_rag.config import BlendConfig
+    from cacheblend_rag.serving import Batcher, Ticket
 
     ape = BlendConfig(context_temperature=0.9, context_scale=0.9)
     want_ape = engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, config=ape, max_new_tokens=10)
@@ -780,8 +820,11 @@ def test_serve_passes_its_limit_flags_to_the_app_and_to_uvicorn(monkeypatch, tmp
     from cacheblend_rag.engine import CacheBlendEngine
 
     seen: dict = {}
-    monkeypatch.setattr(CacheBlendEngine, "from_pretrained",
-                        classmethod(lambda cls, model=None, **kw: make_engine("llama", seed=0, store_dir=tmp_path / "kv")))
+    monkeypatch.setattr(
+        CacheBlendEngine,
+        "from_pretrained",
+        classmethod(lambda cls, model=None, **kw: make_engine("llama", seed=0, store_dir=tmp_path / "kv")),
+    )
 
     def fake_run(app, **kwargs):
         from fastapi.testclient import TestClient
@@ -790,8 +833,26 @@ def test_serve_passes_its_limit_flags_to_the_app_and_to_uvicorn(monkeypatch, tmp
         seen["stops"] = TestClient(app).post("/v1/chat/completions", json=_chat_body(stop=["a", "b", "c"])).json()
 
     monkeypatch.setattr(uvicorn, "run", fake_run)
-    assert cli.main(["serve", "--served-model-name", MODEL, "--max-stop-strings", "2", "--timeout-keep-alive", "3", "--max-header-bytes", "4096",
-                     "--max-connections", "7", "--timeout-header", "2.5"]) == 0
+    assert (
+        cli.main(
+            [
+                "serve",
+                "--served-model-name",
+                MODEL,
+                "--max-stop-strings",
+                "2",
+                "--timeout-keep-alive",
+                "3",
+                "--max-header-bytes",
+                "4096",
+                "--max-connections",
+                "7",
+                "--timeout-header",
+                "2.5",
+            ]
+        )
+        == 0
+    )
     assert seen["timeout_keep_alive"] == 3 and seen["h11_max_incomplete_event_size"] == 4096
     assert "limit of 2 (max_stop_strings" in seen["stops"]["error"]["message"]
     assert seen["http"].__name__ == "GuardedH11Protocol"

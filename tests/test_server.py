@@ -108,8 +108,11 @@ def test_chat_with_documents_field_equals_engine_generate(client, expected):
 
 
 def test_chat_stream_equals_engine_generate_and_ends_with_stats(client, expected):
-    text, chunks = _stream_text(_chat(client, messages=_user(), stream=True, extra_body={"documents": SAMPLE_CHUNKS},
-                                      stream_options={"include_usage": True}))
+    text, chunks = _stream_text(
+        _chat(
+            client, messages=_user(), stream=True, extra_body={"documents": SAMPLE_CHUNKS}, stream_options={"include_usage": True}
+        )
+    )
     assert text == expected.text
     assert len({c.id for c in chunks}) == 1
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -139,8 +142,11 @@ def test_flagged_content_parts_are_the_documents(client, expected):
 def test_completions_with_documents_equal_engine_generate(client, expected):
     res = client.completions.create(model=MODEL, prompt=SAMPLE_QUESTION, max_tokens=N, extra_body={"documents": SAMPLE_CHUNKS})
     assert res.choices[0].text == expected.text
-    chunks = list(client.completions.create(model=MODEL, prompt=SAMPLE_QUESTION, max_tokens=N, stream=True,
-                                            extra_body={"documents": SAMPLE_CHUNKS}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=SAMPLE_QUESTION, max_tokens=N, stream=True, extra_body={"documents": SAMPLE_CHUNKS}
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
 
 
@@ -202,8 +208,9 @@ def test_models_and_health(client, live):
 def test_langchain_chat_openai_against_the_server(live, expected):
     lc_openai = pytest.importorskip("langchain_openai")
     lc_cacheblend = pytest.importorskip("langchain_cacheblend")
-    llm = lc_openai.ChatOpenAI(base_url=f"{live.url}/v1", api_key="dummy", model=MODEL, temperature=0, max_tokens=N,
-                               max_retries=0, timeout=TIMEOUT)
+    llm = lc_openai.ChatOpenAI(
+        base_url=f"{live.url}/v1", api_key="dummy", model=MODEL, temperature=0, max_tokens=N, max_retries=0, timeout=TIMEOUT
+    )
     with_docs = llm.bind(extra_body={"documents": SAMPLE_CHUNKS})
     msg = with_docs.invoke(SAMPLE_QUESTION)
     assert msg.content == expected.text
@@ -223,11 +230,17 @@ def test_langchain_chat_openai_against_the_server(live, expected):
         ({"model": MODEL, "messages": _user(), "n": 2}, 400, "n=2 is not supported"),
         ({"model": "gpt-4o", "messages": _user()}, 404, "'gpt-4o' does not exist"),
         ({"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages.0.role"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-         400, "'image_url' is not supported"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            400,
+            "'image_url' is not supported",
+        ),
         ({"model": MODEL, "messages": [{"role": "user", "content": [chunk_part("a doc")]}]}, 400, "no question text"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": [chunk_part("a doc"), "q"]}], "documents": ["b"]},
-         400, "use one of the two"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": [chunk_part("a doc"), "q"]}], "documents": ["b"]},
+            400,
+            "use one of the two",
+        ),
         ({"model": MODEL, "messages": _user(), "max_tokens": 5000, "documents": ["a doc"]}, 400, "context window"),
         ({"model": MODEL, "messages": _user(), "temperature": -1}, 400, "temperature"),
         ({"model": MODEL, "messages": _user(), "tools": [{"type": "function"}]}, 400, "tools is not supported"),
@@ -250,17 +263,33 @@ def test_unsupported_fields_at_their_off_values_are_accepted(client, expected):
 
 def test_explicit_nulls_mean_the_defaults(client, live, expected):
     # OpenAI's schema makes these nullable, and the openai client sends null for an explicit None.
-    res = _chat(client, messages=_user(), temperature=None, top_p=None, stream=None, stream_options=None, seed=None,
-                extra_body={"documents": SAMPLE_CHUNKS})
+    res = _chat(
+        client,
+        messages=_user(),
+        temperature=None,
+        top_p=None,
+        stream=None,
+        stream_options=None,
+        seed=None,
+        extra_body={"documents": SAMPLE_CHUNKS},
+    )
     assert res.choices[0].message.content == expected.text
-    res = client.completions.create(model=MODEL, prompt=SAMPLE_QUESTION, max_tokens=N, temperature=None, top_p=None,
-                                    stream=None, extra_body={"documents": SAMPLE_CHUNKS})
+    res = client.completions.create(
+        model=MODEL,
+        prompt=SAMPLE_QUESTION,
+        max_tokens=N,
+        temperature=None,
+        top_p=None,
+        stream=None,
+        extra_body={"documents": SAMPLE_CHUNKS},
+    )
     assert res.choices[0].text == expected.text
 
 
 def test_best_of_at_its_default_of_one_is_accepted(client, expected):
-    res = client.completions.create(model=MODEL, prompt=SAMPLE_QUESTION, max_tokens=N, best_of=1,
-                                    extra_body={"documents": SAMPLE_CHUNKS})
+    res = client.completions.create(
+        model=MODEL, prompt=SAMPLE_QUESTION, max_tokens=N, best_of=1, extra_body={"documents": SAMPLE_CHUNKS}
+    )
     assert res.choices[0].text == expected.text
     with pytest.raises(openai.BadRequestError, match="best_of is not supported"):
         client.completions.create(model=MODEL, prompt=SAMPLE_QUESTION, best_of=2)
@@ -282,7 +311,9 @@ def test_a_wrong_method_is_a_405_with_its_allow_header(live):
 
 
 def test_body_that_is_not_json_is_a_400(live):
-    r = httpx.post(f"{live.url}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}, timeout=TIMEOUT)
+    r = httpx.post(
+        f"{live.url}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}, timeout=TIMEOUT
+    )
     assert r.status_code == 400
     error = r.json()["error"]
     # The position of the syntax error is no request field.
@@ -429,10 +460,40 @@ def test_serve_subcommand_builds_the_app_from_its_flags(monkeypatch, tmp_path):
 
     monkeypatch.setattr(CacheBlendEngine, "from_pretrained", classmethod(fake_from_pretrained))
     monkeypatch.setattr(uvicorn, "run", fake_run)
-    assert cli.main(["serve", "--model", "m.gguf", "--port", "9123", "--max-queue", "3", "--max-batch", "2", "--store-dir", str(tmp_path / "s"),
-                     "--served-model-name", "rag", "--store", "disk, redis://cache:6379/0", "--weights", "fp16"]) == 0
-    assert seen["load"] == ("m.gguf", {"device": "cpu", "dtype": "float32", "weights": "fp16", "store_dir": str(tmp_path / "s"),
-                                       "store": ["disk", "redis://cache:6379/0"]})
+    assert (
+        cli.main(
+            [
+                "serve",
+                "--model",
+                "m.gguf",
+                "--port",
+                "9123",
+                "--max-queue",
+                "3",
+                "--max-batch",
+                "2",
+                "--store-dir",
+                str(tmp_path / "s"),
+                "--served-model-name",
+                "rag",
+                "--store",
+                "disk, redis://cache:6379/0",
+                "--weights",
+                "fp16",
+            ]
+        )
+        == 0
+    )
+    assert seen["load"] == (
+        "m.gguf",
+        {
+            "device": "cpu",
+            "dtype": "float32",
+            "weights": "fp16",
+            "store_dir": str(tmp_path / "s"),
+            "store": ["disk", "redis://cache:6379/0"],
+        },
+    )
     assert seen["run"]["host"] == "127.0.0.1" and seen["run"]["port"] == 9123
     assert seen["health"]["max_queue"] == 3 and seen["health"]["max_batch"] == 2 and seen["health"]["model"] == "rag"
     assert seen["closed"]  # the engine is closed when the server stops

@@ -79,7 +79,7 @@ def _ask(live, body: dict) -> str:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: {"):
-                choices = json.loads(line[len("data: "):])["choices"]
+                choices = json.loads(line[len("data: ") :])["choices"]
                 text.append((choices[0]["delta"].get("content") or "") if choices else "")
     return "".join(text)
 
@@ -132,7 +132,7 @@ class _Reader(threading.Thread):
             for line in r.iter_lines():
                 if not line.startswith("data: {"):
                     continue
-                choices = json.loads(line[len("data: "):])["choices"]
+                choices = json.loads(line[len("data: ") :])["choices"]
                 self.text += (choices[0]["delta"].get("content") or "") if choices else ""
                 if self.text and not self.started.is_set():
                     self.started.set()

@@ -76,7 +76,9 @@ def test_the_chunk_holding_the_answer_draws_more_attention_than_a_neutral_one_in
     try:
         for pos in range(len(DISTRACTORS) + 1):
             share = {
-                name: eng.generate(question, DISTRACTORS[:pos] + [text] + DISTRACTORS[pos:], max_new_tokens=1).stats["chunk_attention"][pos]
+                name: eng.generate(question, DISTRACTORS[:pos] + [text] + DISTRACTORS[pos:], max_new_tokens=1).stats[
+                    "chunk_attention"
+                ][pos]
                 for name, text in (("planted", PLANTED), ("neutral", NEUTRAL))
             }
             assert share["planted"] > share["neutral"], (pos, share)

@@ -20,7 +20,9 @@ PASSAGES = [
 def _musique(tmp_path, n=2):
     rows = [
         dict(id=str(i), question=q, answers=[a], ctxs=[dict(title=t, text=x) for t, x in PASSAGES])
-        for i, (q, a) in enumerate([("Where was the engine's designer based?", "London"), ("Which river flows through Oxford?", "Thames")][:n])
+        for i, (q, a) in enumerate(
+            [("Where was the engine's designer based?", "London"), ("Which river flows through Oxford?", "Thames")][:n]
+        )
     ]
     path = tmp_path / "musique.json"
     path.write_text(json.dumps(rows), encoding="utf-8")
@@ -30,8 +32,15 @@ def _musique(tmp_path, n=2):
 def test_sweep_rows_repeats_and_summary(tmp_path):
     engine = tiny_engine(str(tmp_path / "kv"))
     cfg = SweepConfig(
-        musique=_musique(tmp_path), questions=2, num_chunks=3, chunk_tokens=48, ratios=(0.15, 1.0),
-        criteria=("query_value",), baselines=("prefix_caching", "full_reuse"), max_new_tokens=0, repeats=2,
+        musique=_musique(tmp_path),
+        questions=2,
+        num_chunks=3,
+        chunk_tokens=48,
+        ratios=(0.15, 1.0),
+        criteria=("query_value",),
+        baselines=("prefix_caching", "full_reuse"),
+        max_new_tokens=0,
+        repeats=2,
         out=tmp_path / "rows.jsonl",
     )
     hits = []  # prefix caching's chunk hits, per question and round

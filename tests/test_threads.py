@@ -159,8 +159,8 @@ def test_model_threads_release_their_team_when_idle(monkeypatch, tmp_path):
     import threading
     import time
 
-    from cacheblend_rag.serving import batcher as batching
     from cacheblend_rag.server import worker as server_worker
+    from cacheblend_rag.serving import batcher as batching
 
     released: list[str] = []
 

@@ -24,7 +24,10 @@ Q = "Where is the Eiffel Tower?"
 
 def _layers(n_layers=2, tokens=4, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(2, tokens, 8, generator=g).to(dtype), torch.randn(2, tokens, 8, generator=g).to(dtype)) for _ in range(n_layers)]
+    return [
+        (torch.randn(2, tokens, 8, generator=g).to(dtype), torch.randn(2, tokens, 8, generator=g).to(dtype))
+        for _ in range(n_layers)
+    ]
 
 
 LAYER_BYTES = 2 * 2 * 4 * 8 * 4  # K and V of one layer of _layers() in fp32

@@ -149,9 +149,15 @@ def test_engine_decoding_gives_the_plain_models_greedy_tokens(weights):
         engine.close()
     plain.set_attn_implementation("sdpa")
     with torch.inference_mode():
-        out = plain.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, min_new_tokens=24, do_sample=False,
-                             generation_config=transformers.GenerationConfig(eos_token_id=None, pad_token_id=0))
-    assert result.token_ids == out[0, ids.shape[1]:].tolist()
+        out = plain.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=24,
+            min_new_tokens=24,
+            do_sample=False,
+            generation_config=transformers.GenerationConfig(eos_token_id=None, pad_token_id=0),
+        )
+    assert result.token_ids == out[0, ids.shape[1] :].tolist()
     assert len(result.token_ids) == 24 and result.finish_reason == "length"
 
 
@@ -185,8 +191,9 @@ def test_fast_decode_step_gives_the_forwards_logits_and_tokens(arch, weights):
         for position in range(len(layout), len(layout) + 12):
             got = engine.fast_step(token, position, ours)
             with torch.inference_mode():
-                want = model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[position]]), cache=theirs,
-                             use_cache=True).logits[0, -1]
+                want = model(
+                    input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[position]]), cache=theirs, use_cache=True
+                ).logits[0, -1]
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
             token = int(want.argmax())
         for i in range(engine.num_layers):

@@ -16,8 +16,17 @@ from cacheblend_rag.cli import main
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("whole")
-    cfg = WholeAnswerConfig(model="tiny", datasets=("crosschunk",), n=2, lengths=(3, 9), llama_cpp=(), top_k=3,
-                            chunk_tokens=64, out_dir=str(out), progress=False)
+    cfg = WholeAnswerConfig(
+        model="tiny",
+        datasets=("crosschunk",),
+        n=2,
+        lengths=(3, 9),
+        llama_cpp=(),
+        top_k=3,
+        chunk_tokens=64,
+        out_dir=str(out),
+        progress=False,
+    )
     return cfg, run_whole_answer(cfg)
 
 
@@ -50,8 +59,12 @@ def test_summary_ratios_are_ratios_of_means_against_the_same_formats_full_prefil
         want = sum(full[r["qid"]]["t9_s"] for r in mine) / sum(r["t9_s"] for r in mine)
         assert summary[f"question@0.15/{fmt}"]["t9_vs_full_prefill"] == pytest.approx(want)
         assert "t9_vs_full_prefill" not in summary[f"full_recompute_saved/{fmt}"]
-    same = [r["first_tokens"] == next(f for f in rows if f["qid"] == r["qid"] and f["method"] == "full_recompute_saved/fp32")["first_tokens"]
-            for r in rows if r["method"] == "question@0.15/fp16"]
+    same = [
+        r["first_tokens"]
+        == next(f for f in rows if f["qid"] == r["qid"] and f["method"] == "full_recompute_saved/fp32")["first_tokens"]
+        for r in rows
+        if r["method"] == "question@0.15/fp16"
+    ]
     assert summary["question@0.15/fp16"]["same_32_tokens_as_fp32_full_prefill"] == sum(same) / len(same)
 
 
@@ -70,7 +83,22 @@ def test_a_finished_run_resumes_without_loading_a_model_and_rebuilds_the_report(
 
 
 def test_whole_answer_refuses_lengths_below_one_token(tmp_path, capsys):
-    code = main(["bench", "--whole-answer", "--model", "tiny", "--datasets", "crosschunk", "--lengths", "0,8",
-                 "--out", str(tmp_path), "--llama-cpp", "", "--quiet"])
+    code = main(
+        [
+            "bench",
+            "--whole-answer",
+            "--model",
+            "tiny",
+            "--datasets",
+            "crosschunk",
+            "--lengths",
+            "0,8",
+            "--out",
+            str(tmp_path),
+            "--llama-cpp",
+            "",
+            "--quiet",
+        ]
+    )
     assert code == 2
     assert "lengths=(0, 8): give answer lengths of at least 1 token" in capsys.readouterr().err

@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -45,8 +46,12 @@ ROWS = "attribution.jsonl"
 RANKINGS = ("attention", "retriever", "last", "attention_vs_position", "random")
 METRICS = ("precision", "recall", "hit1")
 # (ranking, against): the paired comparisons the summary makes.
-COMPARISONS = (("attention", "retriever"), ("attention", "last"), ("attention_vs_position", "retriever"),
-               ("attention_vs_position", "random"))
+COMPARISONS = (
+    ("attention", "retriever"),
+    ("attention", "last"),
+    ("attention_vs_position", "retriever"),
+    ("attention_vs_position", "random"),
+)
 
 
 @dataclass
@@ -68,8 +73,9 @@ class AttributionConfig:
 
     def __post_init__(self) -> None:
         if not 1 <= self.k < self.top_k:
-            raise ValueError(f"k={self.k} must be between 1 and top_k - 1 ({self.top_k - 1}): with k >= top_k every "
-                             "ranking picks every chunk")
+            raise ValueError(
+                f"k={self.k} must be between 1 and top_k - 1 ({self.top_k - 1}): with k >= top_k every ranking picks every chunk"
+            )
 
 
 def support_titles_in(chunk: str, example: ds.Example) -> list[str]:
@@ -104,8 +110,13 @@ def run_attribution(cfg: AttributionConfig, *, engine=None) -> list[dict]:
                 res = engine.generate(ex.question, chunks, config=BlendConfig(), max_new_tokens=1)
                 all_chunks = ds.chunk_documents(ex.documents, count, cfg.chunk_tokens)
                 row = {
-                    "model": cfg.model, "dataset": ex.dataset, "qid": ex.qid, "top_k": cfg.top_k, "chunk_tokens": cfg.chunk_tokens,
-                    "strategy": res.stats.get("strategy"), "recompute_ratio": res.stats.get("recompute_ratio"),
+                    "model": cfg.model,
+                    "dataset": ex.dataset,
+                    "qid": ex.qid,
+                    "top_k": cfg.top_k,
+                    "chunk_tokens": cfg.chunk_tokens,
+                    "strategy": res.stats.get("strategy"),
+                    "recompute_ratio": res.stats.get("recompute_ratio"),
                     "attention": res.stats[STATS_KEY],
                     "supports_in_chunk": [support_titles_in(c, ex) for c in chunks],
                     "supports": len(set(ex.support_titles)),
@@ -184,7 +195,9 @@ def summarize(rows: list[dict], k: int = 2) -> dict[str, Any]:
     usable = [(r, p) for r, p in zip(rows, priors) if p is not None]
     per = {name: [scores(r, name, k, p) for r, p in usable] for name in RANKINGS}
     out: dict[str, Any] = {
-        "k": k, "questions": len(usable), "recall_questions": sum(s["recall"] is not None for s in per["retriever"]),
+        "k": k,
+        "questions": len(usable),
+        "recall_questions": sum(s["recall"] is not None for s in per["retriever"]),
         "chunks": _mean([len(r["attention"]) for r, _ in usable]),
         "relevant_chunks": _mean([sum(bool(t) for t in r["supports_in_chunk"]) for r, _ in usable]),
         # The mean share at each place in the prompt (rows with the most common chunk count).
@@ -206,8 +219,14 @@ def summarize(rows: list[dict], k: int = 2) -> dict[str, Any]:
             pairs = [(a[m], b[m]) for a, b in zip(per[name], per[other]) if a[m] is not None and b[m] is not None]
             diffs = [a - b for a, b in pairs]
             wins, losses = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
-            comp[m] = {"diff": _mean(diffs), "diff_ci": bootstrap_mean_ci(diffs), "wins": wins, "losses": losses,
-                       "ties": len(diffs) - wins - losses, "sign_p": sign_test(wins, losses)}
+            comp[m] = {
+                "diff": _mean(diffs),
+                "diff_ci": bootstrap_mean_ci(diffs),
+                "wins": wins,
+                "losses": losses,
+                "ties": len(diffs) - wins - losses,
+                "sign_p": sign_test(wins, losses),
+            }
         out["comparisons"][f"{name}-{other}"] = comp
     return out
 
@@ -227,7 +246,9 @@ def _shares_by_place(rows: list[dict]) -> list[float]:
 
 def _relevant_by_place(rows: list[dict]) -> list[float]:
     same = _common_rows(rows)
-    return [_mean([float(bool(r["supports_in_chunk"][i])) for r in same]) for i in range(len(same[0]["attention"]))] if same else []
+    return (
+        [_mean([float(bool(r["supports_in_chunk"][i])) for r in same]) for i in range(len(same[0]["attention"]))] if same else []
+    )
 
 
 def _ci(mean: float, ci: tuple[float, float], signed: bool = False) -> str:
@@ -265,8 +286,13 @@ def markdown_table(summary: dict[str, Any]) -> str:
         f"| paired | precision@{k}: difference | better / worse / tie | p | recall@{k}: difference | better / worse / tie | p |",
         "|---|---|---|---|---|---|---|",
     ]
-    short = {"attention": "attention", "retriever": "retriever", "last": "nearest", "attention_vs_position": "attention over place",
-             "random": "random"}
+    short = {
+        "attention": "attention",
+        "retriever": "retriever",
+        "last": "nearest",
+        "attention_vs_position": "attention over place",
+        "random": "random",
+    }
     for name, other in COMPARISONS:
         cells = []
         for m in ("precision", "recall"):

@@ -29,9 +29,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from ..generation import eos_token_ids
 
-LLAMA_CPP_HINT = (
-    "pip install llama-cpp-python==0.3.36  # builds llama.cpp from source: about 15 minutes on 2 cores"
-)
+LLAMA_CPP_HINT = "pip install llama-cpp-python==0.3.36  # builds llama.cpp from source: about 15 minutes on 2 cores"
 # The GGUF tensor types llama.cpp's quantiser can write for these comparisons (llama.h's
 # LLAMA_FTYPE_MOSTLY_*); requantising a quantised file goes through fp32, so the result is what
 # llama.cpp would make from the shipped weights.
@@ -58,7 +56,9 @@ def gguf_for(model: str) -> Path:
         return qwen_gguf_path(model=MODELS[model])
     if model.lower().endswith(".gguf") and Path(model).is_file():
         return Path(model)
-    raise ValueError(f"the llama_cpp baselines run a GGUF file; --model {model!r} is none: use smollm2, a Qwen name or a .gguf path")
+    raise ValueError(
+        f"the llama_cpp baselines run a GGUF file; --model {model!r} is none: use smollm2, a Qwen name or a .gguf path"
+    )
 
 
 def quantized(gguf: Path, quant: str, cache_dir: Path) -> Path:
@@ -121,12 +121,18 @@ class GenerateBaseline:
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(
-                x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
-                eos_token_id=self.eos, pad_token_id=self.eos[0], streamer=timer,
-                output_scores=True, return_dict_in_generate=True,
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=self.eos,
+                pad_token_id=self.eos[0],
+                streamer=timer,
+                output_scores=True,
+                return_dict_in_generate=True,
             )
         total = time.perf_counter() - t0
-        new = out.sequences[0, len(ids):].tolist()
+        new = out.sequences[0, len(ids) :].tolist()
         new = new[: next((i for i, t in enumerate(new) if t in self.eos), len(new))]
         text = engine.tokenizer.decode(new, skip_special_tokens=True)
         return Answer(text.strip(), timer.first - t0, total, len(ids), len(new), out.scores[0][0].float().cpu())
@@ -148,8 +154,14 @@ class LlamaCppBaseline:
         self.lib = lib = _llama_cpp()
         path = quantized(gguf, quant, default_cache_dir() / "models" / "llama_cpp") if quant else gguf
         threads = torch.get_num_threads()
-        self.llm = lib.Llama(model_path=str(path), n_ctx=engine.context_window, n_threads=threads, n_threads_batch=threads,
-                             n_gpu_layers=0, verbose=False)
+        self.llm = lib.Llama(
+            model_path=str(path),
+            n_ctx=engine.context_window,
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_gpu_layers=0,
+            verbose=False,
+        )
         self.prefix = prefix
         self.eos = set(eos_token_ids(engine.model, engine.tokenizer)) | {self.llm.token_eos()}
 

@@ -61,8 +61,12 @@ def profile_prefill(engine, layout, mode: str) -> dict[str, Any]:
     for ev in prof.key_averages():
         parts[category(ev.key)] += ev.self_cpu_time_total / 1e6
     parts["python"] = max(0.0, profiled - sum(parts.values()))
-    return {"wall_s": wall, "profiled_s": profiled, "compute_fraction": res.stats.get("compute_fraction", 1.0),
-            **{c: parts[c] for c in CATEGORIES}}
+    return {
+        "wall_s": wall,
+        "profiled_s": profiled,
+        "compute_fraction": res.stats.get("compute_fraction", 1.0),
+        **{c: parts[c] for c in CATEGORIES},
+    }
 
 
 def run(engine, prompts: list[tuple[str, list[str]]], modes: list[str], rounds: int) -> list[dict[str, Any]]:
@@ -76,8 +80,15 @@ def run(engine, prompts: list[tuple[str, list[str]]], modes: list[str], rounds: 
             engine.flush()
         for rnd in range(rounds):
             for mode in modes:  # interleaved, so machine noise hits every mode alike
-                rows.append({"question": qi, "round": rnd, "mode": mode, "prompt_tokens": len(layout),
-                             **profile_prefill(engine, layout, mode)})
+                rows.append(
+                    {
+                        "question": qi,
+                        "round": rnd,
+                        "mode": mode,
+                        "prompt_tokens": len(layout),
+                        **profile_prefill(engine, layout, mode),
+                    }
+                )
     return rows
 
 
@@ -88,31 +99,44 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     for mode in dict.fromkeys(r["mode"] for r in rows):
         rs = [r for r in rows if r["mode"] == mode]
         wall = sum(r["profiled_s"] for r in rs)
-        out[mode] = {"n": len(rs), "wall_mean_s": statistics.mean(r["wall_s"] for r in rs),
-                     "wall_median_s": statistics.median(r["wall_s"] for r in rs),
-                     "compute_fraction": statistics.mean(r["compute_fraction"] for r in rs),
-                     **{f"{c}_share": sum(r[c] for r in rs) / wall for c in CATEGORIES}}
+        out[mode] = {
+            "n": len(rs),
+            "wall_mean_s": statistics.mean(r["wall_s"] for r in rs),
+            "wall_median_s": statistics.median(r["wall_s"] for r in rs),
+            "compute_fraction": statistics.mean(r["compute_fraction"] for r in rs),
+            **{f"{c}_share": sum(r[c] for r in rs) / wall for c in CATEGORIES},
+        }
     saved = [r for r in rows if r["mode"] == "full_recompute_saved"]
     if saved:
         ref = {(r["question"], r["round"]): r for r in saved}
         for mode, s in out.items():
             rs = [r for r in rows if r["mode"] == mode and (r["question"], r["round"]) in ref]
-            den = sum(r["compute_fraction"] / f["compute_fraction"] * f["wall_s"]
-                      for r in rs for f in [ref[(r["question"], r["round"])]])
+            den = sum(
+                r["compute_fraction"] / f["compute_fraction"] * f["wall_s"]
+                for r in rs
+                for f in [ref[(r["question"], r["round"])]]
+            )
             s["overhead"] = sum(r["wall_s"] for r in rs) / den if den else float("nan")
             s["speedup_vs_saved"], s["speedup_vs_saved_ci"] = speedup(
-                [ref[(r["question"], r["round"])]["wall_s"] for r in rs], [r["wall_s"] for r in rs])
+                [ref[(r["question"], r["round"])]["wall_s"] for r in rs], [r["wall_s"] for r in rs]
+            )
     return out
 
 
 def report(summary: dict[str, Any]) -> str:
     """The summary as a markdown table (the docs' table of where a prefill's time goes)."""
-    lines = ["| mode | prefill (mean) | speed-up vs saved full prefill | token-layers computed | overhead | attention "
-             "| projections + MLP | other operators | Python between operators |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| mode | prefill (mean) | speed-up vs saved full prefill | token-layers computed | overhead | attention "
+        "| projections + MLP | other operators | Python between operators |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for mode, s in summary.items():
         ci = s.get("speedup_vs_saved_ci")
-        ratio = f"{s['speedup_vs_saved']:.2f}x" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci and ci[0] == ci[0] else "") if "speedup_vs_saved" in s else "-"
+        ratio = (
+            f"{s['speedup_vs_saved']:.2f}x" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci and ci[0] == ci[0] else "")
+            if "speedup_vs_saved" in s
+            else "-"
+        )
         lines.append(
             f"| `{mode}` | {s['wall_mean_s']:.2f} s | {ratio} | {s['compute_fraction']:.1%} | {s.get('overhead', float('nan')):.2f} | "
             f"{s['attention_share']:.0%} | {s['gemm_share']:.0%} | {s['other_ops_share']:.0%} | {s['python_share']:.0%} |"
@@ -124,8 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     from . import datasets as ds
     from .runner import BenchConfig, load_engine
 
-    p = argparse.ArgumentParser(prog="python -m cacheblend_rag.bench.breakdown", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m cacheblend_rag.bench.breakdown", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dataset", default="musique", choices=ds.DATASETS)
     p.add_argument("--n", type=int, default=2, help="questions (default 2)")
@@ -138,10 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store-dir", default="bench-results/breakdown", help="its chunk KV store")
     args = p.parse_args(argv)
     engine = load_engine(BenchConfig(model=args.model, out_dir=args.store_dir))
-    examples = ds.load_dataset(args.dataset, args.offset + args.n, chunk_tokens=args.chunk_tokens)[args.offset:]
+    examples = ds.load_dataset(args.dataset, args.offset + args.n, chunk_tokens=args.chunk_tokens)[args.offset :]
     count, retriever = ds.token_counter(engine.tokenizer), ds.Retriever()
-    prompts = [(ex.question, ds.retrieve(ex, retriever, count, args.chunk_tokens, args.top_k))
-               for ex in examples]
+    prompts = [(ex.question, ds.retrieve(ex, retriever, count, args.chunk_tokens, args.top_k)) for ex in examples]
     try:
         rows = run(engine, prompts, args.modes.split(","), args.rounds)
     finally:

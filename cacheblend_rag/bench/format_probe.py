@@ -62,15 +62,17 @@ def probe(model: nn.Module, ids: torch.Tensor) -> dict[str, dict[str, float]]:
         for name, m in candidates.items():
             got = m(input_ids=ids).logits[0].float().log_softmax(-1)
             kl = (ref.exp() * (ref - got)).sum(-1)
-            out[name] = {"kl_mean": float(kl.mean()), "kl_p95": float(kl.quantile(0.95)),
-                         "top1_agreement": float((ref.argmax(-1) == got.argmax(-1)).float().mean())}
+            out[name] = {
+                "kl_mean": float(kl.mean()),
+                "kl_p95": float(kl.quantile(0.95)),
+                "top1_agreement": float((ref.argmax(-1) == got.argmax(-1)).float().mean()),
+            }
     return out
 
 
 def probe_table(result: dict) -> str:
     """A :func:`probe` result (as written by ``main``) as a markdown table."""
-    lines = ["| format | next-token KL to float32, mean | 95th percentile | most likely token = float32's |",
-             "|---|---|---|---|"]
+    lines = ["| format | next-token KL to float32, mean | 95th percentile | most likely token = float32's |", "|---|---|---|---|"]
     for name, r in result["formats"].items():
         lines.append(f"| {name} | {r['kl_mean']:.2g} | {r['kl_p95']:.2g} | {r['top1_agreement']:.1%} |")
     return "\n".join(lines)

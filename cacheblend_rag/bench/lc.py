@@ -55,7 +55,11 @@ def make_llm(engine, max_new_tokens: int = 64):
     from ..matching import ChunkRegistry
 
     return cacheblend_llm_class()(
-        engine=engine, registry=ChunkRegistry(), max_new_tokens=max_new_tokens, temperature=0.0, cache=False,
+        engine=engine,
+        registry=ChunkRegistry(),
+        max_new_tokens=max_new_tokens,
+        temperature=0.0,
+        cache=False,
     )
 
 
@@ -84,10 +88,16 @@ class CallRecorder(BaseCallbackHandler):
     def on_llm_end(self, response, *, run_id: UUID, **kwargs: Any) -> None:
         now = time.perf_counter()
         info = response.generations[0][0].generation_info or {}
-        self.calls.append(CallLog(
-            self._prompts.pop(run_id, ""), now, float(info.get("ttft_s", 0.0)), float(info.get("total_s", 0.0)),
-            int(info.get("prompt_tokens", 0)), str(info.get("mode")),
-        ))
+        self.calls.append(
+            CallLog(
+                self._prompts.pop(run_id, ""),
+                now,
+                float(info.get("ttft_s", 0.0)),
+                float(info.get("total_s", 0.0)),
+                int(info.get("prompt_tokens", 0)),
+                str(info.get("mode")),
+            )
+        )
 
 
 class TolerantRerankParser(RegexParser):

@@ -146,10 +146,14 @@ def _row(res) -> dict:
 def summarize_setting(rows: list[dict], wall_s: float) -> dict[str, float]:
     ttft, total = [r["ttft_s"] for r in rows], [r["total_s"] for r in rows]
     return {
-        "answers": len(rows), "wall_s": wall_s, "answers_per_s": len(rows) / wall_s if wall_s > 0 else float("nan"),
+        "answers": len(rows),
+        "wall_s": wall_s,
+        "answers_per_s": len(rows) / wall_s if wall_s > 0 else float("nan"),
         "tokens_per_s": sum(r["tokens"] for r in rows) / wall_s if wall_s > 0 else float("nan"),
-        "ttft_p50": percentile(ttft, 50), "ttft_p95": percentile(ttft, 95),
-        "e2e_p50": percentile(total, 50), "e2e_p95": percentile(total, 95),
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p95": percentile(ttft, 95),
+        "e2e_p50": percentile(total, 50),
+        "e2e_p95": percentile(total, 95),
         "queue_p50": statistics.median(r["queue_s"] for r in rows) if rows else float("nan"),
     }
 
@@ -166,8 +170,7 @@ def run_load(cfg: LoadConfig, *, engine=None) -> list[dict]:
     try:
         examples = ds.load_dataset(cfg.dataset, cfg.n, musique=cfg.musique, hotpotqa=cfg.hotpotqa, chunk_tokens=cfg.chunk_tokens)
         retriever, count = ds.Retriever(), ds.token_counter(engine.tokenizer)
-        items = [(ex.question, ds.retrieve(ex, retriever, count, cfg.chunk_tokens, cfg.top_k))
-                 for ex in examples]
+        items = [(ex.question, ds.retrieve(ex, retriever, count, cfg.chunk_tokens, cfg.top_k)) for ex in examples]
         engine.precompute([c for _, chunks in items for c in chunks], progress=cfg.progress)
         engine.flush()
         methods = parse_methods(cfg.methods)
@@ -185,8 +188,14 @@ def run_load(cfg: LoadConfig, *, engine=None) -> list[dict]:
                     else:
                         rows, wall = open_loop(batcher, pool, float(level), cfg.requests, kwargs, cfg.seed)
                     mean_batch = batcher.rows_stepped / batcher.steps if batcher.steps else 0.0
-                key = {"model": cfg.model, "dataset": cfg.dataset, "method": method.name, "max_batch": max_batch,
-                       "load": kind, "level": level}
+                key = {
+                    "model": cfg.model,
+                    "dataset": cfg.dataset,
+                    "method": method.name,
+                    "max_batch": max_batch,
+                    "load": kind,
+                    "level": level,
+                }
                 stamp = {"engine": engine_stamp(), "time": time.time()}
                 for r in rows:
                     sink.write(json.dumps(dict(key, **r, **stamp)) + "\n")

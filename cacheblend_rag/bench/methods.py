@@ -104,7 +104,14 @@ def parse_method(spec: str, ratios: Sequence[float] = DEFAULT_RATIOS) -> list[Me
     options = _options(spec, opts)
     if head in MODES and head != "cacheblend":
         return [Method(spec, "kv", head, options=options)]
-    strategy = next((s for s in ("cacheblend", "hkvd", "question", "chunk", "hybrid") if head == s or head.startswith(s + "@") or head.startswith(s + ":")), None)
+    strategy = next(
+        (
+            s
+            for s in ("cacheblend", "hkvd", "question", "chunk", "hybrid")
+            if head == s or head.startswith(s + "@") or head.startswith(s + ":")
+        ),
+        None,
+    )
     if strategy is not None:
         rest = head[len(strategy) :]
         criterion = None
@@ -153,8 +160,9 @@ def answer_with_logits(engine, question: str, chunks: list[str], **kwargs: Any) 
     return stream.result, stream.prefill_result.logits
 
 
-def run_kv(engine, method: Method, question: str, chunks: list[str], max_new_tokens: int,
-           keep_writeback: bool = True) -> tuple[dict, torch.Tensor]:
+def run_kv(
+    engine, method: Method, question: str, chunks: list[str], max_new_tokens: int, keep_writeback: bool = True
+) -> tuple[dict, torch.Tensor]:
     """One greedy answer with an engine prefill mode; chunk caches must be precomputed first.
 
     Returns the row fields and the prefill's next-token logits (for fidelity to full prefill, taken
@@ -163,8 +171,13 @@ def run_kv(engine, method: Method, question: str, chunks: list[str], max_new_tok
     are dropped again (a repeated timing round must meet the prompt first-seen).
     """
     res, logits = answer_with_logits(
-        engine, question, chunks, mode=method.mode, config=method.blend_config(engine.config),
-        max_new_tokens=max_new_tokens, temperature=0.0,
+        engine,
+        question,
+        chunks,
+        mode=method.mode,
+        config=method.blend_config(engine.config),
+        max_new_tokens=max_new_tokens,
+        temperature=0.0,
     )
     s = res.stats
     settle(engine, s.get("writeback_keys", []), keep=keep_writeback)

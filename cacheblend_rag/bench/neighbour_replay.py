@@ -88,10 +88,22 @@ def run(cfg: ReplayConfig) -> Path:
     examples = ds.load_hotpotqa(cfg.hotpotqa, cfg.pool, distractor_questions=0, offset=cfg.offset)
     corpus = list(dict.fromkeys(c for ex in examples for c in ds.chunk_documents(ex.documents, count, cfg.chunk_tokens)))
     retriever = ds.Retriever()
-    learn = type(base)(base.model, base.tokenizer, store=base.store, fingerprint=base.fingerprint,
-                       answer_hint=base.prompts.answer_hint, pipelined=False)
-    fav = type(base)(base.model, base.tokenizer, store=base.store, fingerprint=base.fingerprint,
-                     answer_hint=base.prompts.answer_hint, pipelined=False)
+    learn = type(base)(
+        base.model,
+        base.tokenizer,
+        store=base.store,
+        fingerprint=base.fingerprint,
+        answer_hint=base.prompts.answer_hint,
+        pipelined=False,
+    )
+    fav = type(base)(
+        base.model,
+        base.tokenizer,
+        store=base.store,
+        fingerprint=base.fingerprint,
+        answer_hint=base.prompts.answer_hint,
+        pipelined=False,
+    )
     try:
         base.precompute(corpus, neighbours=cfg.neighbours, embed=retriever.embed, progress=True)
         learn.precompute(corpus, neighbours=cfg.neighbours, embed=retriever.embed, progress=False)  # the cold start
@@ -109,19 +121,24 @@ def run(cfg: ReplayConfig) -> Path:
                     ref_logits, ref_ids, _ = _answer(base, ex.question, chunks, "full_recompute", blend, cfg.max_new_tokens)
                     fav.chunk_cache.neighbours = NeighbourIndex()
                     fav.precompute(chunks, neighbours=cfg.neighbours, embed=retriever.embed, progress=False)
-                    fixed[q] = {"ref": (ref_logits, ref_ids),
-                                "plain": _answer(base, ex.question, chunks, "cacheblend", plain, cfg.max_new_tokens),
-                                "embedding": _answer(base, ex.question, chunks, "cacheblend", blend, cfg.max_new_tokens),
-                                "favourable": _answer(fav, ex.question, chunks, "cacheblend", blend, cfg.max_new_tokens)}
+                    fixed[q] = {
+                        "ref": (ref_logits, ref_ids),
+                        "plain": _answer(base, ex.question, chunks, "cacheblend", plain, cfg.max_new_tokens),
+                        "embedding": _answer(base, ex.question, chunks, "cacheblend", blend, cfg.max_new_tokens),
+                        "favourable": _answer(fav, ex.question, chunks, "cacheblend", blend, cfg.max_new_tokens),
+                    }
                 ref_logits, ref_ids = fixed[q]["ref"]
                 results = {s: fixed[q][s] for s in ("plain", "embedding", "favourable")}
                 results["learned"] = _answer(learn, ex.question, chunks, "cacheblend", blend, cfg.max_new_tokens)
                 learner.wait()  # the refreshes this query queued finish before the next query
                 row = {"query": i, "question": q, "qid": ex.qid, "learned_caches": learner.computed}
                 for name, (logits, ids, stats) in results.items():
-                    row[name] = {"first_same": int(logits.argmax()) == int(ref_logits.argmax()),
-                                 "answer_same": ids == ref_ids, "kl": next_token_kl(ref_logits, logits),
-                                 "neighbour_hits": stats.get("neighbour_hits", 0)}
+                    row[name] = {
+                        "first_same": int(logits.argmax()) == int(ref_logits.argmax()),
+                        "answer_same": ids == ref_ids,
+                        "kl": next_token_kl(ref_logits, logits),
+                        "neighbour_hits": stats.get("neighbour_hits", 0),
+                    }
                 rows.write(json.dumps(row) + "\n")
                 rows.flush()
     finally:
@@ -137,18 +154,33 @@ def summarize(rows: list[dict[str, Any]], window: int = 50) -> list[dict[str, An
     out = []
     for start in range(0, len(rows), window):
         part = rows[start : start + window]
-        out.append({"queries": f"{part[0]['query'] + 1}-{part[-1]['query'] + 1}",
-                    **{s: sum(r[s]["answer_same"] for r in part) / len(part) for s in SETTINGS},
-                    **{f"{s}_kl": sum(r[s]["kl"] for r in part) / len(part) for s in SETTINGS}})
+        out.append(
+            {
+                "queries": f"{part[0]['query'] + 1}-{part[-1]['query'] + 1}",
+                **{s: sum(r[s]["answer_same"] for r in part) / len(part) for s in SETTINGS},
+                **{f"{s}_kl": sum(r[s]["kl"] for r in part) / len(part) for s in SETTINGS},
+            }
+        )
     return out
 
 
 def markdown_table(summary: list[dict[str, Any]]) -> str:
-    head = "| queries | " + " | ".join(f"{s}: same answer" for s in SETTINGS) + " | " + " | ".join(f"{s}: KL" for s in SETTINGS) + " |"
+    head = (
+        "| queries | "
+        + " | ".join(f"{s}: same answer" for s in SETTINGS)
+        + " | "
+        + " | ".join(f"{s}: KL" for s in SETTINGS)
+        + " |"
+    )
     lines = [head, "|" + " --- |" * (1 + 2 * len(SETTINGS))]
     for w in summary:
-        lines.append(f"| {w['queries']} | " + " | ".join(f"{w[s]:.0%}" for s in SETTINGS) + " | "
-                     + " | ".join(f"{w[s + '_kl']:.3f}" for s in SETTINGS) + " |")
+        lines.append(
+            f"| {w['queries']} | "
+            + " | ".join(f"{w[s]:.0%}" for s in SETTINGS)
+            + " | "
+            + " | ".join(f"{w[s + '_kl']:.3f}" for s in SETTINGS)
+            + " |"
+        )
     return "\n".join(lines)
 
 

@@ -124,9 +124,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"profiling prefill and tier reads ({n_ctx} context tokens, {len(chunks)} chunks)...", flush=True)
         lengths = sorted({max(64, n_ctx // 4), max(128, n_ctx // 2), n_ctx})
         profile = profile_engine(
-            engine, lengths=lengths, tiers={n: s for n, (s, _) in tiers.items()},
-            tier_costs={n: c for n, (_, c) in tiers.items()}, stored_dtype=stored, tier_tokens=256, repeats=2,
-            fused_tokens=n_ctx, fused_chunks=len(chunks),
+            engine,
+            lengths=lengths,
+            tiers={n: s for n, (s, _) in tiers.items()},
+            tier_costs={n: c for n, (_, c) in tiers.items()},
+            stored_dtype=stored,
+            tier_tokens=256,
+            repeats=2,
+            fused_tokens=n_ctx,
+            fused_chunks=len(chunks),
         )
         ctl = LoadingController(profile, quality_floor=args.floor, cpu_contention=args.cpu_contention)
         full_ttfts = []
@@ -142,16 +148,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     continue
                 load = _pure_load(store, keys, engine.num_layers)
                 runs = {}
-                for piped in ((False, True) if rnd % 2 else (True, False)):  # alternate the order
+                for piped in (False, True) if rnd % 2 else (True, False):  # alternate the order
                     runs[piped] = _ttft(engine, args.question, chunks, pipelined=piped, **on)
                 (seq, seq_stats), (pip, pip_stats) = runs[False], runs[True]
                 flo, _ = _ttft(engine, args.question, chunks, recompute_ratio=args.floor, pipelined=True, **on)
                 r = rows[name]
                 for k, v in (
-                    ("pure_load_s", load), ("sequential_s", seq), ("pipelined_s", pip), ("pipelined_floor_s", flo),
-                    ("ratio", pip_stats["recompute_ratio"]), ("load_s", pip_stats["load_s"]),
-                    ("load_hidden_s", pip_stats["load_hidden_s"]), ("load_exposed_s", pip_stats["load_exposed_s"]),
-                    ("compute_s", pip_stats["compute_s"]), ("seq_load_s", seq_stats["load_s"]),
+                    ("pure_load_s", load),
+                    ("sequential_s", seq),
+                    ("pipelined_s", pip),
+                    ("pipelined_floor_s", flo),
+                    ("ratio", pip_stats["recompute_ratio"]),
+                    ("load_s", pip_stats["load_s"]),
+                    ("load_hidden_s", pip_stats["load_hidden_s"]),
+                    ("load_exposed_s", pip_stats["load_exposed_s"]),
+                    ("compute_s", pip_stats["compute_s"]),
+                    ("seq_load_s", seq_stats["load_s"]),
                     ("seq_compute_s", seq_stats["compute_s"]),
                     # what the controller predicted for this request
                     ("est_load_s", pip_stats["controller_est_load_s"]),
@@ -166,8 +178,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "prefill_points": profile.prefill_points,
             "tiers_mb_s": {n: t.read_bytes_per_s / 1e6 for n, t in profile.tiers.items()},
             "tiers_cpu_ns_per_byte": {n: (t.cpu_s_per_byte or 0.0) * 1e9 for n, t in profile.tiers.items()},
-            "fused": None if profile.fused is None else {
-                "fixed": profile.fused.fixed, "per_ratio": profile.fused.per_ratio, "points": profile.fused.points,
+            "fused": None
+            if profile.fused is None
+            else {
+                "fixed": profile.fused.fixed,
+                "per_ratio": profile.fused.per_ratio,
+                "points": profile.fused.points,
             },
             "assemble_s_per_token": profile.assemble_s_per_token,
             "cpu_contention": ctl.cpu_contention,
@@ -207,11 +223,19 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> str:
     f = prof.get("fused")
     lines.append(
         "controller: recompute = "
-        + (f"({f['fixed']:.3f} + {f['per_ratio']:.3f} x r) x full prefill (calibrated)" if f else "r x full prefill (uncalibrated)")
+        + (
+            f"({f['fixed']:.3f} + {f['per_ratio']:.3f} x r) x full prefill (calibrated)"
+            if f
+            else "r x full prefill (uncalibrated)"
+        )
         + f", CPU contention factor {prof.get('cpu_contention', 0):g}"
     )
-    lines.append("predicted vs measured, seconds (measured compute: pipelined run's; recompute+cont. is what must fit under the load)")
-    lines.append(f"{'tier':12s} {'est load':>8s} {'pure load':>9s} {'est recomp':>10s} {'+cont.':>7s} {'compute':>8s} {'seq compute':>11s}")
+    lines.append(
+        "predicted vs measured, seconds (measured compute: pipelined run's; recompute+cont. is what must fit under the load)"
+    )
+    lines.append(
+        f"{'tier':12s} {'est load':>8s} {'pure load':>9s} {'est recomp':>10s} {'+cont.':>7s} {'compute':>8s} {'seq compute':>11s}"
+    )
     for name, r in res["tiers"].items():
         if "est_load_s" not in r:
             continue
@@ -230,12 +254,17 @@ def tiers_table(res: dict[str, Any], labels: dict[str, str] | None = None) -> st
     """A run's tiers as the docs' markdown table: read rate, and TTFT as a share of full
     recompute's for the pure load, load then compute, and pipelined, and the load hidden."""
     full = res["full_recompute_s"]
-    lines = ["| tier | read rate | pure load / full prefill TTFT | TTFT / full prefill, load then compute "
-             "| TTFT / full prefill, pipelined | load hidden behind compute |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| tier | read rate | pure load / full prefill TTFT | TTFT / full prefill, load then compute "
+        "| TTFT / full prefill, pipelined | load hidden behind compute |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, r in res["tiers"].items():
         hidden = r["load_hidden_s"] / r["load_s"] if r["load_s"] else 0.0
-        lines.append(f"| {(labels or {}).get(name, name)} | {_rate(res['profile']['tiers_mb_s'][name])} | {r['pure_load_s'] / full:.2f} "
-                     f"| {r['sequential_s'] / full:.2f} | {r['pipelined_s'] / full:.2f} | {hidden:.0%} |")
+        lines.append(
+            f"| {(labels or {}).get(name, name)} | {_rate(res['profile']['tiers_mb_s'][name])} | {r['pure_load_s'] / full:.2f} "
+            f"| {r['sequential_s'] / full:.2f} | {r['pipelined_s'] / full:.2f} | {hidden:.0%} |"
+        )
     return "\n".join(lines)
 
 
@@ -254,18 +283,24 @@ def register(subparsers) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--stored-dtype", default=None, help="dtype the tiers hold (fp32/fp16/bf16; default: the model's)")
-    p.add_argument("--musique", default=None, help="MuSiQue JSON whose passages make the chunks (default: $CACHEBLEND_RAG_MUSIQUE)")
+    p.add_argument(
+        "--musique", default=None, help="MuSiQue JSON whose passages make the chunks (default: $CACHEBLEND_RAG_MUSIQUE)"
+    )
     p.add_argument("--chunks", type=int, default=6)
     p.add_argument("--chunk-tokens", type=int, default=256, help="minimum tokens per chunk (passages are merged)")
     p.add_argument("--question", default=DEFAULT_QUESTION)
     p.add_argument(
-        "--throttle-mbps", type=lambda s: [float(x) for x in s.split(",")], default=[100.0],
+        "--throttle-mbps",
+        type=lambda s: [float(x) for x in s.split(",")],
+        default=[100.0],
         help="read rate(s) of the throttled tier(s), MB/s, comma-separated (one tier each)",
     )
     p.add_argument("--redis", default=None, metavar="URL", help="also measure a Redis tier at this URL (redis://host:6379/0)")
     p.add_argument("--floor", type=float, default=0.15, help="quality floor r* of the controller")
     p.add_argument(
-        "--cpu-contention", type=float, default=None,
+        "--cpu-contention",
+        type=float,
+        default=None,
         help="controller's CPU contention factor (default: 1 on a CPU, 0 on an accelerator; 0 disables the CPU rule)",
     )
     p.add_argument("--repeats", type=int, default=3)

@@ -10,8 +10,12 @@ matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt
 
 COLORS = {
-    "full_recompute": "tab:red", "full_recompute_saved": "tab:pink", "prefix_caching": "tab:orange", "full_reuse": "tab:gray",
-    "map_reduce": "tab:purple", "map_rerank": "tab:brown",
+    "full_recompute": "tab:red",
+    "full_recompute_saved": "tab:pink",
+    "prefix_caching": "tab:orange",
+    "full_reuse": "tab:gray",
+    "map_reduce": "tab:purple",
+    "map_rerank": "tab:brown",
 }
 
 MARKERS = "osD^v<>ph*XP"
@@ -66,7 +70,9 @@ def make_plots(summary: list[dict], out: Path, dpi: int = 80) -> list[Path]:
         ax.set_xlabel("time to first token (s, log)")
         ax.set_ylabel(rows[0]["metric"] if rows else "quality")
         ax.grid(alpha=0.3)
-    fig.legend([handles[m] for m in methods if m in handles], [m for m in methods if m in handles], loc="center right", fontsize=7)
+    fig.legend(
+        [handles[m] for m in methods if m in handles], [m for m in methods if m in handles], loc="center right", fontsize=7
+    )
     fig.tight_layout(rect=(0, 0, 0.78 if len(datasets) > 1 else 0.65, 1))
     paths.append(out / "quality_vs_ttft.png")
     fig.savefig(paths[-1], dpi=dpi)

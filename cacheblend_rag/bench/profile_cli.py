@@ -18,9 +18,13 @@ def describe(
 ) -> str:
     """Human-readable summary: costs, throughputs and what the controller would choose."""
     ctl = LoadingController(profile, quality_floor=floor, cpu_contention=cpu_contention)
-    lines = [f"model {profile.model_id} ({profile.fingerprint[:12]}) on {profile.device}, {profile.dtype}, {profile.num_layers} layers"]
+    lines = [
+        f"model {profile.model_id} ({profile.fingerprint[:12]}) on {profile.device}, {profile.dtype}, {profile.num_layers} layers"
+    ]
     for n, s in profile.prefill_points:
-        lines.append(f"  full prefill {n:5d} tokens: {s * 1e3:8.1f} ms  ({s / n / profile.num_layers * 1e6:6.2f} us per token per layer)")
+        lines.append(
+            f"  full prefill {n:5d} tokens: {s * 1e3:8.1f} ms  ({s / n / profile.num_layers * 1e6:6.2f} us per token per layer)"
+        )
     if profile.fused is not None:
         f = profile.fused
         pts = ", ".join(f"r={r:.2f}: {s / full:.2f}" for _, r, s, full in f.points)
@@ -35,10 +39,14 @@ def describe(
     lines.append(f"  CPU contention factor: {ctl.cpu_contention:g} ({'CPU device' if profile.is_cpu else 'accelerator'})")
     for name, t in profile.tiers.items():
         cpu = f", {t.cpu_s_per_byte * 1e9:.2f} ns CPU/byte" if t.cpu_s_per_byte is not None else ""
-        lines.append(f"  tier {name:10s}: {t.read_bytes_per_s / 1e6:9.1f} MB/s read, cost {t.cost_per_byte:g}/byte, {t.element_bytes} B/element{cpu}")
+        lines.append(
+            f"  tier {name:10s}: {t.read_bytes_per_s / 1e6:9.1f} MB/s read, cost {t.cost_per_byte:g}/byte, {t.element_bytes} B/element{cpu}"
+        )
     for n in lengths:
         picks = ", ".join(f"{t}: r={ctl.ratio_for(n, t):.2f}" for t in profile.tiers)
-        lines.append(f"  {n:5d} context tokens -> ratio {picks}; cheapest tier hiding its load at r={floor}: {ctl.cheapest_tier(floor, n)}")
+        lines.append(
+            f"  {n:5d} context tokens -> ratio {picks}; cheapest tier hiding its load at r={floor}: {ctl.cheapest_tier(floor, n)}"
+        )
     return "\n".join(lines)
 
 
@@ -79,9 +87,15 @@ def _run(args: argparse.Namespace) -> int:
         else:
             lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
             profile = profile_engine(
-                engine, lengths=lengths, tier_costs=args.tier_cost, stored_dtype=resolve_dtype(args.stored_dtype),
-                tier_tokens=args.tier_tokens, repeats=args.repeats, fused_tokens=args.fused_tokens,
-                fused_ratios=args.fused_ratios, redis_url=args.redis,
+                engine,
+                lengths=lengths,
+                tier_costs=args.tier_cost,
+                stored_dtype=resolve_dtype(args.stored_dtype),
+                tier_tokens=args.tier_tokens,
+                repeats=args.repeats,
+                fused_tokens=args.fused_tokens,
+                fused_ratios=args.fused_ratios,
+                redis_url=args.redis,
             )
             profile.save(path)
             print(f"saved {path}")
@@ -104,11 +118,17 @@ def register(subparsers) -> None:
     p.add_argument("--tier-tokens", type=int, default=512, help="size of the synthetic chunk read from each tier")
     p.add_argument("--redis", default=None, metavar="URL", help="also profile a Redis tier at this URL (redis://host:6379/0)")
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--fused-tokens", type=int, default=DEFAULT_FUSED_TOKENS, help="context tokens of the fused-prefill calibration")
     p.add_argument(
-        "--fused-ratios", type=_parse_ratios, default=DEFAULT_FUSED_RATIOS,
+        "--fused-tokens", type=int, default=DEFAULT_FUSED_TOKENS, help="context tokens of the fused-prefill calibration"
+    )
+    p.add_argument(
+        "--fused-ratios",
+        type=_parse_ratios,
+        default=DEFAULT_FUSED_RATIOS,
         help="recompute ratios the fused prefill is timed at (comma-separated; 'none' skips the calibration)",
     )
     p.add_argument("--floor", type=float, default=0.15, help="quality floor r* for the printed choices")
-    p.add_argument("--cpu-contention", type=float, default=None, help="override the CPU contention factor for the printed choices")
+    p.add_argument(
+        "--cpu-contention", type=float, default=None, help="override the CPU contention factor for the printed choices"
+    )
     p.set_defaults(func=_run)

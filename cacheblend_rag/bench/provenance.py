@@ -64,9 +64,17 @@ def _path(results: Path) -> Path:
 def load(results: Path) -> dict[str, Provenance]:
     """Every entry of ``<results>/provenance.json``, by file name."""
     raw = json.loads(_path(results).read_text(encoding="utf-8"))
-    return {name: Provenance(file=name, engine=e["engine"], commits=tuple(e["commits"]), date=e["date"],
-                             runs=e.get("runs", {}), changes=tuple(Change(**c) for c in e.get("changes", ())))
-            for name, e in raw.items()}
+    return {
+        name: Provenance(
+            file=name,
+            engine=e["engine"],
+            commits=tuple(e["commits"]),
+            date=e["date"],
+            runs=e.get("runs", {}),
+            changes=tuple(Change(**c) for c in e.get("changes", ())),
+        )
+        for name, e in raw.items()
+    }
 
 
 def of(results: Path, name: str) -> Provenance:
@@ -76,8 +84,10 @@ def of(results: Path, name: str) -> Provenance:
         return entries[name]
     stamped = _from_rows(results / name)
     if stamped is None:
-        raise KeyError(f"docs/results/{name} has no entry in {FILE} and its rows carry no engine: after committing "
-                       f"it, run python -m cacheblend_rag.bench.doc_tables --record docs/results/{name}")
+        raise KeyError(
+            f"docs/results/{name} has no entry in {FILE} and its rows carry no engine: after committing "
+            f"it, run python -m cacheblend_rag.bench.doc_tables --record docs/results/{name}"
+        )
     return stamped
 
 
@@ -159,8 +169,11 @@ def record(root: Path, rel: str) -> Provenance:
     path = _path(results)
     raw = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
     entry = raw.get(name, {})
-    entry.update(engine=_version_at(root, commits[-1]), commits=commits,
-                 date=_git(root, "show", "-s", "--format=%ad", "--date=short", commits[-1]).strip())
+    entry.update(
+        engine=_version_at(root, commits[-1]),
+        commits=commits,
+        date=_git(root, "show", "-s", "--format=%ad", "--date=short", commits[-1]).strip(),
+    )
     raw[name] = entry
     _write(path, raw)
     return load(results)[name]

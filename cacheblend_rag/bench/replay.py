@@ -73,7 +73,9 @@ class ReplayConfig:
         if not 1 <= self.per_query <= self.corpus:
             raise ValueError(f"per_query={self.per_query} must be between 1 and corpus={self.corpus}")
         if self.queries < self.window or self.warmup >= self.queries:
-            raise ValueError(f"queries={self.queries} must exceed warmup={self.warmup} and be at least one window ({self.window})")
+            raise ValueError(
+                f"queries={self.queries} must exceed warmup={self.warmup} and be at least one window ({self.window})"
+            )
         if not 0 < self.memory_fraction <= self.store_fraction <= 1:
             raise ValueError(f"need 0 < memory_fraction ({self.memory_fraction}) <= store_fraction ({self.store_fraction}) <= 1")
         if self.shift_at is not None and not 0 < self.shift_at < self.queries:
@@ -96,8 +98,11 @@ class ReplayConfig:
 
     def stream_key(self) -> str:
         """Names the stream and sizes: rows of another configuration are never mixed in."""
-        fields = {k: v for k, v in asdict(self).items()
-                  if k not in ("memory_policies", "disk_policies") and not (k == "shift_at" and v is None)}
+        fields = {
+            k: v
+            for k, v in asdict(self).items()
+            if k not in ("memory_policies", "disk_policies") and not (k == "shift_at" and v is None)
+        }
         return hashlib.blake2b(json.dumps(fields, sort_keys=True).encode(), digest_size=6).hexdigest()
 
 
@@ -155,8 +160,13 @@ def replay(cfg: ReplayConfig, memory_policy: str, disk_policy: str, *, where: st
     bytes are the same, only the smoke read times change)."""
     layers, heads, dim = cfg.kv_shape
     g = torch.Generator().manual_seed(cfg.seed)
-    template = [(torch.randn(heads, cfg.chunk_tokens, dim, generator=g).half(),
-                 torch.randn(heads, cfg.chunk_tokens, dim, generator=g).half()) for _ in range(layers)]
+    template = [
+        (
+            torch.randn(heads, cfg.chunk_tokens, dim, generator=g).half(),
+            torch.randn(heads, cfg.chunk_tokens, dim, generator=g).half(),
+        )
+        for _ in range(layers)
+    ]
     run = f"{memory_policy}/{disk_policy}"
     base = {"stream": cfg.stream_key(), "run": run, "memory_policy": memory_policy, "disk_policy": disk_policy}
     rows: list[dict[str, Any]] = []
@@ -212,10 +222,15 @@ class _Window:
 
     def row(self, cfg: ReplayConfig) -> dict[str, Any]:
         return {
-            "chunks_asked": self.asked, "chunk_hits": self.hit, "hit_rate": self.hit / self.asked,
-            "memory_layer_reads": self.reads.get("memory", 0), "disk_layer_reads": self.reads.get("disk", 0),
-            "memory_bytes": self.reads.get("memory", 0) * cfg.layer_bytes, "disk_bytes": self.reads.get("disk", 0) * cfg.layer_bytes,
-            "read_s_per_query_smoke": self.read_s / self.queries, "ttft_model_s": self.ttft_s / self.queries,
+            "chunks_asked": self.asked,
+            "chunk_hits": self.hit,
+            "hit_rate": self.hit / self.asked,
+            "memory_layer_reads": self.reads.get("memory", 0),
+            "disk_layer_reads": self.reads.get("disk", 0),
+            "memory_bytes": self.reads.get("memory", 0) * cfg.layer_bytes,
+            "disk_bytes": self.reads.get("disk", 0) * cfg.layer_bytes,
+            "read_s_per_query_smoke": self.read_s / self.queries,
+            "ttft_model_s": self.ttft_s / self.queries,
         }
 
 
@@ -230,8 +245,10 @@ def _summary(windows: list[dict], cfg: ReplayConfig) -> dict[str, Any]:
     queries = len(windows) * cfg.window
     mem, disk = sum(w["memory_bytes"] for w in windows), sum(w["disk_bytes"] for w in windows)
     return {
-        "queries_after_warmup": queries, "hit_rate": sum(w["chunk_hits"] for w in windows) / asked,
-        "memory_bytes_per_query": mem / queries, "disk_bytes_per_query": disk / queries,
+        "queries_after_warmup": queries,
+        "hit_rate": sum(w["chunk_hits"] for w in windows) / asked,
+        "memory_bytes_per_query": mem / queries,
+        "disk_bytes_per_query": disk / queries,
         "memory_share_of_reads": mem / (mem + disk) if mem + disk else 0.0,
         "ttft_model_s": sum(w["ttft_model_s"] for w in windows) / len(windows),
         "read_s_per_query_smoke": sum(w["read_s_per_query_smoke"] for w in windows) / len(windows),
@@ -282,8 +299,11 @@ def run_all(cfg: ReplayConfig, out: Path, *, progress: bool = True, where: str |
                 rows += new
                 if progress:
                     s = new[-1]
-                    print(f"{mp}/{dp}: hit rate {s['hit_rate']:.3f}, memory share {s['memory_share_of_reads']:.2f} "
-                          f"({time.perf_counter() - t0:.0f} s)", flush=True)
+                    print(
+                        f"{mp}/{dp}: hit rate {s['hit_rate']:.3f}, memory share {s['memory_share_of_reads']:.2f} "
+                        f"({time.perf_counter() - t0:.0f} s)",
+                        flush=True,
+                    )
     return rows
 
 
@@ -305,7 +325,9 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
         )
     for r in (r for r in rows if r["kind"] == "reference"):
         of_oracle = f"{r['hit_rate'] / oracle:.0%}" if r["run"] == "static oracle" else ""
-        lines.append(f"| {r['run']} | | {r['hit_rate']:.3f} | {r['hit_rate']:.0%} | {of_oracle} | | | | {r['ttft_model_s']:.2f} |")
+        lines.append(
+            f"| {r['run']} | | {r['hit_rate']:.3f} | {r['hit_rate']:.0%} | {of_oracle} | | | | {r['ttft_model_s']:.2f} |"
+        )
     lines.append("")
     lines.append(
         f"{config['queries']} queries of {config['per_query']} chunks over {config['corpus']} chunks (Zipf {config['zipf']}), "
@@ -366,9 +388,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         cfg = ReplayConfig(
-            corpus=args.corpus, queries=args.queries, per_query=args.per_query, zipf=args.zipf, chunk_tokens=args.chunk_tokens,
-            store_fraction=args.store_fraction, memory_fraction=args.memory_fraction, window=args.window,
-            warmup=args.warmup, seed=args.seed, shift_at=args.shift_at, memory_policies=tuple(args.memory_policies.split(",")),
+            corpus=args.corpus,
+            queries=args.queries,
+            per_query=args.per_query,
+            zipf=args.zipf,
+            chunk_tokens=args.chunk_tokens,
+            store_fraction=args.store_fraction,
+            memory_fraction=args.memory_fraction,
+            window=args.window,
+            warmup=args.warmup,
+            seed=args.seed,
+            shift_at=args.shift_at,
+            memory_policies=tuple(args.memory_policies.split(",")),
             disk_policies=tuple(args.disk_policies.split(",")),
         )
     except ValueError as exc:

@@ -31,8 +31,7 @@ from .summary import summarize, write_summary
 log = logging.getLogger(__name__)
 
 SUMMARY_INSTRUCTION = (
-    "You are a helpful assistant. Answer the request using the documents the user gives. "
-    "Reply with one or two sentences."
+    "You are a helpful assistant. Answer the request using the documents the user gives. Reply with one or two sentences."
 )
 
 
@@ -120,8 +119,9 @@ def load_engine(cfg: BenchConfig, weights: str = "fp32"):
 
     if model in MODELS:
         model = str(qwen_gguf_path(model=MODELS[model]))
-    return CacheBlendEngine.from_pretrained(model, device=cfg.device, weights=weights, store_dir=store,
-                                            store_size_limit=2 * 2**30, answer_hint=cfg.answer_hint)
+    return CacheBlendEngine.from_pretrained(
+        model, device=cfg.device, weights=weights, store_dir=store, store_size_limit=2 * 2**30, answer_hint=cfg.answer_hint
+    )
 
 
 _rouge = None
@@ -174,8 +174,9 @@ def _warm_up(engine, methods: list[Method], llm: Any, baselines: dict[str, Any])
     engine.flush()
 
 
-def _timed_rounds(eng, methods: list[Method], question: str, chunks: list[str], budget: int, repeats: int,
-                  on_method=lambda m: None) -> dict[str, tuple[dict, Any]]:
+def _timed_rounds(
+    eng, methods: list[Method], question: str, chunks: list[str], budget: int, repeats: int, on_method=lambda m: None
+) -> dict[str, tuple[dict, Any]]:
     """Each KV method's row fields and prefill logits for one case, over ``repeats`` rounds.
 
     The methods run back to back within a round and the rounds follow each other, so machine load
@@ -219,8 +220,15 @@ def run_benchmark(
     done = {r["key"] for r in rows}
 
     per_dataset = [
-        ds.load_dataset(name, cfg.n, seed=cfg.seed, musique=cfg.musique, hotpotqa=cfg.hotpotqa,
-                        aclsum=cfg.aclsum, chunk_tokens=cfg.chunk_tokens)
+        ds.load_dataset(
+            name,
+            cfg.n,
+            seed=cfg.seed,
+            musique=cfg.musique,
+            hotpotqa=cfg.hotpotqa,
+            aclsum=cfg.aclsum,
+            chunk_tokens=cfg.chunk_tokens,
+        )
         for name in cfg.datasets
     ]
     # Round-robin over datasets, so a run stopped early has covered every dataset about equally.
@@ -263,12 +271,19 @@ def _run_cases(cfg, engine, retriever, methods, todo, results_path: Path, total:
     if any(ex.task == "summary" for ex, _, _ in todo):
         # Same model, weights and store; only the instruction differs (it keys its own caches).
         summary_engine = CacheBlendEngine(
-            engine.model, engine.tokenizer, store=engine.store, config=engine.config,
-            instruction=SUMMARY_INSTRUCTION, model_id=engine.model_id, fingerprint=engine.fingerprint,
+            engine.model,
+            engine.tokenizer,
+            store=engine.store,
+            config=engine.config,
+            instruction=SUMMARY_INSTRUCTION,
+            model_id=engine.model_id,
+            fingerprint=engine.fingerprint,
         )
     chains = list({m.kind: m for _, _, ms in todo for m in ms if m.is_chain}.values())
-    baselines = {m.name: make_baseline(m.kind, m.quant, engine, cfg.model)
-                 for m in {m.name: m for _, _, ms in todo for m in ms if not m.is_kv and not m.is_chain}.values()}
+    baselines = {
+        m.name: make_baseline(m.kind, m.quant, engine, cfg.model)
+        for m in {m.name: m for _, _, ms in todo for m in ms if not m.is_kv and not m.is_chain}.values()
+    }
     llm, built = None, {}
     if chains:
         from .lc import make_chain, make_llm, run_chain
@@ -296,13 +311,26 @@ def _run_cases(cfg, engine, retriever, methods, todo, results_path: Path, total:
             if cfg.fidelity and any(m.is_kv for m in pending) and pending[0].mode != "full_recompute":
                 ref_logits = eng.next_token_logits(ex.question, chunks, "full_recompute")
             base = {
-                "model": cfg.model, "dataset": ex.dataset, "qid": ex.qid, "top_k": k,
-                "chunk_tokens": cfg.chunk_tokens, "task": ex.task, "question": ex.question,
-                "gold": ex.answers[0], "num_chunks": len(chunks),
+                "model": cfg.model,
+                "dataset": ex.dataset,
+                "qid": ex.qid,
+                "top_k": k,
+                "chunk_tokens": cfg.chunk_tokens,
+                "task": ex.task,
+                "question": ex.question,
+                "gold": ex.answers[0],
+                "num_chunks": len(chunks),
                 "support_recall": _support_recall(ex, chunks),
             }
-            kv_results = _timed_rounds(eng, [m for m in pending if m.is_kv], ex.question, chunks, budget, cfg.repeats,
-                                       lambda m: bar.set_postfix_str(f"{ex.dataset} {m.name}"))  # noqa: B023 - called in this iteration
+            kv_results = _timed_rounds(
+                eng,
+                [m for m in pending if m.is_kv],
+                ex.question,
+                chunks,
+                budget,
+                cfg.repeats,
+                lambda m: bar.set_postfix_str(f"{ex.dataset} {m.name}"),  # noqa: B023 - called in this iteration
+            )
             for m in pending:
                 if m.is_kv:
                     res, logits = kv_results[m.name]
@@ -313,8 +341,13 @@ def _run_cases(cfg, engine, retriever, methods, todo, results_path: Path, total:
                 elif m.name in baselines:
                     bar.set_postfix_str(f"{ex.dataset} {m.name}")
                     a = baselines[m.name].answer(eng, ex.question, chunks, budget)
-                    res = {"answer": a.text, "ttft_s": a.ttft_s, "total_s": a.total_s, "prompt_tokens": a.prompt_tokens,
-                           "generated_tokens": a.generated_tokens}
+                    res = {
+                        "answer": a.text,
+                        "ttft_s": a.ttft_s,
+                        "total_s": a.total_s,
+                        "prompt_tokens": a.prompt_tokens,
+                        "generated_tokens": a.generated_tokens,
+                    }
                     if ref_logits is not None:
                         res["kl"] = next_token_kl(ref_logits, a.logits)
                 else:
@@ -322,13 +355,23 @@ def _run_cases(cfg, engine, retriever, methods, todo, results_path: Path, total:
                     llm.max_new_tokens = max(budget, cfg.chain_max_new_tokens)
                     r = run_chain(built[m.kind], m.kind, ex.question, chunks)
                     res = {
-                        "answer": r.text, "ttft_s": r.ttft_s, "total_s": r.total_s, "calls": r.calls,
+                        "answer": r.text,
+                        "ttft_s": r.ttft_s,
+                        "total_s": r.total_s,
+                        "calls": r.calls,
                         "prompt_tokens": r.prompt_tokens,
                     }
                 metric, quality = score(ex, res["answer"])
-                row = dict(base, method=m.name, metric=metric, quality=quality, **res,
-                           key=case_key(cfg.model, ex.dataset, ex.qid, m.name, k, cfg.chunk_tokens), time=time.time(),
-                           engine=engine_stamp())
+                row = dict(
+                    base,
+                    method=m.name,
+                    metric=metric,
+                    quality=quality,
+                    **res,
+                    key=case_key(cfg.model, ex.dataset, ex.qid, m.name, k, cfg.chunk_tokens),
+                    time=time.time(),
+                    engine=engine_stamp(),
+                )
                 sink.write(json.dumps(row) + "\n")
                 sink.flush()
                 new_rows.append(row)

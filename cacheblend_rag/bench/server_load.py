@@ -26,9 +26,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from . import datasets as ds
 from .load import Pool, percentile
@@ -71,7 +72,9 @@ class ServerLoadConfig:
 
     def __post_init__(self) -> None:
         for name in ("clients", "max_batches"):
-            if not getattr(self, name) or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in getattr(self, name)):
+            if not getattr(self, name) or any(
+                isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in getattr(self, name)
+            ):
                 raise ValueError(f"{name}={getattr(self, name)!r}: give one or more ints >= 1")
         if self.requests < 1 or self.n < 1 or self.max_new_tokens < 1:
             raise ValueError("requests, n and max_new_tokens must be >= 1")
@@ -83,8 +86,13 @@ def request_options(spec: str) -> dict[str, Any]:
     """The ``cacheblend`` request field for method ``spec`` (see :class:`ServerLoadConfig`)."""
     methods = parse_methods([spec])
     m = methods[0]
-    if len(methods) != 1 or not m.is_kv or m.criterion or (m.mode == "cacheblend" and dict(m.options) != {"strategy": "question"}) \
-            or (m.mode != "cacheblend" and m.options):
+    if (
+        len(methods) != 1
+        or not m.is_kv
+        or m.criterion
+        or (m.mode == "cacheblend" and dict(m.options) != {"strategy": "question"})
+        or (m.mode != "cacheblend" and m.options)
+    ):
         raise ValueError(
             f"method {spec!r}: a server request sets only the prefill mode and the recompute ratio: use "
             "full_recompute, full_recompute_saved, prefix_caching, full_reuse or question@RATIO (the served "
@@ -106,20 +114,51 @@ def free_port(host: str = "127.0.0.1") -> int:
 class SubprocessServer:
     """``cacheblend-rag serve`` in a child process; ``stop()`` ends it gracefully (SIGTERM)."""
 
-    def __init__(self, model: str, max_batch: int, max_queue: int, store_dir: str, *, device: str = "cpu",
-                 weights: str = "fp32", log: Path | None = None, timeout_s: float = 600.0):
+    def __init__(
+        self,
+        model: str,
+        max_batch: int,
+        max_queue: int,
+        store_dir: str,
+        *,
+        device: str = "cpu",
+        weights: str = "fp32",
+        log: Path | None = None,
+        timeout_s: float = 600.0,
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "cacheblend_rag", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               "--max-batch", str(max_batch), "--max-queue", str(max_queue), "--store-dir", store_dir,
-               "--served-model-name", SERVED_NAME, "--device", device, "--weights", weights, "--log-level", "warning"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "cacheblend_rag",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--max-batch",
+            str(max_batch),
+            "--max-queue",
+            str(max_queue),
+            "--store-dir",
+            store_dir,
+            "--served-model-name",
+            SERVED_NAME,
+            "--device",
+            device,
+            "--weights",
+            weights,
+            "--log-level",
+            "warning",
+        ]
         if model not in ("smollm2", "default", ""):
             cmd += ["--model", _model_path(model)]
         self._log = open(log, "ab") if log is not None else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=self._log)
         self.timeout_s = timeout_s
 
-    def start(self) -> "SubprocessServer":
+    def start(self) -> SubprocessServer:
         import httpx
 
         deadline = time.monotonic() + self.timeout_s
@@ -175,7 +214,7 @@ def stream_answer(http, body: dict[str, Any]) -> dict[str, Any]:
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue
-            event = json.loads(line[len("data: "):])
+            event = json.loads(line[len("data: ") :])
             if "error" in event:
                 raise RuntimeError(f"the answer failed: {event['error']['message']}")
             for choice in event.get("choices") or []:
@@ -186,9 +225,17 @@ def stream_answer(http, body: dict[str, Any]) -> dict[str, Any]:
             stats = event.get("cacheblend") or stats
             usage = event.get("usage") or usage
     total = time.perf_counter() - t0
-    return {"ttft_s": total if ttft is None else ttft, "total_s": total, "tokens": int(usage.get("completion_tokens", 0)),
-            "server_ttft_s": stats.get("ttft_s"), "queue_s": stats.get("queue_s"), "mode": stats.get("mode"),
-            "strategy": stats.get("strategy"), "recompute_ratio": stats.get("recompute_ratio"), "text": "".join(text)}
+    return {
+        "ttft_s": total if ttft is None else ttft,
+        "total_s": total,
+        "tokens": int(usage.get("completion_tokens", 0)),
+        "server_ttft_s": stats.get("ttft_s"),
+        "queue_s": stats.get("queue_s"),
+        "mode": stats.get("mode"),
+        "strategy": stats.get("strategy"),
+        "recompute_ratio": stats.get("recompute_ratio"),
+        "text": "".join(text),
+    }
 
 
 def closed_loop(url: str, pool: Pool, clients: int, requests: int, body: dict[str, Any]) -> tuple[list[dict], float]:
@@ -232,11 +279,14 @@ def closed_loop(url: str, pool: Pool, clients: int, requests: int, body: dict[st
 def summarize_setting(rows: list[dict], wall_s: float) -> dict[str, float]:
     ttft, total = [r["ttft_s"] for r in rows], [r["total_s"] for r in rows]
     return {
-        "answers": len(rows), "wall_s": wall_s,
+        "answers": len(rows),
+        "wall_s": wall_s,
         "answers_per_s": len(rows) / wall_s if wall_s > 0 else float("nan"),
         "tokens_per_s": sum(r["tokens"] for r in rows) / wall_s if wall_s > 0 else float("nan"),
-        "ttft_p50": percentile(ttft, 50), "ttft_p95": percentile(ttft, 95),
-        "e2e_p50": percentile(total, 50), "e2e_p95": percentile(total, 95),
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p95": percentile(ttft, 95),
+        "e2e_p50": percentile(total, 50),
+        "e2e_p95": percentile(total, 95),
     }
 
 
@@ -252,8 +302,16 @@ def _servers(cfg: ServerLoadConfig, engine, out: Path) -> Iterator[tuple[int, An
             app = create_app(engine, ServerConfig(model_name=SERVED_NAME, max_batch=max_batch, max_queue=max_queue))
             server: Any = BackgroundServer(app, timeout_s=cfg.start_timeout_s).start()
         else:
-            server = SubprocessServer(cfg.model, max_batch, max_queue, str(out / "kv"), device=cfg.device, weights=cfg.weights,
-                                      log=out / "server.log", timeout_s=cfg.start_timeout_s).start()
+            server = SubprocessServer(
+                cfg.model,
+                max_batch,
+                max_queue,
+                str(out / "kv"),
+                device=cfg.device,
+                weights=cfg.weights,
+                log=out / "server.log",
+                timeout_s=cfg.start_timeout_s,
+            ).start()
         try:
             yield max_batch, server
         finally:
@@ -276,20 +334,32 @@ def run_server_load(cfg: ServerLoadConfig, *, engine=None) -> list[dict]:
     with (out / ROWS).open("a", encoding="utf-8") as sink:
         for max_batch, server in _servers(cfg, engine, out):
             for method in cfg.methods:
-                body = {"model": SERVED_NAME, "max_tokens": cfg.max_new_tokens, "stream": True,
-                        "stream_options": {"include_usage": True}, "cacheblend": request_options(method)}
+                body = {
+                    "model": SERVED_NAME,
+                    "max_tokens": cfg.max_new_tokens,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                    "cacheblend": request_options(method),
+                }
                 # Untimed: each question's chunks computed and stored once, the server warmed up.
                 with httpx.Client(base_url=server.url, timeout=httpx.Timeout(3600.0, connect=30.0)) as http:
                     for question, chunks in items:
-                        warm = stream_answer(http, dict(body, max_tokens=1, messages=[{"role": "user", "content": question}],
-                                                        documents=chunks))
+                        warm = stream_answer(
+                            http, dict(body, max_tokens=1, messages=[{"role": "user", "content": question}], documents=chunks)
+                        )
                         _check_served(method, warm)
                 for clients in cfg.clients:
                     before = _counters(server.url)
                     rows, wall = closed_loop(server.url, Pool(items), clients, cfg.requests, body)
                     steps, tokens = (after - b for after, b in zip(_counters(server.url), before))
-                    key = {"model": cfg.model, "dataset": cfg.dataset, "method": method, "max_batch": max_batch,
-                           "clients": clients, "max_new_tokens": cfg.max_new_tokens}
+                    key = {
+                        "model": cfg.model,
+                        "dataset": cfg.dataset,
+                        "method": method,
+                        "max_batch": max_batch,
+                        "clients": clients,
+                        "max_new_tokens": cfg.max_new_tokens,
+                    }
                     for r in rows:
                         sink.write(json.dumps(dict(key, **{k: v for k, v in r.items() if k != "text"})) + "\n")
                     sink.flush()
@@ -297,11 +367,15 @@ def run_server_load(cfg: ServerLoadConfig, *, engine=None) -> list[dict]:
                     summary.append(entry)
                     if cfg.progress:
                         done = len(summary)
-                        print(f"[{done}/{len(plan) * len(cfg.max_batches)}] {method} max_batch={max_batch} clients={clients}: "
-                              f"{entry['answers_per_s']:.3g} answers/s, TTFT p50 {entry['ttft_p50']:.3g} s", file=sys.stderr)
+                        print(
+                            f"[{done}/{len(plan) * len(cfg.max_batches)}] {method} max_batch={max_batch} clients={clients}: "
+                            f"{entry['answers_per_s']:.3g} answers/s, TTFT p50 {entry['ttft_p50']:.3g} s",
+                            file=sys.stderr,
+                        )
     config = asdict(cfg)
-    (out / SUMMARY).write_text(json.dumps({"config": config, "machine": _machine(), "summary": summary}, indent=2),
-                               encoding="utf-8")
+    (out / SUMMARY).write_text(
+        json.dumps({"config": config, "machine": _machine(), "summary": summary}, indent=2), encoding="utf-8"
+    )
     return summary
 
 
@@ -309,8 +383,10 @@ def _check_served(method: str, row: dict[str, Any]) -> None:
     """A question@R request must have been answered with question-guided selection: the served
     engine's strategy (a calibrated quality profile may set another)."""
     if method.startswith("question@") and row["strategy"] != "question":
-        raise ValueError(f"method {method}: the server's engine selects with strategy {row['strategy']!r}, not 'question' "
-                         "(a calibrated quality profile?): its requests cannot ask for another strategy")
+        raise ValueError(
+            f"method {method}: the server's engine selects with strategy {row['strategy']!r}, not 'question' "
+            "(a calibrated quality profile?): its requests cannot ask for another strategy"
+        )
 
 
 def _counters(url: str) -> tuple[int, int]:
@@ -326,8 +402,12 @@ def _machine() -> dict[str, Any]:
 
     import torch
 
-    return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "processor": platform.processor(),
-            "platform": platform.platform()}
+    return {
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "processor": platform.processor(),
+        "platform": platform.platform(),
+    }
 
 
 # ---------------------------------------------------------------------- the table
@@ -335,14 +415,34 @@ def markdown_table(summary: list[dict]) -> str:
     """One row per setting; ``vs max_batch=1``: answers/s over the unbatched server's for the same
     method and client count."""
     base = {(e["method"], e["clients"]): e["answers_per_s"] for e in summary if e["max_batch"] == 1}
-    cols = ("method", "max_batch", "clients", "answers/s", "vs max_batch=1", "TTFT p50 (s)", "TTFT p95 (s)",
-            "end-to-end p50 (s)", "end-to-end p95 (s)", "answers per step")
+    cols = (
+        "method",
+        "max_batch",
+        "clients",
+        "answers/s",
+        "vs max_batch=1",
+        "TTFT p50 (s)",
+        "TTFT p95 (s)",
+        "end-to-end p50 (s)",
+        "end-to-end p95 (s)",
+        "answers per step",
+    )
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for e in sorted(summary, key=lambda e: (e["method"], e["clients"], e["max_batch"])):
         ref = base.get((e["method"], e["clients"]))
         ratio = f"{e['answers_per_s'] / ref:.2f}x" if ref else "-"
-        cells = [e["method"], e["max_batch"], e["clients"], f"{e['answers_per_s']:.3g}", ratio, f"{e['ttft_p50']:.3g}",
-                 f"{e['ttft_p95']:.3g}", f"{e['e2e_p50']:.3g}", f"{e['e2e_p95']:.3g}", f"{e['answers_per_step']:.2f}"]
+        cells = [
+            e["method"],
+            e["max_batch"],
+            e["clients"],
+            f"{e['answers_per_s']:.3g}",
+            ratio,
+            f"{e['ttft_p50']:.3g}",
+            f"{e['ttft_p95']:.3g}",
+            f"{e['e2e_p50']:.3g}",
+            f"{e['e2e_p95']:.3g}",
+            f"{e['answers_per_step']:.2f}",
+        ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 

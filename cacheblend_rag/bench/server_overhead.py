@@ -48,8 +48,13 @@ def _over_http(http: httpx.Client, model: str, question: str, chunks: list[str],
     # The in-process side runs the model on this thread; its OpenMP team would slow the server's
     # worker, which in a deployed server is the only thread with one.
     release_team()
-    body = {"model": model, "messages": [{"role": "user", "content": question}], "documents": chunks,
-            "max_tokens": max_tokens, "stream": True}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": question}],
+        "documents": chunks,
+        "max_tokens": max_tokens,
+        "stream": True,
+    }
     t0 = time.perf_counter()
     ttft, engine_ttft, text = None, None, []
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -57,7 +62,7 @@ def _over_http(http: httpx.Client, model: str, question: str, chunks: list[str],
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue
-            event = json.loads(line[len("data: "):])
+            event = json.loads(line[len("data: ") :])
             content = event["choices"][0]["delta"].get("content") if event["choices"] else None
             if content:
                 ttft = time.perf_counter() - t0 if ttft is None else ttft
@@ -83,8 +88,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for question, chunks in cases:  # warm-up: first calls pay one-off allocation and compilation
                 _in_process(engine, question, chunks, args.max_tokens)
             rows = []
-            with BackgroundServer(create_app(engine, ServerConfig())) as server, \
-                    httpx.Client(base_url=server.url, timeout=300.0) as http:
+            with (
+                BackgroundServer(create_app(engine, ServerConfig())) as server,
+                httpx.Client(base_url=server.url, timeout=300.0) as http,
+            ):
                 _over_http(http, engine.model_id, *cases[0], args.max_tokens)
                 for rnd in range(args.rounds):
                     for i, (question, chunks) in enumerate(cases):
@@ -94,8 +101,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         local, local_text = _in_process(engine, question, chunks, args.max_tokens)
                         if not server_first:
                             srv, eng_ttft, srv_text = _over_http(http, engine.model_id, question, chunks, args.max_tokens)
-                        rows.append({"question": i, "round": rnd, "in_process_ttft_s": local, "server_ttft_s": srv,
-                                     "server_engine_ttft_s": eng_ttft, "same_answer": local_text == srv_text})
+                        rows.append(
+                            {
+                                "question": i,
+                                "round": rnd,
+                                "in_process_ttft_s": local,
+                                "server_ttft_s": srv,
+                                "server_engine_ttft_s": eng_ttft,
+                                "same_answer": local_text == srv_text,
+                            }
+                        )
         finally:
             engine.close()
     return {
@@ -119,20 +134,25 @@ def report(res: dict[str, Any]) -> str:
         f = (lambda v: f"{100 * v:+6.2f}%") if pct else (lambda v: f"{1000 * v:8.1f} ms")
         return f"{name:<34} median {f(s['median'])}  [p25 {f(s['p25'])}, p75 {f(s['p75'])}]  range {f(s['min'])} .. {f(s['max'])}"
 
-    return "\n".join([
-        f"{res['model']}: {res['questions']} HotpotQA questions x {res['chunks']} cached chunks x {res['rounds']} rounds "
-        f"({res['requests']} request pairs; same answer text in {res['same_answers']})",
-        line("TTFT in process", res["in_process_ttft_s"]),
-        line("TTFT through the server", res["server_ttft_s"]),
-        line("server / in-process - 1 (paired)", res["paired_ratio_minus_1"], pct=True),
-        line("in-request overhead", res["in_request_overhead_s"]),
-        line("in-request overhead / engine TTFT", res["in_request_overhead_fraction"], pct=True),
-    ])
+    return "\n".join(
+        [
+            f"{res['model']}: {res['questions']} HotpotQA questions x {res['chunks']} cached chunks x {res['rounds']} rounds "
+            f"({res['requests']} request pairs; same answer text in {res['same_answers']})",
+            line("TTFT in process", res["in_process_ttft_s"]),
+            line("TTFT through the server", res["server_ttft_s"]),
+            line("server / in-process - 1 (paired)", res["paired_ratio_minus_1"], pct=True),
+            line("in-request overhead", res["in_request_overhead_s"]),
+            line("in-request overhead / engine TTFT", res["in_request_overhead_fraction"], pct=True),
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cacheblend_rag.bench.server_overhead", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m cacheblend_rag.bench.server_overhead",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
     p.add_argument("--questions", type=int, default=4)
     p.add_argument("--chunks", type=int, default=6)

@@ -22,8 +22,16 @@ NAN_CI = (float("nan"), float("nan"))
 def _bootstrap(data: tuple[np.ndarray, ...], statistic, reps: int, seed: int, paired: bool = False) -> tuple[float, float]:
     from scipy import stats
 
-    res = stats.bootstrap(data, statistic, n_resamples=reps, confidence_level=0.95, method="percentile",
-                          paired=paired, vectorized=True, rng=np.random.default_rng(seed))
+    res = stats.bootstrap(
+        data,
+        statistic,
+        n_resamples=reps,
+        confidence_level=0.95,
+        method="percentile",
+        paired=paired,
+        vectorized=True,
+        rng=np.random.default_rng(seed),
+    )
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 

@@ -16,12 +16,38 @@ from ..metrics import normalize_answer
 from .stats import bootstrap_mean_ci, sign_test, speedup
 
 FIELDS = [
-    "dataset", "top_k", "method", "n", "metric", "quality", "ttft_mean_s", "ttft_median_s",
-    "latency_mean_s", "decode_ms_per_token", "throughput_qps", "speedup_vs_full_recompute", "speedup_vs_full_recompute_saved",
-    "speedup_vs_prefix_caching", "speedup_vs_full_recompute_ci", "speedup_vs_full_recompute_saved_ci",
-    "speedup_vs_prefix_caching_ci", "speedup_vs_full_recompute_rounds", "overhead",
-    "n_paired_full", "quality_diff_vs_full", "quality_diff_ci", "quality_wins", "quality_losses", "quality_sign_p", "full_quality_paired", "kl_mean", "agreement", "recompute_fraction", "compute_fraction",
-    "prompt_tokens_mean", "support_recall",
+    "dataset",
+    "top_k",
+    "method",
+    "n",
+    "metric",
+    "quality",
+    "ttft_mean_s",
+    "ttft_median_s",
+    "latency_mean_s",
+    "decode_ms_per_token",
+    "throughput_qps",
+    "speedup_vs_full_recompute",
+    "speedup_vs_full_recompute_saved",
+    "speedup_vs_prefix_caching",
+    "speedup_vs_full_recompute_ci",
+    "speedup_vs_full_recompute_saved_ci",
+    "speedup_vs_prefix_caching_ci",
+    "speedup_vs_full_recompute_rounds",
+    "overhead",
+    "n_paired_full",
+    "quality_diff_vs_full",
+    "quality_diff_ci",
+    "quality_wins",
+    "quality_losses",
+    "quality_sign_p",
+    "full_quality_paired",
+    "kl_mean",
+    "agreement",
+    "recompute_fraction",
+    "compute_fraction",
+    "prompt_tokens_mean",
+    "support_recall",
 ]
 
 
@@ -48,7 +74,9 @@ def _speedup(rows: list[dict], ref: list[dict]) -> tuple[float | None, tuple[flo
 
 def _speedup_rounds(rows: list[dict], ref: list[dict]) -> list[float] | None:
     """The speed-up of each timing round alone (``--repeats``): the spread over repeats."""
-    pairs = [(f["ttft_rounds_s"], r["ttft_rounds_s"]) for f, r in _pairs(rows, ref) if "ttft_rounds_s" in f and "ttft_rounds_s" in r]
+    pairs = [
+        (f["ttft_rounds_s"], r["ttft_rounds_s"]) for f, r in _pairs(rows, ref) if "ttft_rounds_s" in f and "ttft_rounds_s" in r
+    ]
     if not pairs:
         return None
     rounds = min(min(len(a), len(b)) for a, b in pairs)
@@ -76,8 +104,11 @@ def _quality_vs_full(paired: list[tuple[dict, dict]]) -> dict[str, Any]:
     diffs = [r["quality"] - f["quality"] for f, r in paired]
     wins, losses = sum(d > 1e-12 for d in diffs), sum(d < -1e-12 for d in diffs)
     return {
-        "quality_diff_vs_full": _mean(diffs), "quality_diff_ci": bootstrap_mean_ci(diffs) if len(diffs) > 1 else None,
-        "quality_wins": wins, "quality_losses": losses, "quality_sign_p": sign_test(wins, losses),
+        "quality_diff_vs_full": _mean(diffs),
+        "quality_diff_ci": bootstrap_mean_ci(diffs) if len(diffs) > 1 else None,
+        "quality_wins": wins,
+        "quality_losses": losses,
+        "quality_sign_p": sign_test(wins, losses),
     }
 
 
@@ -100,32 +131,34 @@ def summarize(rows: list[dict]) -> list[dict]:
         ratios: dict[str, Any] = {}
         for name, ref in (("full_recompute", full), ("full_recompute_saved", saved), ("prefix_caching", prefix)):
             ratios[f"speedup_vs_{name}"], ratios[f"speedup_vs_{name}_ci"] = _speedup(rs, ref)
-        out.append({
-            "dataset": dataset,
-            "top_k": k,
-            "method": method,
-            "n": len(rs),
-            "metric": rs[0]["metric"],
-            "quality": _mean([r["quality"] for r in rs]),
-            "ttft_mean_s": _mean([r["ttft_s"] for r in rs]),
-            "ttft_median_s": statistics.median(r["ttft_s"] for r in rs),
-            "latency_mean_s": _mean([r["total_s"] for r in rs]),
-            "decode_ms_per_token": _mean([decode_ms_per_token(r) for r in rs]),
-            "throughput_qps": len(rs) / total if total > 0 else None,
-            **ratios,
-            "speedup_vs_full_recompute_rounds": _speedup_rounds(rs, full),
-            "overhead": _overhead(rs, saved),
-            **_quality_vs_full(paired),
-            # The questions the full-prefill ratio is over, and full prefill's quality on them.
-            "n_paired_full": len(paired),
-            "full_quality_paired": _mean([f["quality"] for f, _ in paired]),
-            "kl_mean": _mean([r.get("kl") for r in rs]),
-            "agreement": (sum(agree) / len(agree)) if agree and is_kv else None,
-            "recompute_fraction": _mean([r.get("recompute_fraction") for r in rs]),
-            "compute_fraction": _mean([r.get("compute_fraction") for r in rs]),
-            "prompt_tokens_mean": _mean([r.get("prompt_tokens") for r in rs]),
-            "support_recall": _mean([r.get("support_recall") for r in rs]),
-        })
+        out.append(
+            {
+                "dataset": dataset,
+                "top_k": k,
+                "method": method,
+                "n": len(rs),
+                "metric": rs[0]["metric"],
+                "quality": _mean([r["quality"] for r in rs]),
+                "ttft_mean_s": _mean([r["ttft_s"] for r in rs]),
+                "ttft_median_s": statistics.median(r["ttft_s"] for r in rs),
+                "latency_mean_s": _mean([r["total_s"] for r in rs]),
+                "decode_ms_per_token": _mean([decode_ms_per_token(r) for r in rs]),
+                "throughput_qps": len(rs) / total if total > 0 else None,
+                **ratios,
+                "speedup_vs_full_recompute_rounds": _speedup_rounds(rs, full),
+                "overhead": _overhead(rs, saved),
+                **_quality_vs_full(paired),
+                # The questions the full-prefill ratio is over, and full prefill's quality on them.
+                "n_paired_full": len(paired),
+                "full_quality_paired": _mean([f["quality"] for f, _ in paired]),
+                "kl_mean": _mean([r.get("kl") for r in rs]),
+                "agreement": (sum(agree) / len(agree)) if agree and is_kv else None,
+                "recompute_fraction": _mean([r.get("recompute_fraction") for r in rs]),
+                "compute_fraction": _mean([r.get("compute_fraction") for r in rs]),
+                "prompt_tokens_mean": _mean([r.get("prompt_tokens") for r in rs]),
+                "support_recall": _mean([r.get("support_recall") for r in rs]),
+            }
+        )
     return out
 
 

@@ -108,22 +108,27 @@ def run_sweep(engine, cfg: SweepConfig, progress: bool = True) -> list[dict]:
             frac = res.stats["recompute_fraction"]
             work = res.stats.get("compute_fraction", frac)
             ttft_s, pre_s = statistics.median(ttft[name]), statistics.median(prefill[name])
-            rows.append(dict(
-                base,
-                method=name,
-                ttft_ratio=ttft_s / ref_ttft,
-                kl=next_token_kl(ref_logits, logits),
-                # Without answers, agreement is on the greedy next token.
-                agree=float(res.token_ids == ref.token_ids if cfg.max_new_tokens else int(logits.argmax()) == int(ref_logits.argmax())),
-                f1=qa_f1(res.text, ex.answers),
-                answer=res.text,
-                ttft_s=ttft_s,
-                prefill_s=pre_s,
-                recompute_fraction=frac,
-                compute_fraction=work,
-                overhead=pre_s / (work * ref_prefill) if mode == "cacheblend" and work else None,
-                time=time.time(), engine=engine_stamp(),
-            ))
+            rows.append(
+                dict(
+                    base,
+                    method=name,
+                    ttft_ratio=ttft_s / ref_ttft,
+                    kl=next_token_kl(ref_logits, logits),
+                    # Without answers, agreement is on the greedy next token.
+                    agree=float(
+                        res.token_ids == ref.token_ids if cfg.max_new_tokens else int(logits.argmax()) == int(ref_logits.argmax())
+                    ),
+                    f1=qa_f1(res.text, ex.answers),
+                    answer=res.text,
+                    ttft_s=ttft_s,
+                    prefill_s=pre_s,
+                    recompute_fraction=frac,
+                    compute_fraction=work,
+                    overhead=pre_s / (work * ref_prefill) if mode == "cacheblend" and work else None,
+                    time=time.time(),
+                    engine=engine_stamp(),
+                )
+            )
         if out:
             for r in rows[-len(methods) :]:
                 out.write(json.dumps(r) + "\n")
@@ -148,32 +153,47 @@ def summarize(rows: list[dict]) -> list[dict]:
         timed = [r for r in rs if r["question"] in ref_ttft]
         value, ci = speedup([ref_ttft[r["question"]] for r in timed], [r["ttft_s"] for r in timed])
         over = [r for r in rs if r.get("overhead")]
-        table.append(dict(
-            method=method,
-            n=len(rs),
-            ttft_speedup=value,
-            ttft_speedup_ci=ci,
-            kl_mean=statistics.fmean(kls),
-            kl_median=statistics.median(kls),
-            closer_than_reuse=(
-                statistics.fmean(float(r["kl"] < ref_kl[r["question"]]) for r in rs) if ref_kl and method.startswith("cacheblend") else None
-            ),
-            agree=statistics.fmean(r["agree"] for r in rs),
-            f1=statistics.fmean(r["f1"] for r in rs),
-            recompute_fraction=statistics.fmean(r["recompute_fraction"] for r in rs),
-            compute_fraction=statistics.fmean(r.get("compute_fraction", r["recompute_fraction"]) for r in rs),
-            overhead=sum(r["prefill_s"] for r in over) / sum(r["prefill_s"] / r["overhead"] for r in over) if over else None,
-        ))
+        table.append(
+            dict(
+                method=method,
+                n=len(rs),
+                ttft_speedup=value,
+                ttft_speedup_ci=ci,
+                kl_mean=statistics.fmean(kls),
+                kl_median=statistics.median(kls),
+                closer_than_reuse=(
+                    statistics.fmean(float(r["kl"] < ref_kl[r["question"]]) for r in rs)
+                    if ref_kl and method.startswith("cacheblend")
+                    else None
+                ),
+                agree=statistics.fmean(r["agree"] for r in rs),
+                f1=statistics.fmean(r["f1"] for r in rs),
+                recompute_fraction=statistics.fmean(r["recompute_fraction"] for r in rs),
+                compute_fraction=statistics.fmean(r.get("compute_fraction", r["recompute_fraction"]) for r in rs),
+                overhead=sum(r["prefill_s"] for r in over) / sum(r["prefill_s"] / r["overhead"] for r in over) if over else None,
+            )
+        )
     return table
 
 
 SWEEP_COLUMNS: dict[str, tuple[str, Any]] = {
-    "ttft": ("TTFT speed-up vs full recompute", lambda t: f"{t['ttft_speedup']:.2f}x" + (
-        f" [{t['ttft_speedup_ci'][0]:.2f}, {t['ttft_speedup_ci'][1]:.2f}]"
-        if t.get("ttft_speedup_ci") and t["ttft_speedup_ci"][0] == t["ttft_speedup_ci"][0] and t["ttft_speedup"] != 1.0 else "")),
+    "ttft": (
+        "TTFT speed-up vs full recompute",
+        lambda t: (
+            f"{t['ttft_speedup']:.2f}x"
+            + (
+                f" [{t['ttft_speedup_ci'][0]:.2f}, {t['ttft_speedup_ci'][1]:.2f}]"
+                if t.get("ttft_speedup_ci") and t["ttft_speedup_ci"][0] == t["ttft_speedup_ci"][0] and t["ttft_speedup"] != 1.0
+                else ""
+            )
+        ),
+    ),
     "kl_mean": ("KL mean", lambda t: f"{t['kl_mean']:.3f}"),
     "kl_median": ("KL median", lambda t: f"{t['kl_median']:.3f}"),
-    "closer": ("closer than full reuse", lambda t: "–" if t["closer_than_reuse"] is None else f"{round(t['closer_than_reuse'] * t['n'])}/{t['n']}"),
+    "closer": (
+        "closer than full reuse",
+        lambda t: "–" if t["closer_than_reuse"] is None else f"{round(t['closer_than_reuse'] * t['n'])}/{t['n']}",
+    ),
     "top1": ("same top-1 token", lambda t: f"{round(t['agree'] * t['n'])}/{t['n']}"),
     "fresh": ("fresh", lambda t: f"{t['recompute_fraction']:.1%}"),
     "work": ("work", lambda t: f"{t['compute_fraction']:.1%}"),
@@ -238,7 +258,9 @@ def _cmd(args: argparse.Namespace) -> int:
     table = summarize(rows)
     print(format_table(table))
     if args.out:
-        Path(args.out).with_suffix(".summary.json").write_text(json.dumps(dict(config={k: str(v) for k, v in asdict(cfg).items()}, table=table), indent=1))
+        Path(args.out).with_suffix(".summary.json").write_text(
+            json.dumps(dict(config={k: str(v) for k, v in asdict(cfg).items()}, table=table), indent=1)
+        )
     return 0
 
 

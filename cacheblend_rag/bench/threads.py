@@ -46,8 +46,10 @@ DESCRIPTIONS = {
     "hand-over, caller keeps its team": "new model thread while the main thread keeps its team",
     "hand-over after release_team": "new model thread after the main thread's `release_team()`",
 }
-LINE = re.compile(r"^(?P<kind>.+?)\s*: small operator\s+(?P<before>[\d.]+) us on the main thread alone,\s+(?P<after>[\d.]+) us "
-                  r"on the (?P<where>.+?) \([\d.]+x; torch threads (?P<threads>\d+), (?P<processes>\d+) processes\)$")
+LINE = re.compile(
+    r"^(?P<kind>.+?)\s*: small operator\s+(?P<before>[\d.]+) us on the main thread alone,\s+(?P<after>[\d.]+) us "
+    r"on the (?P<where>.+?) \([\d.]+x; torch threads (?P<threads>\d+), (?P<processes>\d+) processes\)$"
+)
 
 
 def parse_report(text: str) -> list[dict]:
@@ -56,8 +58,16 @@ def parse_report(text: str) -> list[dict]:
     for line in text.splitlines():
         m = LINE.match(line.strip())
         if m:
-            out.append({"kind": m["kind"], "before_us": float(m["before"]), "after_us": float(m["after"]), "where": m["where"],
-                        "threads": int(m["threads"]), "processes": int(m["processes"])})
+            out.append(
+                {
+                    "kind": m["kind"],
+                    "before_us": float(m["before"]),
+                    "after_us": float(m["after"]),
+                    "where": m["where"],
+                    "threads": int(m["threads"]),
+                    "processes": int(m["processes"]),
+                }
+            )
     if not out:
         raise ValueError("no case lines in the report (python -m cacheblend_rag.bench.threads prints them)")
     return out
@@ -68,8 +78,10 @@ def markdown_table(cases: list[dict]) -> str:
     lines = ["| case | small operator: main thread alone → afterwards | ratio |", "|---|---|---|"]
     for c in cases:
         thread = "main thread" if c["where"].startswith("main") else c["where"]
-        lines.append(f"| {DESCRIPTIONS.get(c['kind'], c['kind'])} | {c['before_us']:.1f} → {c['after_us']:.1f} µs ({thread}) "
-                     f"| {c['after_us'] / c['before_us']:.2f}x |")
+        lines.append(
+            f"| {DESCRIPTIONS.get(c['kind'], c['kind'])} | {c['before_us']:.1f} → {c['after_us']:.1f} µs ({thread}) "
+            f"| {c['after_us'] / c['before_us']:.2f}x |"
+        )
     return "\n".join(lines)
 
 
@@ -108,13 +120,23 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(_child(args.child, args.ops)))
         return
     for kind, where in CASES.items():
-        runs = [json.loads(subprocess.run([sys.executable, "-m", "cacheblend_rag.bench.threads", "--child", kind, "--ops", str(args.ops)],
-                                          check=True, capture_output=True, text=True).stdout)
-                for _ in range(args.repeats)]
+        runs = [
+            json.loads(
+                subprocess.run(
+                    [sys.executable, "-m", "cacheblend_rag.bench.threads", "--child", kind, "--ops", str(args.ops)],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                ).stdout
+            )
+            for _ in range(args.repeats)
+        ]
         before = statistics.median(r["before_us"] for r in runs)
         after = statistics.median(r["after_us"] for r in runs)
-        print(f"{kind:33s}: small operator {before:6.1f} us on the main thread alone, {after:6.1f} us on the {where} "
-              f"({after / before:.2f}x; torch threads {runs[0]['torch_threads']}, {args.repeats} processes)")
+        print(
+            f"{kind:33s}: small operator {before:6.1f} us on the main thread alone, {after:6.1f} us on the {where} "
+            f"({after / before:.2f}x; torch threads {runs[0]['torch_threads']}, {args.repeats} processes)"
+        )
 
 
 if __name__ == "__main__":

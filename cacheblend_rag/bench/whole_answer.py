@@ -65,8 +65,9 @@ def method_names(cfg: WholeAnswerConfig) -> list[str]:
 
 
 def _row(base: dict, method: str, prompt_tokens: int, times: list[float], lengths: Sequence[int], text: str) -> dict:
-    row = dict(base, method=method, prompt_tokens=prompt_tokens, ttft_s=times[0], answer=text[:200],
-               times_s=[round(t, 4) for t in times])
+    row = dict(
+        base, method=method, prompt_tokens=prompt_tokens, ttft_s=times[0], answer=text[:200], times_s=[round(t, 4) for t in times]
+    )
     for n in lengths:
         row[f"t{n}_s"] = times[n - 1]
     row["decode_ms_per_token"] = 1000 * (times[-1] - times[0]) / max(1, len(times) - 1)
@@ -86,8 +87,9 @@ def run_whole_answer(cfg: WholeAnswerConfig) -> list[dict]:
     rows = read_results(path)
     done = {r["key"] for r in rows}
     names = method_names(cfg)
-    groups = [ds.load_dataset(d, cfg.n, musique=cfg.musique, hotpotqa=cfg.hotpotqa, chunk_tokens=cfg.chunk_tokens)
-              for d in cfg.datasets]
+    groups = [
+        ds.load_dataset(d, cfg.n, musique=cfg.musique, hotpotqa=cfg.hotpotqa, chunk_tokens=cfg.chunk_tokens) for d in cfg.datasets
+    ]
     examples = [ex for group in zip_longest(*groups) for ex in group if ex is not None]
     todo = [ex for ex in examples if any(_key(cfg, ex, m) not in done for m in names)]
     if not todo:
@@ -96,7 +98,11 @@ def run_whole_answer(cfg: WholeAnswerConfig) -> list[dict]:
     longest = max(cfg.lengths)
     engines = {fmt: load_engine(cfg, weights=fmt) for fmt in cfg.formats}
     first = engines[cfg.formats[0]]
-    llamas = {f"{kind}:{q}": make_baseline(kind, q, first, cfg.model) for q in cfg.llama_cpp for kind in ("llama_cpp", "llama_cpp_prefix")}
+    llamas = {
+        f"{kind}:{q}": make_baseline(kind, q, first, cfg.model)
+        for q in cfg.llama_cpp
+        for kind in ("llama_cpp", "llama_cpp_prefix")
+    }
     retriever, count = ds.Retriever(), ds.token_counter(first.tokenizer)
     try:
         _warm_up(engines, llamas, cfg)
@@ -112,8 +118,14 @@ def run_whole_answer(cfg: WholeAnswerConfig) -> list[dict]:
         with path.open("a", encoding="utf-8") as sink:
             for ex in tqdm(todo, desc="whole answers", unit="question", disable=not cfg.progress):
                 chunks = ds.retrieve(ex, retriever, count, cfg.chunk_tokens, cfg.top_k)
-                base = {"model": cfg.model, "dataset": ex.dataset, "qid": ex.qid, "top_k": cfg.top_k,
-                        "chunk_tokens": cfg.chunk_tokens, "question": ex.question}
+                base = {
+                    "model": cfg.model,
+                    "dataset": ex.dataset,
+                    "qid": ex.qid,
+                    "top_k": cfg.top_k,
+                    "chunk_tokens": cfg.chunk_tokens,
+                    "question": ex.question,
+                }
                 for engine in engines.values():
                     engine.precompute(chunks, progress=False)  # deployment-time work, not timed
                     engine.flush()
@@ -130,9 +142,15 @@ def run_whole_answer(cfg: WholeAnswerConfig) -> list[dict]:
                         spec, fmt = name.rsplit("/", 1)
                         engine = engines[fmt]
                         method = parse_method(spec)[0]
-                        res, logits = answer_with_logits(engine, ex.question, chunks, mode=method.mode,
-                                                         config=method.blend_config(engine.config),
-                                                         max_new_tokens=longest, ignore_eos=True)
+                        res, logits = answer_with_logits(
+                            engine,
+                            ex.question,
+                            chunks,
+                            mode=method.mode,
+                            config=method.blend_config(engine.config),
+                            max_new_tokens=longest,
+                            ignore_eos=True,
+                        )
                         settle(engine, res.stats.get("writeback_keys", []), keep=True)
                         row = _row(base, name, res.stats["prompt_tokens"], res.token_times_s, cfg.lengths, res.text)
                         row["first_tokens"] = res.token_ids[:32]
@@ -161,7 +179,9 @@ def _warm_up(engines: dict, llamas: dict, cfg: WholeAnswerConfig) -> None:
         engine.precompute(chunks, progress=False)
         for spec in cfg.methods:
             m = parse_method(spec)[0]
-            engine.generate("Which town?", chunks, mode=m.mode, config=m.blend_config(engine.config), max_new_tokens=4, ignore_eos=True)
+            engine.generate(
+                "Which town?", chunks, mode=m.mode, config=m.blend_config(engine.config), max_new_tokens=4, ignore_eos=True
+            )
         engine.flush()
     for b in llamas.values():
         b.answer(next(iter(engines.values())), "Which town?", chunks, 4, ignore_eos=True)
@@ -185,8 +205,13 @@ def decode_step_parts(engine, question: str, chunks: Sequence[str], steps: int =
 
     def forward(token: int, position: int, cache: Any) -> torch.Tensor:
         with torch.inference_mode():
-            out = model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[position]]), use_cache=True,
-                        logits_to_keep=1, **{kw: cache})
+            out = model(
+                input_ids=torch.tensor([[token]]),
+                position_ids=torch.tensor([[position]]),
+                use_cache=True,
+                logits_to_keep=1,
+                **{kw: cache},
+            )
         return out.logits[0, -1]
 
     def timed(fn, profiled: bool = False) -> tuple[float, Any]:
@@ -218,13 +243,21 @@ def decode_step_parts(engine, question: str, chunks: Sequence[str], steps: int =
     # The profiler slows every op; each part's share of the profiled step, applied to the
     # unprofiled step, is its time.
     linear_ms, attention_ms = (step_ms * parts[p] / profiled_ms for p in ("linear", "attention"))
-    weight_bytes = sum(m.weight.numel() * (2 if isinstance(m, Fp16Linear) else m.weight.element_size())
-                       for m in model.modules() if isinstance(m, (torch.nn.Linear, Fp16Linear)))
+    weight_bytes = sum(
+        m.weight.numel() * (2 if isinstance(m, Fp16Linear) else m.weight.element_size())
+        for m in model.modules()
+        if isinstance(m, (torch.nn.Linear, Fp16Linear))
+    )
     kv_heads, head_dim = engine.kv_shape
     kv_bytes = engine.num_layers * 2 * kv_heads * (start + steps) * head_dim * torch.finfo(engine.dtype).bits // 8
     return {
-        **result, "step_ms": step_ms, "linear_ms": linear_ms, "attention_ms": attention_ms,
-        "rest_ms": step_ms - linear_ms - attention_ms, "weight_mb": weight_bytes / 1e6, "kv_mb": kv_bytes / 1e6,
+        **result,
+        "step_ms": step_ms,
+        "linear_ms": linear_ms,
+        "attention_ms": attention_ms,
+        "rest_ms": step_ms - linear_ms - attention_ms,
+        "weight_mb": weight_bytes / 1e6,
+        "kv_mb": kv_bytes / 1e6,
         "linear_gb_s": weight_bytes / 1e6 / linear_ms if linear_ms else None,
         "attention_gb_s": kv_bytes / 1e6 / attention_ms if attention_ms else None,
     }
@@ -242,11 +275,14 @@ def summarize(rows: list[dict], lengths: Sequence[int], reference: str = "llama_
     for method, mine in by.items():
         fmt = method.rsplit("/", 1)[1] if "/" in method else None
         full = by.get(f"full_recompute_saved/{fmt}", {}) if fmt else {}
-        entry: dict[str, Any] = {"method": method, "n": len(mine),
-                                 "prompt_tokens": statistics.mean(r["prompt_tokens"] for r in mine.values()),
-                                 "ttft_s": statistics.mean(r["ttft_s"] for r in mine.values()),
-                                 "decode_ms_per_token": statistics.mean(r["decode_ms_per_token"] for r in mine.values()),
-                                 "kl_vs_fp32_full_prefill": statistics.mean(r["kl_vs_fp32_full_prefill"] for r in mine.values())}
+        entry: dict[str, Any] = {
+            "method": method,
+            "n": len(mine),
+            "prompt_tokens": statistics.mean(r["prompt_tokens"] for r in mine.values()),
+            "ttft_s": statistics.mean(r["ttft_s"] for r in mine.values()),
+            "decode_ms_per_token": statistics.mean(r["decode_ms_per_token"] for r in mine.values()),
+            "kl_vs_fp32_full_prefill": statistics.mean(r["kl_vs_fp32_full_prefill"] for r in mine.values()),
+        }
         for n in lengths:
             entry[f"t{n}_s"] = statistics.mean(r[f"t{n}_s"] for r in mine.values())
         for label, other in ((reference, by.get(reference, {})), ("full_prefill", full)):
@@ -256,15 +292,19 @@ def summarize(rows: list[dict], lengths: Sequence[int], reference: str = "llama_
             fields = ["ttft", *(f"t{n}" for n in lengths)]
             for f in fields:
                 entry[f"{f}_vs_{label}"], entry[f"{f}_vs_{label}_ci"] = speedup(
-                    [other[q][f"{f}_s"] for q in both], [mine[q][f"{f}_s"] for q in both])
-            entry[f"decode_vs_{label}"] = (statistics.mean(mine[q]["decode_ms_per_token"] for q in both)
-                                           / statistics.mean(other[q]["decode_ms_per_token"] for q in both))
+                    [other[q][f"{f}_s"] for q in both], [mine[q][f"{f}_s"] for q in both]
+                )
+            entry[f"decode_vs_{label}"] = statistics.mean(mine[q]["decode_ms_per_token"] for q in both) / statistics.mean(
+                other[q]["decode_ms_per_token"] for q in both
+            )
         exact = by.get("full_recompute_saved/fp32", {})
         both = [q for q in mine if q in exact and "first_tokens" in mine[q]]
         if both and mine is not exact:
             # Greedy answers' first 32 tokens against float32's full prefill: what the format and
             # the method cost in answers.
-            entry["same_32_tokens_as_fp32_full_prefill"] = sum(mine[q]["first_tokens"] == exact[q]["first_tokens"] for q in both) / len(both)
+            entry["same_32_tokens_as_fp32_full_prefill"] = sum(
+                mine[q]["first_tokens"] == exact[q]["first_tokens"] for q in both
+            ) / len(both)
         out.append(entry)
     order = {m: i for i, m in enumerate(sorted(by, key=lambda m: (m.startswith("llama"), m)))}
     return sorted(out, key=lambda e: order[e["method"]])
@@ -277,31 +317,48 @@ def markdown_table(summary: list[dict], lengths: Sequence[int], reference: str =
         lo, hi = e[f"{f}_vs_{label}_ci"]
         return f"{e[f'{f}_vs_{label}']:.2f}x [{lo:.2f}, {hi:.2f}]"
 
-    head = ["method", "n", "TTFT s", *(f"{n} tokens s" for n in lengths), "ms/token",
-            *(f"{n} tokens vs {reference}" for n in lengths), "decode time / " + reference,
-            "TTFT vs full prefill", *(f"{n} tokens vs full prefill" for n in lengths), "same 32 tokens as fp32 full prefill", "KL to fp32 full prefill"]
+    head = [
+        "method",
+        "n",
+        "TTFT s",
+        *(f"{n} tokens s" for n in lengths),
+        "ms/token",
+        *(f"{n} tokens vs {reference}" for n in lengths),
+        "decode time / " + reference,
+        "TTFT vs full prefill",
+        *(f"{n} tokens vs full prefill" for n in lengths),
+        "same 32 tokens as fp32 full prefill",
+        "KL to fp32 full prefill",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for e in summary:
-        cells = [e["method"], str(e["n"]), f"{e['ttft_s']:.2f}", *(f"{e[f't{n}_s']:.2f}" for n in lengths),
-                 f"{e['decode_ms_per_token']:.1f}", *(ratio(e, f"t{n}", reference) for n in lengths),
-                 f"{e[f'decode_vs_{reference}']:.2f}" if f"decode_vs_{reference}" in e else "-",
-                 ratio(e, "ttft", "full_prefill"), *(ratio(e, f"t{n}", "full_prefill") for n in lengths),
-                 f"{e['same_32_tokens_as_fp32_full_prefill']:.0%}" if "same_32_tokens_as_fp32_full_prefill" in e else "-",
-                 f"{e['kl_vs_fp32_full_prefill']:.2g}"]
+        cells = [
+            e["method"],
+            str(e["n"]),
+            f"{e['ttft_s']:.2f}",
+            *(f"{e[f't{n}_s']:.2f}" for n in lengths),
+            f"{e['decode_ms_per_token']:.1f}",
+            *(ratio(e, f"t{n}", reference) for n in lengths),
+            f"{e[f'decode_vs_{reference}']:.2f}" if f"decode_vs_{reference}" in e else "-",
+            ratio(e, "ttft", "full_prefill"),
+            *(ratio(e, f"t{n}", "full_prefill") for n in lengths),
+            f"{e['same_32_tokens_as_fp32_full_prefill']:.0%}" if "same_32_tokens_as_fp32_full_prefill" in e else "-",
+            f"{e['kl_vs_fp32_full_prefill']:.2g}",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def decode_step_table(steps: dict[str, dict[str, Any]]) -> str:
     """``decode_step.json`` as a markdown table: per format, the step and its parts against bytes."""
-    lines = ["| weights | step through the forward | fast step | linears | attention | the rest |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| weights | step through the forward | fast step | linears | attention | the rest |", "|---|---|---|---|---|---|"]
     for fmt, p in steps.items():
         fast = f"{p['fast_step_ms']:.1f} ms" if "fast_step_ms" in p else "-"
         lines.append(
             f"| {fmt} | {p['forward_step_ms']:.1f} ms | {fast} | {p['linear_ms']:.1f} ms: {p['weight_mb']:.0f} MB at "
             f"{p['linear_gb_s']:.1f} GB/s | {p['attention_ms']:.1f} ms: {p['kv_mb']:.0f} MB at {p['attention_gb_s']:.1f} GB/s "
-            f"| {p['rest_ms']:.1f} ms |")
+            f"| {p['rest_ms']:.1f} ms |"
+        )
     return "\n".join(lines)
 
 

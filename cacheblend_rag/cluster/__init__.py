@@ -18,7 +18,8 @@ def __getattr__(name: str) -> Any:
         try:
             from . import deployment
         except ImportError as exc:
-            raise ImportError(f"cacheblend_rag.cluster.{name} needs Ray Serve ({exc.name} is missing): "
-                              "pip install 'cacheblend-rag[ray]'") from exc
+            raise ImportError(
+                f"cacheblend_rag.cluster.{name} needs Ray Serve ({exc.name} is missing): pip install 'cacheblend-rag[ray]'"
+            ) from exc
         return getattr(deployment, name)
     raise AttributeError(f"module 'cacheblend_rag.cluster' has no attribute {name!r}")

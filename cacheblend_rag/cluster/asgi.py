@@ -38,10 +38,19 @@ async def call_app(app: Any, req: ForwardedRequest, *, client: tuple[str, int] =
     ``req``. Closing the iterator early is the client leaving: the app sees ``http.disconnect``,
     which stops the answer it is producing."""
     scope = {
-        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-        "method": req.method, "scheme": "http", "path": req.path, "raw_path": req.path.encode("utf-8"),
-        "query_string": req.query, "root_path": "", "headers": [tuple(h) for h in req.headers],
-        "client": client, "server": ("127.0.0.1", 0), "state": {},
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": req.method,
+        "scheme": "http",
+        "path": req.path,
+        "raw_path": req.path.encode("utf-8"),
+        "query_string": req.query,
+        "root_path": "",
+        "headers": [tuple(h) for h in req.headers],
+        "client": client,
+        "server": ("127.0.0.1", 0),
+        "state": {},
     }
     out: asyncio.Queue = asyncio.Queue()
     gone = asyncio.Event()

@@ -63,8 +63,10 @@ class EngineSpec:
         if self.factory is not None and (not isinstance(self.factory, str) or ":" not in self.factory):
             raise ValueError(f"factory={self.factory!r} must be 'package.module:function'")
         if self.store is None and self.factory is None:
-            log.warning("EngineSpec without a store: each replica keeps its own disk store; pass a Redis URL "
-                        "(store='redis://host:6379/0') so the replicas share their chunk caches")
+            log.warning(
+                "EngineSpec without a store: each replica keeps its own disk store; pass a Redis URL "
+                "(store='redis://host:6379/0') so the replicas share their chunk caches"
+            )
 
     def build(self) -> Any:
         if self.factory is not None:
@@ -74,8 +76,14 @@ class EngineSpec:
         from ..engine import CacheBlendEngine
 
         return CacheBlendEngine.from_pretrained(
-            self.model, device=self.device, dtype=self.dtype, weights=self.weights, store_dir=self.store_dir,
-            store=self.store, memory_bytes=self.memory_bytes, **self.engine_kwargs,
+            self.model,
+            device=self.device,
+            dtype=self.dtype,
+            weights=self.weights,
+            store_dir=self.store_dir,
+            store=self.store,
+            memory_bytes=self.memory_bytes,
+            **self.engine_kwargs,
         )
 
 
@@ -98,7 +106,11 @@ class ClusterOptions:
     max_body_bytes: int = 8 * 2**20
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_ongoing_requests, bool) or not isinstance(self.max_ongoing_requests, int) or self.max_ongoing_requests < 1:
+        if (
+            isinstance(self.max_ongoing_requests, bool)
+            or not isinstance(self.max_ongoing_requests, int)
+            or self.max_ongoing_requests < 1
+        ):
             raise ValueError(f"max_ongoing_requests={self.max_ongoing_requests!r} must be an int >= 1")
         if not self.routing_stats_period_s > 0:
             raise ValueError(f"routing_stats_period_s={self.routing_stats_period_s!r} must be > 0 seconds")
@@ -140,9 +152,14 @@ class EngineReplica:
             if message["type"] == "http.response.start":
                 after = self._tier_reads()
                 reads = {name: after.get(name, 0) - before.get(name, 0) for name in after}
-                message = {**message, "headers": [*message.get("headers", []),
-                                                  (b"x-cacheblend-replica", self.replica_id.encode()),
-                                                  (b"x-cacheblend-tier-reads", json.dumps(reads).encode())]}
+                message = {
+                    **message,
+                    "headers": [
+                        *message.get("headers", []),
+                        (b"x-cacheblend-replica", self.replica_id.encode()),
+                        (b"x-cacheblend-tier-reads", json.dumps(reads).encode()),
+                    ],
+                }
             yield message
         documents = request_documents(req.path, req.body)
         if documents:
@@ -192,17 +209,24 @@ class Front:
                 return
             body += message.get("body", b"")
             if len(body) > self.max_body_bytes:
-                await _error(send, 413, f"the request body is larger than this server's limit of {self.max_body_bytes} bytes "
-                             "(ClusterOptions.max_body_bytes): send fewer or shorter documents")
+                await _error(
+                    send,
+                    413,
+                    f"the request body is larger than this server's limit of {self.max_body_bytes} bytes "
+                    "(ClusterOptions.max_body_bytes): send fewer or shorter documents",
+                )
                 return
             if not message.get("more_body", False):
                 break
         path, root = scope["path"], scope.get("root_path", "")
         if root and path.startswith(root):
-            path = path[len(root):] or "/"
+            path = path[len(root) :] or "/"
         req = ForwardedRequest(
-            method=scope["method"], path=path, query=scope.get("query_string", b""),
-            headers=tuple((bytes(k), bytes(v)) for k, v in scope.get("headers", [])), body=bytes(body),
+            method=scope["method"],
+            path=path,
+            query=scope.get("query_string", b""),
+            headers=tuple((bytes(k), bytes(v)) for k, v in scope.get("headers", [])),
+            body=bytes(body),
             digests=digests(request_documents(path, bytes(body))),
         )
         stream = self.engines.options(stream=True).handle.remote(req)
@@ -228,13 +252,24 @@ class _FrontApp:
 
 async def _error(send: Callable, status: int, message: str) -> None:
     body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
-def build_app(spec: EngineSpec, options: ClusterOptions | None = None, *, num_replicas: int | str | None = None,
-              autoscaling_config: Mapping[str, Any] | None = None, ray_actor_options: Mapping[str, Any] | None = None) -> Any:
+def build_app(
+    spec: EngineSpec,
+    options: ClusterOptions | None = None,
+    *,
+    num_replicas: int | str | None = None,
+    autoscaling_config: Mapping[str, Any] | None = None,
+    ray_actor_options: Mapping[str, Any] | None = None,
+) -> Any:
     """The Serve application (see the module docstring); run it with ``serve.run(app)``.
 
     ``num_replicas`` / ``autoscaling_config`` / ``ray_actor_options`` set the engine deployment's

@@ -31,7 +31,13 @@ def digests(documents: Sequence[str]) -> tuple[str, ...]:
 def request_documents(path: str, body: bytes) -> list[str]:
     """The documents of a chat or completions request body; [] for any other path, a body that
     is not a valid request (the replica's server answers it with its 400) or one without documents."""
-    kind = "chat" if path.rstrip("/").endswith("/chat/completions") else "completion" if path.rstrip("/").endswith("/completions") else None
+    kind = (
+        "chat"
+        if path.rstrip("/").endswith("/chat/completions")
+        else "completion"
+        if path.rstrip("/").endswith("/completions")
+        else None
+    )
     if kind is None or not body:
         return []
     try:

@@ -43,7 +43,9 @@ class ChunkAffinityRouter(RequestRouter):
         self.table: AffinityTable[ReplicaID] = AffinityTable(AffinityPolicy(**kwargs))
 
     async def choose_replicas(
-        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None,
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         by_id = {r.replica_id: r for r in candidate_replicas}
         reported = {rid: (r.routing_stats or {}).get("resident", ()) for rid, r in by_id.items()}

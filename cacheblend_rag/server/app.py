@@ -13,11 +13,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Mapping, TypeVar
+from typing import Any, TypeVar
 
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
@@ -86,8 +88,17 @@ class ServerConfig:
     max_header_bytes: int = 16 * 1024
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "max_body_bytes", "max_documents", "max_document_chars", "max_stop_strings", "max_stop_chars",
-                     "max_connections", "max_header_bytes", "timeout_keep_alive_s"):
+        for name in (
+            "max_batch",
+            "max_body_bytes",
+            "max_documents",
+            "max_document_chars",
+            "max_stop_strings",
+            "max_stop_chars",
+            "max_connections",
+            "max_header_bytes",
+            "timeout_keep_alive_s",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ServerConfig.{name}={value!r} must be an int >= 1")
@@ -100,29 +111,48 @@ class ServerConfig:
 def check_limits(config: ServerConfig, stops: list[str], documents: tuple[str, ...]) -> None:
     """Refuse (400, naming the limit and its setting) what would make one request expensive."""
     if len(stops) > config.max_stop_strings:
-        raise APIError(400, f"invalid request: stop has {len(stops)} strings, more than this server's limit of "
-                       f"{config.max_stop_strings} (max_stop_strings, --max-stop-strings): send fewer", param="stop",
-                       code="limit_exceeded")
+        raise APIError(
+            400,
+            f"invalid request: stop has {len(stops)} strings, more than this server's limit of "
+            f"{config.max_stop_strings} (max_stop_strings, --max-stop-strings): send fewer",
+            param="stop",
+            code="limit_exceeded",
+        )
     for i, s in enumerate(stops):
         if len(s) > config.max_stop_chars:
-            raise APIError(400, f"invalid request: stop string {i} is {len(s)} characters, more than this server's limit "
-                           f"of {config.max_stop_chars} (max_stop_chars, --max-stop-chars): shorten it", param="stop",
-                           code="limit_exceeded")
+            raise APIError(
+                400,
+                f"invalid request: stop string {i} is {len(s)} characters, more than this server's limit "
+                f"of {config.max_stop_chars} (max_stop_chars, --max-stop-chars): shorten it",
+                param="stop",
+                code="limit_exceeded",
+            )
     if len(documents) > config.max_documents:
-        raise APIError(400, f"invalid request: {len(documents)} documents, more than this server's limit of "
-                       f"{config.max_documents} (max_documents, --max-documents): retrieve fewer", param="documents",
-                       code="limit_exceeded")
+        raise APIError(
+            400,
+            f"invalid request: {len(documents)} documents, more than this server's limit of "
+            f"{config.max_documents} (max_documents, --max-documents): retrieve fewer",
+            param="documents",
+            code="limit_exceeded",
+        )
     for i, d in enumerate(documents):
         if len(d) > config.max_document_chars:
-            raise APIError(400, f"invalid request: document {i} is {len(d)} characters, more than this server's limit of "
-                           f"{config.max_document_chars} (max_document_chars, --max-document-chars): split it into "
-                           "shorter chunks", param="documents", code="limit_exceeded")
+            raise APIError(
+                400,
+                f"invalid request: document {i} is {len(d)} characters, more than this server's limit of "
+                f"{config.max_document_chars} (max_document_chars, --max-document-chars): split it into "
+                "shorter chunks",
+                param="documents",
+                code="limit_exceeded",
+            )
 
 
 class APIError(Exception):
     """An error answered with OpenAI's error body."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None):
+    def __init__(
+        self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+    ):
         super().__init__(message)
         self.status, self.info = status, ErrorInfo(message=message, type=type, param=param, code=code)
 
@@ -151,8 +181,12 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
 
     def check_model(requested: str) -> None:
         if requested != name:
-            raise APIError(404, f"The model {requested!r} does not exist: this server serves {name!r} (GET /v1/models)",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model {requested!r} does not exist: this server serves {name!r} (GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
 
     async def answer(body: GenerationRequest, request: Request, fmt: ChatFormat | CompletionFormat, http: HTTPRequest):
         check_limits(config, body.stops, request.chunks)
@@ -169,8 +203,16 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     @app.get("/health", response_model=Health)
     async def health() -> Health:
         running, waiting = worker.load()
-        return Health(status="ok", model=name, running=running, waiting=waiting, max_batch=worker.max_batch,
-                      max_queue=worker.max_queue, decode_steps=worker.batcher.steps, decoded_tokens=worker.batcher.rows_stepped)
+        return Health(
+            status="ok",
+            model=name,
+            running=running,
+            waiting=waiting,
+            max_batch=worker.max_batch,
+            max_queue=worker.max_queue,
+            decode_steps=worker.batcher.steps,
+            decoded_tokens=worker.batcher.rows_stepped,
+        )
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
@@ -274,8 +316,13 @@ def _install_error_handlers(app: FastAPI) -> None:
             err = errors[0]
             where = err["loc"][1] if len(err.get("loc", ())) > 1 else "?"
             reason = (err.get("ctx") or {}).get("error", "JSON decode error")
-            return reply(400, ErrorInfo(message=f"invalid request: the body is not valid JSON: {reason} (at character {where})",
-                                        type="invalid_request_error"))
+            return reply(
+                400,
+                ErrorInfo(
+                    message=f"invalid request: the body is not valid JSON: {reason} (at character {where})",
+                    type="invalid_request_error",
+                ),
+            )
         problems = []
         for err in errors:
             where = ".".join(str(p) for p in err.get("loc", ())[1:])  # drop the leading "body"

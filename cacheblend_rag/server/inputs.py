@@ -28,11 +28,9 @@ def _chat(body: ChatCompletionRequest) -> Request:
     split = split_messages([(m.role, m.content) for m in body.messages])
     if body.documents and split.chunks:
         raise ValueError(
-            "documents were passed both in the 'documents' field and as cacheblend_chunk content "
-            "parts: use one of the two"
+            "documents were passed both in the 'documents' field and as cacheblend_chunk content parts: use one of the two"
         )
     chunks = body.documents or split.chunks
     if chunks:
         return Request.over_chunks(split.question, chunks)
     return Request.plain_chat(split.messages, split.question)
-

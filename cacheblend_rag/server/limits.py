@@ -21,7 +21,8 @@ import asyncio
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 import h11
 import uvicorn
@@ -75,7 +76,9 @@ class BodyLimit:
             try:
                 declared = int(length)
             except ValueError:
-                return await _reply(send, 400, error_body("invalid request: the Content-Length header is not a number"), close=True)
+                return await _reply(
+                    send, 400, error_body("invalid request: the Content-Length header is not a number"), close=True
+                )
             if declared > self.max_bytes:
                 # Refused unread: the body's bytes are discarded as they arrive (memory stays flat)
                 # until it ends or its time is up. Closing with the body still arriving would make
@@ -102,7 +105,6 @@ class BodyLimit:
             return message
 
         await self.app(scope, limited_receive, send)
-
 
     async def _discard_body(self, receive: Receive) -> None:
         deadline = time.monotonic() + self.timeout_s
@@ -145,8 +147,12 @@ def guarded_protocol(timeout_header_s: float, max_connections: int) -> type[H11P
             # if every other one is busy with a request, close this new one.
             waiting = [c for c in self.connections if c is not self and getattr(c, "_waiting_for_headers", lambda: False)()]
             victim = min(waiting, key=lambda c: c._opened_at) if waiting else self
-            log.warning("%d connections open (max_connections %d): closing %s", len(self.connections), max_connections,
-                        "the oldest idle one" if victim is not self else "the new one")
+            log.warning(
+                "%d connections open (max_connections %d): closing %s",
+                len(self.connections),
+                max_connections,
+                "the oldest idle one" if victim is not self else "the new one",
+            )
             victim._close()
 
         def _waiting_for_headers(self) -> bool:
@@ -180,7 +186,7 @@ def guarded_protocol(timeout_header_s: float, max_connections: int) -> type[H11P
     return GuardedH11Protocol
 
 
-def uvicorn_settings(config: "ServerConfig") -> dict[str, Any]:
+def uvicorn_settings(config: ServerConfig) -> dict[str, Any]:
     """uvicorn's settings (``uvicorn.run``/``uvicorn.Config`` keyword arguments) for ``config``'s
     connection limits and timeouts."""
     return {
@@ -190,7 +196,7 @@ def uvicorn_settings(config: "ServerConfig") -> dict[str, Any]:
     }
 
 
-def uvicorn_config(app: Any, config: "ServerConfig | None" = None, **kwargs: Any) -> uvicorn.Config:
+def uvicorn_config(app: Any, config: ServerConfig | None = None, **kwargs: Any) -> uvicorn.Config:
     """A ``uvicorn.Config`` for ``app`` with the limits and timeouts of ``config`` (default: the
     one ``create_app`` stored on the app). ``kwargs`` go to uvicorn (host, port, log_level, ...)."""
     from .app import ServerConfig

@@ -28,10 +28,11 @@ class BackgroundServer:
         self.timeout_s = timeout_s
         # The app's ServerConfig limits and timeouts (limits.uvicorn_config), as `serve` runs it.
         self.server = uvicorn.Server(uvicorn_config(app, log_level=log_level, lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
-                                       name="cacheblend-background-server")
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True, name="cacheblend-background-server"
+        )
 
-    def start(self) -> "BackgroundServer":
+    def start(self) -> BackgroundServer:
         self.thread.start()
         deadline = time.monotonic() + self.timeout_s
         while not self.server.started:
@@ -50,7 +51,7 @@ class BackgroundServer:
         if self.thread.is_alive():
             raise RuntimeError(f"the server on {self.url} did not stop within {self.timeout_s:.0f} s")
 
-    def __enter__(self) -> "BackgroundServer":
+    def __enter__(self) -> BackgroundServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -107,8 +108,14 @@ class ChatFormat(_Format):
 
     def whole(self, result: GenerationResult) -> ChatCompletion:
         choice = ChatChoice(message=AssistantMessage(content=result.text), finish_reason=result.finish_reason)
-        return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice],
-                              usage=usage(result), cacheblend=engine_stats(result))
+        return ChatCompletion(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=[choice],
+            usage=usage(result),
+            cacheblend=engine_stats(result),
+        )
 
     def opening(self) -> ChatCompletionChunk:
         return self._body([ChatChunkChoice(delta=Delta(role="assistant", content=""))])
@@ -129,8 +136,11 @@ class CompletionFormat(_Format):
         return CompletionChoice(text="", finish_reason=finish_reason)
 
     def whole(self, result: GenerationResult) -> Completion:
-        return self._body([CompletionChoice(text=result.text, finish_reason=result.finish_reason)],
-                          usage=usage(result), cacheblend=engine_stats(result))
+        return self._body(
+            [CompletionChoice(text=result.text, finish_reason=result.finish_reason)],
+            usage=usage(result),
+            cacheblend=engine_stats(result),
+        )
 
     def delta(self, text: str) -> Completion:
         return self._body([CompletionChoice(text=text)])

@@ -108,7 +108,7 @@ class GenerationRequest(BaseModel):
         return docs
 
     @model_validator(mode="after")
-    def _refuse_unsupported(self) -> "GenerationRequest":
+    def _refuse_unsupported(self) -> GenerationRequest:
         extra = self.model_extra or {}
         for name in _UNSUPPORTED:
             if extra.get(name) and extra[name] != _OFF.get(name):

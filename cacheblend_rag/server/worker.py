@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, AsyncIterator, Callable, Generic, Iterator, TypeVar
+from typing import Any, Generic, TypeVar
 
 from ..serving import Batcher
 from ..threads import release_team
@@ -75,7 +76,7 @@ class Job(Generic[T]):
                 close = getattr(gen, "close", None)
                 if close is not None:
                     close()  # e.g. releases the engine lock of a run stopped early
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure goes to the request's client as its error
             self._put(_Failed(exc))
         else:
             self._put(_END)

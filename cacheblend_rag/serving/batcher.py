@@ -20,8 +20,9 @@ import queue
 import threading
 import time
 import weakref
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Generator, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,7 @@ from transformers import DynamicCache
 from ..backbone import cache_kwarg
 from ..config import SamplingParams
 from ..decode_cache import room_cache
-from ..generation import DecodeState, Decoder, decode, eos_token_ids
+from ..generation import Decoder, DecodeState, decode, eos_token_ids
 from ..threads import release_team
 
 if TYPE_CHECKING:
@@ -78,7 +79,7 @@ class DecodeBatch:
     forward: the same arithmetic in fewer operations. A batch of one row takes exactly the step an
     answer decoded alone takes."""
 
-    def __init__(self, model, tokenizer, fast_step: "FastDecodeStep | None" = None):
+    def __init__(self, model, tokenizer, fast_step: FastDecodeStep | None = None):
         self.model, self.tokenizer, self.fast_step = model, tokenizer, fast_step
         self.eos: set[int] | None = None  # looked up on the first start(): the model is not touched before
         self.cache_kw = ""
@@ -89,7 +90,9 @@ class DecodeBatch:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def start(self, cache: DynamicCache, first_logits: torch.Tensor, length: int, params: SamplingParams, sink: AnswerSink) -> None:
+    def start(
+        self, cache: DynamicCache, first_logits: torch.Tensor, length: int, params: SamplingParams, sink: AnswerSink
+    ) -> None:
         """Choose the answer's first token from its prefill's ``first_logits`` ([vocab]); unless
         that ends the answer, the prefill ``cache`` (``length`` positions, batch 1, handed over)
         joins the batch."""
@@ -208,7 +211,7 @@ _END = object()
 class _Solo:
     """An answer decoded on its own (APE), one delta per round of the batcher's worker."""
 
-    ticket: "Ticket"
+    ticket: Ticket
     gen: Generator[str, None, Any]
     text: str = ""  # streamed so far: all a cancelled answer can report
 
@@ -225,11 +228,11 @@ class Ticket:
     APE request, which its own decode loop does not expose). A ticket already done stays done.
     """
 
-    stream: "GenerationStream"
-    _items: "queue.Queue[Any]" = field(default_factory=queue.Queue)
+    stream: GenerationStream
+    _items: queue.Queue[Any] = field(default_factory=queue.Queue)
     _done: threading.Event = field(default_factory=threading.Event)
     _cancel: threading.Event = field(default_factory=threading.Event)
-    _result: "GenerationResult | None" = None
+    _result: GenerationResult | None = None
     _error: BaseException | None = None
     started_s: float = 0.0  # when its prefill began (perf_counter)
     first_token_s: float | None = None
@@ -264,7 +267,7 @@ class Ticket:
         """Whether the answer is done (decoded, cancelled or failed): ``result()`` returns at once."""
         return self._done.is_set()
 
-    def result(self, timeout: float | None = None) -> "GenerationResult":
+    def result(self, timeout: float | None = None) -> GenerationResult:
         if not self._done.wait(timeout):
             raise TimeoutError(f"no answer within {timeout} s")
         if self._error is not None:
@@ -314,10 +317,10 @@ class Batcher:
     """
 
     # One batcher per engine and max_batch for the framework integrations (for_engine).
-    _shared: ClassVar["weakref.WeakKeyDictionary[Any, dict[int, Batcher]]"] = weakref.WeakKeyDictionary()
+    _shared: ClassVar[weakref.WeakKeyDictionary[Any, dict[int, Batcher]]] = weakref.WeakKeyDictionary()
     _shared_guard: ClassVar[threading.Lock] = threading.Lock()
 
-    def __init__(self, engine: "CacheBlendEngine", max_batch: int = 8):
+    def __init__(self, engine: CacheBlendEngine, max_batch: int = 8):
         if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
             raise ValueError(f"max_batch={max_batch!r} must be an int >= 1 (1: one answer at a time)")
         self.engine, self.max_batch = engine, max_batch
@@ -333,7 +336,7 @@ class Batcher:
         self._thread.start()
 
     @classmethod
-    def for_engine(cls, engine: "CacheBlendEngine", max_batch: int) -> "Batcher":
+    def for_engine(cls, engine: CacheBlendEngine, max_batch: int) -> Batcher:
         """The batcher shared by every caller on ``engine`` with this ``max_batch`` (created on
         first use): a model object made per request leaves no worker thread behind, and calls
         through different model objects still share decode steps."""
@@ -347,7 +350,7 @@ class Batcher:
         """Queue one request; keyword arguments as for ``CacheBlendEngine.stream``."""
         return self.enqueue(self.engine.stream(question, chunks, **kwargs))
 
-    def enqueue(self, stream: "GenerationStream") -> Ticket:
+    def enqueue(self, stream: GenerationStream) -> Ticket:
         """Queue an answer not started yet (a fresh ``GenerationStream`` of this batcher's engine,
         e.g. from ``engine.open_stream`` or ``plain.plain_stream``); the batcher prefills and
         decodes it instead of the stream's own iteration."""
@@ -371,7 +374,7 @@ class Batcher:
             self._running = [t for t in self._running if not t.finished]
             return sum(not t.cancelled for t in self._running), sum(not t.cancelled for t in self._waiting)
 
-    def generate(self, question: str, chunks: Sequence[str], **kwargs: Any) -> "GenerationResult":
+    def generate(self, question: str, chunks: Sequence[str], **kwargs: Any) -> GenerationResult:
         return self.submit(question, chunks, **kwargs).result()
 
     def close(self) -> None:
@@ -382,7 +385,7 @@ class Batcher:
             self._cond.notify()
         self._thread.join()
 
-    def __enter__(self) -> "Batcher":
+    def __enter__(self) -> Batcher:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -435,7 +438,7 @@ class Batcher:
                     self.steps += 1
                     self.rows_stepped += n
 
-    def _start(self, batch: DecodeBatch, ticket: Ticket) -> "_Solo | None":
+    def _start(self, batch: DecodeBatch, ticket: Ticket) -> _Solo | None:
         eng, s = self.engine, ticket.stream
         ticket.started_s = time.perf_counter()
         with eng.lock:
@@ -449,11 +452,19 @@ class Batcher:
                 return None
             # APE reweighting is a per-request attention change: this answer is decoded on its own,
             # a step at a time between the batch's steps (_step_solo).
-            gen = decode(eng.model, eng.tokenizer, pre.cache, pre.logits, len(s.layout), s.params,
-                         ticket.first_token, model_kwargs=pre.attention_kwargs)
+            gen = decode(
+                eng.model,
+                eng.tokenizer,
+                pre.cache,
+                pre.logits,
+                len(s.layout),
+                s.params,
+                ticket.first_token,
+                model_kwargs=pre.attention_kwargs,
+            )
             return _Solo(ticket, gen)
 
-    def _step_solo(self, own: "_Solo") -> bool:
+    def _step_solo(self, own: _Solo) -> bool:
         """Advance an APE answer to its next text delta; False once it is finished."""
         ticket = own.ticket
         try:

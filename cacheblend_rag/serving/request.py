@@ -8,8 +8,9 @@ with :func:`answer_settings`: the one place where decoding settings become a ``S
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from ..config import BlendConfig, SamplingParams, check_mode
 
@@ -38,8 +39,9 @@ def answer_settings(
     """
     check_mode(mode)  # recompute_ratio is checked by the BlendConfig it goes into (engine.open_stream)
     if config is not None and not isinstance(config, BlendConfig):
-        raise TypeError(f"config must be a BlendConfig, got {type(config).__name__}: "
-                        "build one with cacheblend_rag.BlendConfig(**options)")
+        raise TypeError(
+            f"config must be a BlendConfig, got {type(config).__name__}: build one with cacheblend_rag.BlendConfig(**options)"
+        )
     sampling = SamplingParams(max_new_tokens, temperature, top_p, top_k, () if stop is None else stop, seed, ignore_eos)
     return {"mode": mode, "recompute_ratio": recompute_ratio, "config": config, "sampling": sampling}
 
@@ -78,7 +80,7 @@ class Request:
         return not self.chunks
 
     @classmethod
-    def over_chunks(cls, question: str, chunks: Sequence[str], source: str = "explicit", matched: int = 0) -> "Request":
+    def over_chunks(cls, question: str, chunks: Sequence[str], source: str = "explicit", matched: int = 0) -> Request:
         """``generate(question, chunks)``; refuses a prompt that holds chunks but no question."""
         if not question.strip():
             raise ValueError(
@@ -88,7 +90,7 @@ class Request:
         return cls(question, tuple(chunks), chunk_source=source, chunks_matched=matched)
 
     @classmethod
-    def plain_chat(cls, messages: Sequence[dict[str, str]], text: str) -> "Request":
+    def plain_chat(cls, messages: Sequence[dict[str, str]], text: str) -> Request:
         """A prompt without chunks, answered as an ordinary chat with a full prefill; ``text`` is
         the messages' text (what a chunked request would have used as its question)."""
         if not text.strip():
@@ -96,14 +98,14 @@ class Request:
         return cls(text, (), tuple(messages))
 
     @classmethod
-    def plain_prompt(cls, prompt: str) -> "Request":
+    def plain_prompt(cls, prompt: str) -> Request:
         """A prompt without chunks in the model's own format (a chat template already applied,
         or raw text), prefilled as written."""
         if not prompt.strip():
             raise ValueError("the prompt is empty: nothing to answer")
         return cls(prompt, prompt=prompt)
 
-    def with_settings(self, **settings: Any) -> "Request":
+    def with_settings(self, **settings: Any) -> Request:
         """This request with the given settings (names and defaults of :func:`answer_settings`;
         a setting not given takes its default)."""
         return dataclasses.replace(self, **answer_settings(**settings))

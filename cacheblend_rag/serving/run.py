@@ -15,7 +15,8 @@ the CPU can actually do.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from ..plain import chat_text, plain_stream
 from .request import Request
@@ -26,11 +27,17 @@ if TYPE_CHECKING:
     from .batcher import Batcher
 
 
-def open_stream(engine: "CacheBlendEngine", request: Request) -> "GenerationStream":
+def open_stream(engine: CacheBlendEngine, request: Request) -> GenerationStream:
     """The engine's stream for ``request`` (validated: a context that does not fit raises here)."""
     if request.chunks:
-        return engine.open_stream(request.question, list(request.chunks), request.sampling, mode=request.mode,
-                                  recompute_ratio=request.recompute_ratio, config=request.config)
+        return engine.open_stream(
+            request.question,
+            list(request.chunks),
+            request.sampling,
+            mode=request.mode,
+            recompute_ratio=request.recompute_ratio,
+            config=request.config,
+        )
     # No chunks: one full prefill of the chat in the model's template, or of a prompt as written.
     text = request.prompt if request.prompt is not None else chat_text(engine.tokenizer, request.messages)
     return plain_stream(engine, text, request.sampling)
@@ -45,7 +52,7 @@ class Run:
     the batch before the next decode step.
     """
 
-    def __init__(self, engine: "CacheBlendEngine", request: Request, *, batcher: "Batcher | None" = None):
+    def __init__(self, engine: CacheBlendEngine, request: Request, *, batcher: Batcher | None = None):
         self.engine = engine
         self.request = request
         self.result: GenerationResult | None = None
@@ -54,7 +61,7 @@ class Run:
         self._ticket = batcher.enqueue(self._stream) if batcher is not None else None
 
     @property
-    def layout(self) -> "PromptLayout":
+    def layout(self) -> PromptLayout:
         """The prompt as the engine tokenized it (``layout.token_ids``)."""
         return self._stream.layout
 

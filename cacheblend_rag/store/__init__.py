@@ -21,6 +21,17 @@ from .protocol import KV, BatchedChunkStore, ChunkStore, StoreStats, read_layers
 from .tiers import MemoryTier, Tier, TieredStore
 
 __all__ = [
-    "KV", "BatchedChunkStore", "ChunkMeta", "ChunkStore", "KVStore", "KVStoreOpenError", "MemoryTier", "StoreStats",
-    "Tier", "TieredStore", "chunk_key", "read_layers", "resolve_dtype",
+    "KV",
+    "BatchedChunkStore",
+    "ChunkMeta",
+    "ChunkStore",
+    "KVStore",
+    "KVStoreOpenError",
+    "MemoryTier",
+    "StoreStats",
+    "Tier",
+    "TieredStore",
+    "chunk_key",
+    "read_layers",
+    "resolve_dtype",
 ]

@@ -149,7 +149,8 @@ class KVStore:
         logger.warning(
             "KV store %s cannot be written (%s): serving the chunks it holds read-only; new chunks "
             "are not stored until it is writable again (free space or remount it read-write)",
-            self.directory, exc,
+            self.directory,
+            exc,
         )
         self._last_open_try = time.monotonic()
         return cache
@@ -370,7 +371,10 @@ class KVStore:
                 "KV chunk %s needs %d bytes, more than the store's size limit of %d bytes leaves for "
                 "records (%d after its database log and folders): it is recomputed on every request; "
                 "raise the size limit (store_size_limit) to cache it",
-                key, need, self._size_limit, max(0, room),
+                key,
+                need,
+                self._size_limit,
+                max(0, room),
             )
             self._count(write_errors=1)
             return False
@@ -383,8 +387,11 @@ class KVStore:
         if free < 2 * need + 256 * 1024:
             self._warn_once(
                 "<disk-full>",
-                "KV store %s: only %d bytes free, chunk %s needs %d: not caching new chunks until "
-                "space is freed", self.directory, free, key, need,
+                "KV store %s: only %d bytes free, chunk %s needs %d: not caching new chunks until space is freed",
+                self.directory,
+                free,
+                key,
+                need,
             )
             self._count(write_errors=1)
             return False
@@ -402,9 +409,7 @@ class KVStore:
         except _STORAGE_ERRORS as exc:
             logger.warning("could not delete the rows of half-written KV chunk %s: %r", key, exc)
 
-    def get_layer(
-        self, key: str, layer: int, device: torch.device | str | None = None
-    ) -> KV | None:
+    def get_layer(self, key: str, layer: int, device: torch.device | str | None = None) -> KV | None:
         """(K, V) of one layer, or None on a miss/corruption (caller recomputes)."""
         meta, corrupt = self._load_meta(key)
         if meta is None:

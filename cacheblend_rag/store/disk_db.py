@@ -85,7 +85,8 @@ def _repair_settings(directory: str) -> None:
             return
         logger.warning(
             "KV store %s: its Settings table holds rows this store does not write (%s): removing them and "
-            "opening with the store's own settings", directory,
+            "opening with the store's own settings",
+            directory,
             ", ".join(repr(k) for k in (unknown + bad_counters)[:10]),
         )
         with con:
@@ -131,8 +132,10 @@ class _StoreCacheMixin:
             # check_same_thread=False only so that close_all may close it from another thread;
             # each connection is still used by its own thread alone.
             con = self._local.con = sqlite3.connect(
-                os.path.join(self._directory, diskcache.core.DBNAME), timeout=self._timeout,
-                isolation_level=None, check_same_thread=False,
+                os.path.join(self._directory, diskcache.core.DBNAME),
+                timeout=self._timeout,
+                isolation_level=None,
+                check_same_thread=False,
             )
             with self._connections_lock:
                 self._connections.append(con)
@@ -176,8 +179,9 @@ def open_cache(directory: str, size_limit: int) -> diskcache.Cache:
     cls = _store_cache_class(diskcache.Cache)
     cache = cls.__new__(cls)
     try:
-        cache.__init__(directory, disk=SafeDisk, pragmas={k: v for k, v in settings.items() if k.startswith("sqlite_")},
-                       **settings)
+        cache.__init__(
+            directory, disk=SafeDisk, pragmas={k: v for k, v in settings.items() if k.startswith("sqlite_")}, **settings
+        )
     except BaseException:
         with contextlib.suppress(Exception):
             cache.close_all()
@@ -220,9 +224,7 @@ class ReadOnlyCache:
                 # Closed: by close(), or by the store switching to a writable cache while this
                 # read was on its way (KVStore._try_writable). A miss, as any failed read is.
                 return None
-            rows = self._con.execute(
-                "SELECT mode, filename, value FROM Cache WHERE key = ? AND raw = 1", (key,)
-            ).fetchall()
+            rows = self._con.execute("SELECT mode, filename, value FROM Cache WHERE key = ? AND raw = 1", (key,)).fetchall()
         if not rows:
             return None
         mode, filename, value = rows[0]

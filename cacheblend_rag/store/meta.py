@@ -38,9 +38,7 @@ _META_VERSION = 2
 def encode_meta(meta: ChunkMeta, fingerprint: str = "", key: str = "") -> bytes:
     """A chunk's meta record, bound to (fingerprint, key); every store writes this format."""
     code = DTYPE_CODES[dtype_from_name(meta.dtype)]
-    body = _META.pack(
-        _META_MAGIC, _META_VERSION, code, meta.num_tokens, meta.num_layers, identity_digest(fingerprint, key)
-    )
+    body = _META.pack(_META_MAGIC, _META_VERSION, code, meta.num_tokens, meta.num_layers, identity_digest(fingerprint, key))
     return body + struct.pack("<I", zlib.crc32(body))
 
 
@@ -62,9 +60,7 @@ def decode_meta(blob: Any, fingerprint: str = "", key: str = "") -> ChunkMeta:
     return ChunkMeta(num_tokens=num_tokens, num_layers=num_layers, dtype=dtype_name(dtype))
 
 
-def decode_chunk_layer(
-    blob: Any, meta: ChunkMeta, fingerprint: str, key: str, layer: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_chunk_layer(blob: Any, meta: ChunkMeta, fingerprint: str, key: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer record decoded on the CPU (a device error is not corruption) and checked against its
     chunk's meta record too (token count, dtype); CorruptRecordError otherwise."""
     k, v = decode_layer(blob, fingerprint, chunk=key, layer=layer)

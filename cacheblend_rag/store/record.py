@@ -135,9 +135,7 @@ def validate_chunk(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple
     for i, (k, v) in enumerate(layers):
         dt, shape = validate_layer(k, v)
         if dt != dtype or shape[1] != num_tokens:
-            raise ValueError(
-                f"layer {i} has dtype {dt} and {shape[1]} tokens; layer 0 has {dtype} and {num_tokens}"
-            )
+            raise ValueError(f"layer {i} has dtype {dt} and {shape[1]} tokens; layer 0 has {dtype} and {num_tokens}")
     return dtype, num_tokens
 
 
@@ -159,8 +157,16 @@ def encode_layer(k: torch.Tensor, v: torch.Tensor, fingerprint: str, *, chunk: s
     kb, vb = _raw_bytes(k), _raw_bytes(v)
     payload_len = kb.nbytes + vb.nbytes
     prefix = _HEADER.pack(
-        MAGIC, FORMAT_VERSION, DTYPE_CODES[dtype], 0, *shape,
-        fingerprint_digest(fingerprint), _chunk_digest(chunk), layer, payload_len, 0,
+        MAGIC,
+        FORMAT_VERSION,
+        DTYPE_CODES[dtype],
+        0,
+        *shape,
+        fingerprint_digest(fingerprint),
+        _chunk_digest(chunk),
+        layer,
+        payload_len,
+        0,
     )[:_CRC_OFFSET]
     crc = zlib.crc32(vb, zlib.crc32(kb, zlib.crc32(prefix)))
     return b"".join((prefix, struct.pack("<I", crc), kb, vb))
@@ -194,8 +200,9 @@ def decode_layer(
     mv = memoryview(blob).cast("B")
     if mv.nbytes < HEADER_SIZE:
         raise CorruptRecordError(f"truncated record: {mv.nbytes} bytes, header alone needs {HEADER_SIZE}")
-    (magic, version, code, reserved, heads, tokens, head_dim, digest, chunk_digest, rec_layer,
-     payload_len, crc) = _HEADER.unpack_from(mv)
+    (magic, version, code, reserved, heads, tokens, head_dim, digest, chunk_digest, rec_layer, payload_len, crc) = (
+        _HEADER.unpack_from(mv)
+    )
     if magic != MAGIC:
         raise CorruptRecordError(f"bad magic {magic!r}, expected {MAGIC!r}")
     if version != FORMAT_VERSION:

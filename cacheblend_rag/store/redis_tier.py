@@ -182,8 +182,9 @@ class RedisStore:
             ) from exc
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             log.warning(
-                "Redis at %s is not reachable (%s): chunk caches are served by the other tiers or "
-                "recomputed until it answers", self.where, exc,
+                "Redis at %s is not reachable (%s): chunk caches are served by the other tiers or recomputed until it answers",
+                self.where,
+                exc,
             )
             return
         self._check_cluster()
@@ -216,7 +217,9 @@ class RedisStore:
                 "Redis at %s has maxmemory=%s and maxmemory-policy=%s: set maxmemory and "
                 "maxmemory-policy allkeys-lru so old chunk caches are evicted instead of "
                 "filling the server (writes then fail once it is full)",
-                self.where, limit, policy,
+                self.where,
+                limit,
+                policy,
             )
 
     # Keys ------------------------------------------------------------------------------------
@@ -286,7 +289,9 @@ class RedisStore:
             blob = self._sealer.seal(f"{key}/{i}", encode_layer(k, v, self.fingerprint, chunk=key, layer=i))
             pipe.set(self.record_name(key, i), blob, ex=ttl)
             written += len(blob)
-        blob = self._sealer.seal(f"{key}/meta", encode_meta(ChunkMeta(num_tokens, len(layers), dtype_name(dtype)), self.fingerprint, key))
+        blob = self._sealer.seal(
+            f"{key}/meta", encode_meta(ChunkMeta(num_tokens, len(layers), dtype_name(dtype)), self.fingerprint, key)
+        )
         pipe.set(self.record_name(key), blob, ex=ttl)  # last: publishes the chunk
         try:
             pipe.execute()
@@ -294,8 +299,12 @@ class RedisStore:
             self._count(write_errors=1)
             if not self._warned_full:
                 self._warned_full = True
-                log.warning("Redis at %s refused to store chunk %s: %s (further refusals are counted, not logged)",
-                            self.where, key[:16], exc)
+                log.warning(
+                    "Redis at %s refused to store chunk %s: %s (further refusals are counted, not logged)",
+                    self.where,
+                    key[:16],
+                    exc,
+                )
             return False
         self._count(bytes_written=written + len(blob))
         return True
@@ -314,7 +323,7 @@ class RedisStore:
             return []
         names = [self.record_name(k) for k in keys] + [self.record_name(k, layer) for k in keys]
         blobs = self.client.mget(names)
-        return [self._decode_layer(key, layer, meta, blob, device) for key, meta, blob in zip(keys, blobs, blobs[len(keys):])]
+        return [self._decode_layer(key, layer, meta, blob, device) for key, meta, blob in zip(keys, blobs, blobs[len(keys) :])]
 
     def _decode_layer(self, key: str, layer: int, meta_blob: Any, blob: Any, device) -> KV | None:
         meta = self._meta_of(key, meta_blob)

@@ -172,7 +172,7 @@ class SafeDisk(diskcache.Disk):
             except MemoryError:
                 raise CorruptRecordError(f"record file of {size} bytes does not fit in memory") from None
             buf[: len(header)] = header
-            got = len(header) + (reader.readinto(memoryview(buf)[len(header):]) if size > len(header) else 0)
+            got = len(header) + (reader.readinto(memoryview(buf)[len(header) :]) if size > len(header) else 0)
         if got != size:
             raise OSError(f"short read of {filename}: {got} of {size} bytes")
         return buf

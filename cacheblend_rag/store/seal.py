@@ -73,7 +73,6 @@ class Sealer:
             return blob
         return memoryview(blob)[:-MAC_SIZE]
 
-
     def open_meta(self, name: str, blob: object) -> object:
         """A meta record without its MAC, as ``bytes`` (what ``decode_meta`` checks for); anything
         that is not bytes is passed on for ``decode_meta`` to refuse with its own message."""

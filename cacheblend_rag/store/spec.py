@@ -74,7 +74,13 @@ def open_store(
     if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, (int, float)) or not memory_bytes >= 0:
         # Checked before any tier opens: a disk store or Redis connection would outlive the error.
         raise ValueError(f"memory_bytes={memory_bytes!r} must be >= 0 bytes of RAM for the memory tier (0: none)")
-    entries = ["disk"] if spec is None else [spec] if isinstance(spec, (str, RedisConfig)) or not isinstance(spec, Sequence) else list(spec)
+    entries = (
+        ["disk"]
+        if spec is None
+        else [spec]
+        if isinstance(spec, (str, RedisConfig)) or not isinstance(spec, Sequence)
+        else list(spec)
+    )
     if not entries:
         raise ValueError("store=[] names no tier: use 'disk', a Redis URL, or a list of them")
     names: set[str] = {"memory"} if memory_bytes else set()

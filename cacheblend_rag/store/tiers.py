@@ -271,7 +271,7 @@ class TieredStore:
         dtype: str | torch.dtype | None = None,
         disk_timeout_s: float | None = None,
         disk: Any | None = None,
-    ) -> "TieredStore":
+    ) -> TieredStore:
         """The usual set-up: a ``MemoryTier`` in front of a ``KVStore`` on ``directory``."""
         disk = disk if disk is not None else KVStore(directory, size_limit=disk_bytes, fingerprint=fingerprint)
         return cls(
@@ -307,7 +307,10 @@ class TieredStore:
         reason = f"took longer than {t.read_timeout_s}s" if exc is None else f"failed: {exc!r}"
         log.warning(
             "storage tier %r %s on %s; skipping it for %.0fs and using the next tier or recompute",
-            t.name, reason, what, self.cooldown_s,
+            t.name,
+            reason,
+            what,
+            self.cooldown_s,
         )
 
     def _call(self, i: int, what: str, fn, *args, timed: bool = False):
@@ -427,7 +430,7 @@ class TieredStore:
             self.stats.misses += len(todo)
         return out
 
-    def _read_layers(self, tier: "Tier", keys: list[str], layer: int, device) -> list[KV | None]:
+    def _read_layers(self, tier: Tier, keys: list[str], layer: int, device) -> list[KV | None]:
         """``read_layers`` on one tier, where a chunk whose meta record claims fewer layers than
         asked for (IndexError: a forged meta, or another model's) is that chunk's fault, not the
         tier's: it is discarded from the tier and read as a miss. Benching the tier instead left
@@ -455,14 +458,19 @@ class TieredStore:
             return
         # The layer count from a tier that remembers it (the memory tier above, or the batched
         # reader's metas below) before asking the source tier: that would be a round trip per chunk.
-        num_layers = next((n for j in [*uppers, src] if (n := getattr(self.tiers[j].store, "num_layers_of", lambda _: None)(key))), None)
+        num_layers = next(
+            (n for j in [*uppers, src] if (n := getattr(self.tiers[j].store, "num_layers_of", lambda _: None)(key))), None
+        )
         if num_layers is None:
             meta = self._call(src, f"lookup of {key[:16]}", self.tiers[src].store.meta, key)
             if meta is _FAILED or meta is None:
                 return
             num_layers = meta.num_layers
         for j in uppers:
-            if self._call(j, f"promotion of {key[:16]}", self.tiers[j].store.put_layer, key, layer, k, v, num_layers) is not _FAILED:
+            if (
+                self._call(j, f"promotion of {key[:16]}", self.tiers[j].store.put_layer, key, layer, k, v, num_layers)
+                is not _FAILED
+            ):
                 with self._lock:
                     self.stats.promotions += 1
 
@@ -509,7 +517,7 @@ class TieredStore:
                 return t.store.directory
         return None
 
-    def __enter__(self) -> "TieredStore":
+    def __enter__(self) -> TieredStore:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -1,6 +1,6 @@
 """Draws docs/img/how_it_works.png, the figure of docs/how-it-works.md (no measurements in it).
 
-    python3 docs/img/make_diagram.py
+python3 docs/img/make_diagram.py
 """
 
 from pathlib import Path
@@ -47,15 +47,33 @@ picked = {(1, 2), (1, 3), (1, 7), (2, 0), (2, 4), (2, 5), (2, 8), (2, 9)}
 prompt_row(ax, 0.8, "CacheBlend", fresh_cols=picked)
 
 ax.text(3.45, 4.45, "every token computed: exact, slow", ha="center", fontsize=9, style="italic")
-ax.text(3.45, 3.05, "chunk caches reused as stored: fast, but no chunk saw the chunks before it",
-        ha="center", fontsize=9, style="italic")
-ax.text(3.45, 1.65, "caches reused, keys moved to their new positions (RoPE);\n"
-        "a few tokens per layer recomputed (those the question reads most)", ha="center", fontsize=9,
-        style="italic")
+ax.text(
+    3.45,
+    3.05,
+    "chunk caches reused as stored: fast, but no chunk saw the chunks before it",
+    ha="center",
+    fontsize=9,
+    style="italic",
+)
+ax.text(
+    3.45,
+    1.65,
+    "caches reused, keys moved to their new positions (RoPE);\na few tokens per layer recomputed (those the question reads most)",
+    ha="center",
+    fontsize=9,
+    style="italic",
+)
 
 handles = [plt.Rectangle((0, 0), 1, 1, fc=c, ec="#555555") for c in (ORANGE, BLUE, GREEN)]
-ax.legend(handles, ["computed now", "read from the chunk cache", "always computed (short)"],
-          loc="lower center", bbox_to_anchor=(0.5, -0.02), ncol=3, fontsize=8, frameon=False)
+ax.legend(
+    handles,
+    ["computed now", "read from the chunk cache", "always computed (short)"],
+    loc="lower center",
+    bbox_to_anchor=(0.5, -0.02),
+    ncol=3,
+    fontsize=8,
+    frameon=False,
+)
 fig.tight_layout()
 fig.savefig(OUT, dpi=130)
 print("wrote", OUT)

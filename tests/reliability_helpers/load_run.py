@@ -54,7 +54,9 @@ def main() -> None:
     eng.flush()
     keys = keys_of(eng, pool)
     s = eng.store.stats
-    print(f"model={'bundled SmolLM2-135M' if args.bundled else 'tiny llama (4 layers)'} requests={len(reqs)} threads={args.threads}")
+    print(
+        f"model={'bundled SmolLM2-135M' if args.bundled else 'tiny llama (4 layers)'} requests={len(reqs)} threads={args.threads}"
+    )
     print(f"identical answers: {sum(a == b for a, b in zip(got, want))}/{len(reqs)}")
     print(f"store: hits={s.hits} misses={s.misses} corrupt={s.corrupt} write_errors={s.write_errors}")
     print(f"chunks cached and fully decodable afterwards: {sum(fully_decodable(eng, k) for k in keys)}/{len(keys)}")

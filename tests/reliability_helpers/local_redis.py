@@ -22,8 +22,20 @@ class LocalRedis:
     def __init__(self, directory: Path, *extra: str) -> None:
         self.directory, self.port = directory, _free_port()
         directory.mkdir(parents=True, exist_ok=True)
-        cmd = [str(REDIS_SERVER), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-               "--dir", str(directory), *extra]
+        cmd = [
+            str(REDIS_SERVER),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(directory),
+            *extra,
+        ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + WAIT_S
         while True:

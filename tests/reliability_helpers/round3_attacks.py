@@ -62,13 +62,17 @@ def main() -> None:
         t0 = time.perf_counter()
         for i in range(100):
             statuses.add(client.post(url, json={**body, "documents": [f"{1000 + i} {doc}"]}).status_code)
-        print(f"100 refused 1 MB requests ({sorted(statuses)}, {time.perf_counter() - t0:.1f} s): RSS {before:.0f} MB -> {rss_mb():.0f} MB")
+        print(
+            f"100 refused 1 MB requests ({sorted(statuses)}, {time.perf_counter() - t0:.1f} s): RSS {before:.0f} MB -> {rss_mb():.0f} MB"
+        )
         check_good("100 refused 1 MB requests")
 
     before = rss_mb()
     with socket.create_connection(("127.0.0.1", server.port)) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 104857600\r\n\r\n")
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 104857600\r\n\r\n"
+        )
         reply = s.recv(4096).split(b"\r\n", 1)[0]
     print(f"100 MB body announced: {reply.decode()}; RSS {before:.0f} MB -> {rss_mb():.0f} MB")
     check_good("the 100 MB body")

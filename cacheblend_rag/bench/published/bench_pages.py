@@ -33,17 +33,24 @@ def _stat(pair: tuple[float | None, Any]) -> Stat:
 
 
 def _by_method(summary: list[dict], dataset: str | None = None, top_k: int | None = None) -> dict[str, dict]:
-    return {e["method"]: e for e in summary
-            if (dataset is None or e["dataset"] == dataset) and (top_k is None or e["top_k"] == top_k)}
+    return {
+        e["method"]: e for e in summary if (dataset is None or e["dataset"] == dataset) and (top_k is None or e["top_k"] == top_k)
+    }
 
 
 # ----------------------------------------------------------------------------- the headline
 def _headline(res: Results) -> dict[str, Any]:
     """Per dataset and over all questions (``pooled``): ``bench``'s summary of the headline rows."""
+
     def compute() -> dict[str, Any]:
         rows = res.rows(HEADLINE)
-        return {"rows": rows, "all_rows": pooled(rows), "per_dataset": summarize(rows),
-                "all": _by_method(summarize(pooled(rows)))}
+        return {
+            "rows": rows,
+            "all_rows": pooled(rows),
+            "per_dataset": summarize(rows),
+            "all": _by_method(summarize(pooled(rows))),
+        }
+
     return res.memo("headline", compute)
 
 
@@ -71,10 +78,14 @@ def _pooled_table(res: Results) -> str:
         rows.append([label, f"**{text.split(' ', 1)[0]}** {text.split(' ', 1)[1]}" if bold else text])
     per = {e["dataset"]: e for e in h["per_dataset"] if e["method"] == DEFAULT}
     hkvd = h["all"]["cacheblend@0.15"]["overhead"]
-    rows.append(["overhead (TTFT / share of the saved full prefill's work)",
-                 f"{h['all'][DEFAULT]['overhead']:.2f} (" + ", ".join(
-                     f"{e['overhead']:.2f} {name}" for name, e in (("HotpotQA", per["hotpotqa"]), ("MuSiQue", per["musique"])))
-                 + f"; HKVD: {hkvd:.2f})"])
+    rows.append(
+        [
+            "overhead (TTFT / share of the saved full prefill's work)",
+            f"{h['all'][DEFAULT]['overhead']:.2f} ("
+            + ", ".join(f"{e['overhead']:.2f} {name}" for name, e in (("HotpotQA", per["hotpotqa"]), ("MuSiQue", per["musique"])))
+            + f"; HKVD: {hkvd:.2f})",
+        ]
+    )
     return _rows_table(["CacheBlend's TTFT, lower by", "factor [95% CI]"], rows)
 
 
@@ -88,21 +99,37 @@ def _headline_values(res: Results) -> dict[str, Any]:
         "n": q["n"],
         "chain_n": a["map_reduce"]["n"],
         "minutes": (max(r["time"] for r in rows) - min(r["time"] for r in rows)) / 60,
-        "prompt_k": [min(r["prompt_tokens"] for r in rows if r["method"] == DEFAULT) / 1e3,
-                     max(r["prompt_tokens"] for r in rows if r["method"] == DEFAULT) / 1e3],
-        "overhead": q["overhead"], "hkvd_overhead": a["cacheblend@0.15"]["overhead"],
+        "prompt_k": [
+            min(r["prompt_tokens"] for r in rows if r["method"] == DEFAULT) / 1e3,
+            max(r["prompt_tokens"] for r in rows if r["method"] == DEFAULT) / 1e3,
+        ],
+        "overhead": q["overhead"],
+        "hkvd_overhead": a["cacheblend@0.15"]["overhead"],
         # token-layers through attention and the MLP
-        "share": q["compute_fraction"], "hkvd_share": a["cacheblend@0.15"]["compute_fraction"],
+        "share": q["compute_fraction"],
+        "hkvd_share": a["cacheblend@0.15"]["compute_fraction"],
         # a prefill that cost exactly its share of the saved full prefill's work
         "ideal": a["full_recompute_saved"]["compute_fraction"] / q["compute_fraction"],
         "max_f1": max(e["quality"] for e in h["per_dataset"]),
     }
-    for ref, key in (("full_recompute_saved", "vs_saved"), ("full_recompute", "vs_full"), ("generate", "vs_generate"),
-                     ("prefix_caching", "vs_prefix"), ("llama_cpp:q4_0", "vs_q4"), ("llama_cpp_prefix:q4_0", "vs_q4_prefix")):
+    for ref, key in (
+        ("full_recompute_saved", "vs_saved"),
+        ("full_recompute", "vs_full"),
+        ("generate", "vs_generate"),
+        ("prefix_caching", "vs_prefix"),
+        ("llama_cpp:q4_0", "vs_q4"),
+        ("llama_cpp_prefix:q4_0", "vs_q4_prefix"),
+    ):
         v[key] = _stat(speedup_over(all_rows, DEFAULT, ref))
         v[f"hkvd_{key}"] = _stat(speedup_over(all_rows, "cacheblend@0.15", ref))
-    for method, key in (("prefix_caching", "prefix"), ("full_recompute_saved", "saved"), ("generate", "generate"),
-                        ("full_reuse", "reuse"), ("llama_cpp:q4_0", "q4"), ("llama_cpp:f16", "f16")):
+    for method, key in (
+        ("prefix_caching", "prefix"),
+        ("full_recompute_saved", "saved"),
+        ("generate", "generate"),
+        ("full_reuse", "reuse"),
+        ("llama_cpp:q4_0", "q4"),
+        ("llama_cpp:f16", "f16"),
+    ):
         v[f"{key}_vs_saved"] = _stat(speedup_over(all_rows, method, "full_recompute_saved"))
         v[f"{key}_vs_full"] = _stat(speedup_over(all_rows, method, "full_recompute"))
     v["q4_prefix_vs_q4"] = _stat(speedup_over(all_rows, "llama_cpp_prefix:q4_0", "llama_cpp:q4_0"))
@@ -121,8 +148,9 @@ def _headline_values(res: Results) -> dict[str, Any]:
         v[f"reuse_kl_{d}"] = s["full_reuse"]["kl_mean"]
         v[f"q4_losses_{d}"] = s["llama_cpp:q4_0"]["quality_losses"]
         v[f"q4_wins_{d}"] = s["llama_cpp:q4_0"]["quality_wins"]
-        v[f"hkvd_vs_saved_{d}"] = Stat(s["cacheblend@0.15"]["speedup_vs_full_recompute_saved"],
-                                       s["cacheblend@0.15"]["speedup_vs_full_recompute_saved_ci"])
+        v[f"hkvd_vs_saved_{d}"] = Stat(
+            s["cacheblend@0.15"]["speedup_vs_full_recompute_saved"], s["cacheblend@0.15"]["speedup_vs_full_recompute_saved_ci"]
+        )
         v[f"vs_saved_{d}"] = Stat(s[DEFAULT]["speedup_vs_full_recompute_saved"], s[DEFAULT]["speedup_vs_full_recompute_saved_ci"])
     v["kl"] = [v["kl_hotpotqa"], v["kl_musique"]]
     v["reuse_kl"] = [v["reuse_kl_hotpotqa"], v["reuse_kl_musique"]]
@@ -151,17 +179,29 @@ def _quants(res: Results) -> dict[str, dict]:
 
 def _quants_table(res: Results) -> str:
     s = _quants(res)
-    rows = [[label, x_ci(s[m]["speedup_vs_full_recompute"], s[m]["speedup_vs_full_recompute_ci"]), f"{s[m]['kl_mean']:.3f}",
-             f"{round(s[m]['agreement'] * s[m]['n'])}/{s[m]['n']}"] for m, label in QUANT_LABELS.items()]
-    return _rows_table(["llama.cpp on", "TTFT vs transformers' fp32 forward", "KL to full prefill", "answer = full prefill's"], rows)
+    rows = [
+        [
+            label,
+            x_ci(s[m]["speedup_vs_full_recompute"], s[m]["speedup_vs_full_recompute_ci"]),
+            f"{s[m]['kl_mean']:.3f}",
+            f"{round(s[m]['agreement'] * s[m]['n'])}/{s[m]['n']}",
+        ]
+        for m, label in QUANT_LABELS.items()
+    ]
+    return _rows_table(
+        ["llama.cpp on", "TTFT vs transformers' fp32 forward", "KL to full prefill", "answer = full prefill's"], rows
+    )
 
 
 def _quants_values(res: Results) -> dict[str, Any]:
     rows = res.rows("bench_llama_quants_smollm2.jsonl")
     s = _quants(res)
     fastest = max(QUANT_LABELS, key=lambda m: s[m]["speedup_vs_full_recompute"])
-    return {"minutes": (max(r["time"] for r in rows) - min(r["time"] for r in rows)) / 60,
-            "n": s["full_recompute"]["n"], "fastest": QUANT_LABELS[fastest]}
+    return {
+        "minutes": (max(r["time"] for r in rows) - min(r["time"] for r in rows)) / 60,
+        "n": s["full_recompute"]["n"],
+        "fastest": QUANT_LABELS[fastest],
+    }
 
 
 # ----------------------------------------------------------------------------- ratio and chunk sweeps
@@ -185,20 +225,32 @@ def _ratios_table(res: Results) -> str:
     for method, e in both.items():
         cells = [per[d][method] for d in per]
         reference = method == "full_recompute_saved"
-        out.append([f"**{method}**" if method == DEFAULT else method, f"{e['compute_fraction']:.0%}",
-                    " / ".join(_ratio_cell(c, method) for c in cells),
-                    " / ".join("0" if reference else f"{c['kl_mean']:.3f}" for c in cells),
-                    ", ".join(f"{round(c['agreement'] * c['n'])}/{c['n']}" for c in cells)])
-    header = ["method", "token-layers computed", "TTFT vs saved full prefill, " + " / ".join(per), "KL to full prefill",
-              "answer = full prefill's"]
+        out.append(
+            [
+                f"**{method}**" if method == DEFAULT else method,
+                f"{e['compute_fraction']:.0%}",
+                " / ".join(_ratio_cell(c, method) for c in cells),
+                " / ".join("0" if reference else f"{c['kl_mean']:.3f}" for c in cells),
+                ", ".join(f"{round(c['agreement'] * c['n'])}/{c['n']}" for c in cells),
+            ]
+        )
+    header = [
+        "method",
+        "token-layers computed",
+        "TTFT vs saved full prefill, " + " / ".join(per),
+        "KL to full prefill",
+        "answer = full prefill's",
+    ]
     return _rows_table(header, out)
 
 
 def _ratios_values(res: Results) -> dict[str, Any]:
     rows = res.rows("bench_ratios_smollm2.jsonl")
     per = _per_dataset(rows)
-    v: dict[str, Any] = {"n": per["hotpotqa"][DEFAULT]["n"],
-                         "minutes": (max(r["time"] for r in rows) - min(r["time"] for r in rows)) / 60}
+    v: dict[str, Any] = {
+        "n": per["hotpotqa"][DEFAULT]["n"],
+        "minutes": (max(r["time"] for r in rows) - min(r["time"] for r in rows)) / 60,
+    }
     for r in (0.05, 0.15, 0.3, 0.5):
         m = f"question@{r:g}"
         key = f"{r:g}".replace(".", "")
@@ -216,13 +268,19 @@ def _chunks_table(res: Results) -> str:
         tokens = statistics.mean(r["prompt_tokens"] for r in rows if r["top_k"] == k)
         q = [per[d][DEFAULT] for d in per]
         reuse = [per[d]["full_reuse"] for d in per]
-        out.append([f"{k} (~{tokens / 1e3:.1f}k tokens)",
-                    " / ".join(x_ci(e["speedup_vs_full_recompute_saved"], e["speedup_vs_full_recompute_saved_ci"]) for e in q),
-                    " / ".join(f"{e['speedup_vs_full_recompute_saved']:.1f}x" for e in reuse),
-                    " / ".join(f"{e['kl_mean']:.3f}" for e in q), " / ".join(f"{e['kl_mean']:.3f}" for e in reuse)])
+        out.append(
+            [
+                f"{k} (~{tokens / 1e3:.1f}k tokens)",
+                " / ".join(x_ci(e["speedup_vs_full_recompute_saved"], e["speedup_vs_full_recompute_saved_ci"]) for e in q),
+                " / ".join(f"{e['speedup_vs_full_recompute_saved']:.1f}x" for e in reuse),
+                " / ".join(f"{e['kl_mean']:.3f}" for e in q),
+                " / ".join(f"{e['kl_mean']:.3f}" for e in reuse),
+            ]
+        )
     datasets = " / ".join(dict.fromkeys(r["dataset"] for r in rows))
-    return _rows_table(["top-k (prompt)", f"CacheBlend TTFT vs saved full, {datasets}", "full reuse", "KL CacheBlend",
-                        "KL full reuse"], out)
+    return _rows_table(
+        ["top-k (prompt)", f"CacheBlend TTFT vs saved full, {datasets}", "full reuse", "KL CacheBlend", "KL full reuse"], out
+    )
 
 
 def _chunks_values(res: Results) -> dict[str, Any]:
@@ -252,8 +310,14 @@ def _threads_table(res: Results) -> str:
         s = _by_method(summarize(pooled(rs)))
         extra = sorted({r["method"] for r in rs} - base, key=lambda m: [r["method"] for r in rs].index(m))
         label = "saved full prefill, CacheBlend" if not extra else "+ " + ", ".join(f"`{m}`" for m in extra)
-        out.append([label, commits[run], x_ci(s[DEFAULT]["speedup_vs_full_recompute_saved"], s[DEFAULT]["speedup_vs_full_recompute_saved_ci"]),
-                    f"{s[DEFAULT]['decode_ms_per_token']:.0f}"])
+        out.append(
+            [
+                label,
+                commits[run],
+                x_ci(s[DEFAULT]["speedup_vs_full_recompute_saved"], s[DEFAULT]["speedup_vs_full_recompute_saved_ci"]),
+                f"{s[DEFAULT]['decode_ms_per_token']:.0f}",
+            ]
+        )
     return _rows_table(["methods in the process", "engine (commit)", "TTFT vs saved full", "CacheBlend decode, ms/token"], out)
 
 
@@ -274,30 +338,45 @@ def _whole_values(file: str, steps: str):
         fp32 = {e["method"]: e for e in _whole(res, file, "full_recompute_saved/fp32")}
         fp16, cb16, cb32 = s["full_recompute_saved/fp16"], s["question@0.15/fp16"], s["question@0.15/fp32"]
         v: dict[str, Any] = {
-            "n": cb16["n"], "n_hotpotqa": len({r["qid"] for r in rows if r["dataset"] == "hotpotqa"}),
+            "n": cb16["n"],
+            "n_hotpotqa": len({r["qid"] for r in rows if r["dataset"] == "hotpotqa"}),
             "n_musique": len({r["qid"] for r in rows if r["dataset"] == "musique"}),
             "prompt_k": [min(r["prompt_tokens"] for r in rows) / 1e3, max(r["prompt_tokens"] for r in rows) / 1e3],
-            "prompt_mean_k": cb16["prompt_tokens"] / 1e3, "longest": max(LENGTHS),
-            "weight_mb": res.json(steps)["fp32"]["weight_mb"], "step_prompt_k": res.json(steps)["fp32"]["prompt_tokens"] / 1e3,
+            "prompt_mean_k": cb16["prompt_tokens"] / 1e3,
+            "longest": max(LENGTHS),
+            "weight_mb": res.json(steps)["fp32"]["weight_mb"],
+            "step_prompt_k": res.json(steps)["fp32"]["prompt_tokens"] / 1e3,
             # llama.cpp's prompt evaluation against the engine's float32 full prefill: times slower
             "llama_prompt_slower": 1 / fp32["llama_cpp:q8_0"]["ttft_vs_full_recompute_saved/fp32"],
-            "fp16_full_same_32": fp16["same_32_tokens_as_fp32_full_prefill"], "fp16_full_kl": fp16["kl_vs_fp32_full_prefill"],
-            "fp16_full_t256_vs_fp32": Stat(fp32["full_recompute_saved/fp16"]["t256_vs_full_recompute_saved/fp32"],
-                                           fp32["full_recompute_saved/fp16"]["t256_vs_full_recompute_saved/fp32_ci"]),
+            "fp16_full_same_32": fp16["same_32_tokens_as_fp32_full_prefill"],
+            "fp16_full_kl": fp16["kl_vs_fp32_full_prefill"],
+            "fp16_full_t256_vs_fp32": Stat(
+                fp32["full_recompute_saved/fp16"]["t256_vs_full_recompute_saved/fp32"],
+                fp32["full_recompute_saved/fp16"]["t256_vs_full_recompute_saved/fp32_ci"],
+            ),
             "cb_same_32": [cb16["same_32_tokens_as_fp32_full_prefill"], cb32["same_32_tokens_as_fp32_full_prefill"]],
         }
-        for method, key in (("question@0.15/fp16", "fp16"), ("question@0.15/fp32", "fp32"), ("llama_cpp:q8_0", "q8"),
-                            ("llama_cpp:q4_0", "q4"), ("llama_cpp:f16", "f16"), ("llama_cpp_prefix:q4_0", "q4_prefix"),
-                            ("llama_cpp_prefix:q8_0", "q8_prefix")):
+        for method, key in (
+            ("question@0.15/fp16", "fp16"),
+            ("question@0.15/fp32", "fp32"),
+            ("llama_cpp:q8_0", "q8"),
+            ("llama_cpp:q4_0", "q4"),
+            ("llama_cpp:f16", "f16"),
+            ("llama_cpp_prefix:q4_0", "q4_prefix"),
+            ("llama_cpp_prefix:q8_0", "q8_prefix"),
+        ):
             v[f"ms_{key}"] = s[method]["decode_ms_per_token"]
             v[f"t256_{key}"] = s[method]["t256_s"]
         v["decode_vs_q8_fp16"], v["decode_vs_q8_fp32"] = cb16["decode_vs_llama_cpp:q8_0"], cb32["decode_vs_llama_cpp:q8_0"]
         for n in LENGTHS:
             v[f"t{n}_vs_q8"] = Stat(cb16[f"t{n}_vs_llama_cpp:q8_0"], cb16[f"t{n}_vs_llama_cpp:q8_0_ci"])
-            v[f"t{n}_vs_q4"] = Stat(q4["question@0.15/fp16"][f"t{n}_vs_llama_cpp:q4_0"], q4["question@0.15/fp16"][f"t{n}_vs_llama_cpp:q4_0_ci"])
+            v[f"t{n}_vs_q4"] = Stat(
+                q4["question@0.15/fp16"][f"t{n}_vs_llama_cpp:q4_0"], q4["question@0.15/fp16"][f"t{n}_vs_llama_cpp:q4_0_ci"]
+            )
         for f in ("ttft", *(f"t{n}" for n in LENGTHS)):
             v[f"{f}_vs_full"] = Stat(cb16[f"{f}_vs_full_prefill"], cb16[f"{f}_vs_full_prefill_ci"])
         return v
+
     return compute
 
 
@@ -317,11 +396,22 @@ def _load_table(res: Results) -> str:
     out = []
     for key in runs[0]:
         values = [[run[key][c] for run in runs] for c, _ in cols]
-        cells = [f"{f.format(statistics.median(vs))} [{f.format(min(vs))}, {f.format(max(vs))}]" for vs, (_, f) in zip(values, cols)]
-        out.append([names.get(key[0], key[0]), str(key[1]), str(key[2]), *cells,
-                    f"{statistics.median(run[key]['mean_batch'] for run in runs):.2f}"])
-    return _rows_table(["method", "max_batch", "clients", "answers/s", "TTFT p50 (s)", "TTFT p95 (s)", "end-to-end p50 (s)",
-                        "answers per step"], out)
+        cells = [
+            f"{f.format(statistics.median(vs))} [{f.format(min(vs))}, {f.format(max(vs))}]" for vs, (_, f) in zip(values, cols)
+        ]
+        out.append(
+            [
+                names.get(key[0], key[0]),
+                str(key[1]),
+                str(key[2]),
+                *cells,
+                f"{statistics.median(run[key]['mean_batch'] for run in runs):.2f}",
+            ]
+        )
+    return _rows_table(
+        ["method", "max_batch", "clients", "answers/s", "TTFT p50 (s)", "TTFT p95 (s)", "end-to-end p50 (s)", "answers per step"],
+        out,
+    )
 
 
 def _load_values(res: Results) -> dict[str, Any]:
@@ -342,21 +432,30 @@ def _load_values(res: Results) -> dict[str, Any]:
     # Throughput ratios over the runs together: the same answers' total wall time, full over
     # CacheBlend (a ratio of means, stats.speedup's definition), and each run's alone.
     wall = {k: sum(run[k]["wall_s"] for run in runs) for k in (cb, full)}
-    tokens = {m: [r["tokens"] for r in rows if (r["method"], r["max_batch"], r["level"]) == (m, batch, clients)]
-              for m in (DEFAULT, "full_recompute")}
+    tokens = {
+        m: [r["tokens"] for r in rows if (r["method"], r["max_batch"], r["level"]) == (m, batch, clients)]
+        for m in (DEFAULT, "full_recompute")
+    }
     return {
-        "runs": d["runs"], "clients": clients, "batch": batch, "answers": runs[0][cb]["answers"],
+        "runs": d["runs"],
+        "clients": clients,
+        "batch": batch,
+        "answers": runs[0][cb]["answers"],
         "answers_ratio": wall[full] / wall[cb],
         "answers_ratio_runs": [run[cb]["answers_per_s"] / run[full]["answers_per_s"] for run in runs],
         # tokens per second over the runs together: all tokens over all wall time, CacheBlend over full prefill
         "tokens_ratio": (sum(run[cb]["tokens_per_s"] * run[cb]["wall_s"] for run in runs) / wall[cb])
         / (sum(run[full]["tokens_per_s"] * run[full]["wall_s"] for run in runs) / wall[full]),
         "tokens_ratio_runs": [run[cb]["tokens_per_s"] / run[full]["tokens_per_s"] for run in runs],
-        "tokens_default": statistics.mean(tokens[DEFAULT]), "tokens_full": statistics.mean(tokens["full_recompute"]),
+        "tokens_default": statistics.mean(tokens[DEFAULT]),
+        "tokens_full": statistics.mean(tokens["full_recompute"]),
         "max_tokens": d["config"]["max_new_tokens"],
-        "prefill_full": med(("full_recompute", 1, 1), "ttft_p50"), "prefill_default": med((DEFAULT, 1, 1), "ttft_p50"),
-        "ttft_p50_unbatched": med((DEFAULT, 1, clients), "ttft_p50"), "ttft_p50_batched": med(cb, "ttft_p50"),
-        "answers_unbatched": rng((DEFAULT, 1, clients), "answers_per_s"), "answers_batched": rng(cb, "answers_per_s"),
+        "prefill_full": med(("full_recompute", 1, 1), "ttft_p50"),
+        "prefill_default": med((DEFAULT, 1, 1), "ttft_p50"),
+        "ttft_p50_unbatched": med((DEFAULT, 1, clients), "ttft_p50"),
+        "ttft_p50_batched": med(cb, "ttft_p50"),
+        "answers_unbatched": rng((DEFAULT, 1, clients), "answers_per_s"),
+        "answers_batched": rng(cb, "answers_per_s"),
         "per_step": med(cb, "mean_batch"),
     }
 
@@ -368,8 +467,11 @@ RELIABILITY = "reliability_load_tiny.txt"
 def _reliability_values(res: Results) -> dict[str, Any]:
     text = res.text(RELIABILITY)
     same, total = re.search(r"identical answers: (\d+)/(\d+)", text).groups()
-    return {"identical": int(same), "requests": int(total),
-            "slowdown": float(re.search(r"wall time concurrent / sequential: ([\d.]+)", text).group(1))}
+    return {
+        "identical": int(same),
+        "requests": int(total),
+        "slowdown": float(re.search(r"wall time concurrent / sequential: ([\d.]+)", text).group(1)),
+    }
 
 
 TABLES = {
@@ -382,10 +484,13 @@ TABLES = {
     "bench-threads": Table((THREADS,), _threads_table),
     "whole-answer-smollm2": Table(("whole_answer_smollm2.jsonl",), _whole_table("whole_answer_smollm2.jsonl")),
     "whole-answer-qwen05": Table(("whole_answer_qwen05.jsonl",), _whole_table("whole_answer_qwen05.jsonl")),
-    "decode-step-smollm2": Table(("decode_step_smollm2.json",), lambda res: decode_step_table(res.json("decode_step_smollm2.json"))),
+    "decode-step-smollm2": Table(
+        ("decode_step_smollm2.json",), lambda res: decode_step_table(res.json("decode_step_smollm2.json"))
+    ),
     "decode-step-qwen05": Table(("decode_step_qwen05.json",), lambda res: decode_step_table(res.json("decode_step_qwen05.json"))),
-    "format-probe-smollm2": Table(("weight_formats_probe_smollm2.json",),
-                                  lambda res: probe_table(res.json("weight_formats_probe_smollm2.json"))),
+    "format-probe-smollm2": Table(
+        ("weight_formats_probe_smollm2.json",), lambda res: probe_table(res.json("weight_formats_probe_smollm2.json"))
+    ),
     "load-smollm2": Table((LOAD,), _load_table),
     "reliability-load-tiny": Table((RELIABILITY,), lambda res: "```\n" + res.text(RELIABILITY).strip() + "\n```"),
 }
@@ -395,12 +500,18 @@ VALUES = {
     "quants": Values(("bench_llama_quants_smollm2.jsonl",), _quants_values),
     "ratios": Values(("bench_ratios_smollm2.jsonl",), _ratios_values),
     "chunks": Values(("bench_vs_chunks_smollm2.jsonl",), _chunks_values),
-    "whole": Values(("whole_answer_smollm2.jsonl", "decode_step_smollm2.json"),
-                    _whole_values("whole_answer_smollm2.jsonl", "decode_step_smollm2.json")),
-    "whole05": Values(("whole_answer_qwen05.jsonl", "decode_step_qwen05.json"),
-                      _whole_values("whole_answer_qwen05.jsonl", "decode_step_qwen05.json")),
+    "whole": Values(
+        ("whole_answer_smollm2.jsonl", "decode_step_smollm2.json"),
+        _whole_values("whole_answer_smollm2.jsonl", "decode_step_smollm2.json"),
+    ),
+    "whole05": Values(
+        ("whole_answer_qwen05.jsonl", "decode_step_qwen05.json"),
+        _whole_values("whole_answer_qwen05.jsonl", "decode_step_qwen05.json"),
+    ),
     "load": Values((LOAD, "load_smollm2.jsonl"), _load_values),
     "reliability": Values((RELIABILITY,), _reliability_values),
-    "decode": Values(("decode_step_smollm2.json",), lambda res: {
-        k: res.json("decode_step_smollm2.json")["fp32"][k] for k in ("weight_mb", "kv_mb", "prompt_tokens")}),
+    "decode": Values(
+        ("decode_step_smollm2.json",),
+        lambda res: {k: res.json("decode_step_smollm2.json")["fp32"][k] for k in ("weight_mb", "kv_mb", "prompt_tokens")},
+    ),
 }

@@ -26,27 +26,39 @@ def _sweep_table(file: str, rows: list[tuple[str, str]], columns: tuple[str, ...
 
 
 QV = "cacheblend[query_value@0.15]"
-CRITERIA = [("full_reuse", "full reuse"),
-            ("cacheblend[value@0.15,f1,b0]", "value (paper), pick once on layer 1"),
-            ("cacheblend[value@0.15,f3,b0]", "value (paper), gradual (3 checks)"),
-            ("cacheblend[key@0.15,f1,b0]", "key (LMCache), pick once"),
-            ("cacheblend[key@0.15,f3,b0]", "key (LMCache), gradual"),
-            ("cacheblend[query_value@0.15,f1,b0]", "query_value, pick once"),
-            ("cacheblend[query_value@0.15,f3,b0]", "query_value, gradual (default)")]
+CRITERIA = [
+    ("full_reuse", "full reuse"),
+    ("cacheblend[value@0.15,f1,b0]", "value (paper), pick once on layer 1"),
+    ("cacheblend[value@0.15,f3,b0]", "value (paper), gradual (3 checks)"),
+    ("cacheblend[key@0.15,f1,b0]", "key (LMCache), pick once"),
+    ("cacheblend[key@0.15,f3,b0]", "key (LMCache), gradual"),
+    ("cacheblend[query_value@0.15,f1,b0]", "query_value, pick once"),
+    ("cacheblend[query_value@0.15,f3,b0]", "query_value, gradual (default)"),
+]
 TIMING = [("full_recompute", "full recompute"), ("full_reuse", "full reuse"), (QV, "cacheblend 0.15 (default)")]
-TUNING = [("full_reuse", "full reuse"), ("cacheblend[query_value@0.15,f3,b0]", "cacheblend 0.15, 3 checks (default)"),
-          ("cacheblend[query_value@0.15,f4,b0]", "cacheblend 0.15, 4 checks"),
-          ("cacheblend[query_value@0.3,f3,b0]", "cacheblend 0.30, 3 checks"),
-          ("cacheblend[query_value@0.3,f4,b0]", "cacheblend 0.30, 4 checks")]
+TUNING = [
+    ("full_reuse", "full reuse"),
+    ("cacheblend[query_value@0.15,f3,b0]", "cacheblend 0.15, 3 checks (default)"),
+    ("cacheblend[query_value@0.15,f4,b0]", "cacheblend 0.15, 4 checks"),
+    ("cacheblend[query_value@0.3,f3,b0]", "cacheblend 0.30, 3 checks"),
+    ("cacheblend[query_value@0.3,f4,b0]", "cacheblend 0.30, 4 checks"),
+]
 
 
 def _sweep_values(res: Results) -> dict[str, Any]:
     """Named figures of every sweep file: ``<file stem>.<method key>.<field>``, the method key
     being the criterion, ratio and schedule (``query_value-0.15-f3``) or the baseline's name."""
     v: dict[str, Any] = {}
-    files = {"criteria512": "fidelity_512_criteria_schedules.jsonl", "criteria256": "fidelity_256_criteria.jsonl",
-             "layer0": "fidelity_512_layer0_checks.jsonl", "timing": "sweep_512_timing.jsonl", "v2": "sweep_512_timing_v2.jsonl",
-             "v3": "sweep_512_timing_v3.jsonl", "qwen": "sweep_512_timing_qwen.jsonl", "tuning": "sweep_512_qwen_tuning.jsonl"}
+    files = {
+        "criteria512": "fidelity_512_criteria_schedules.jsonl",
+        "criteria256": "fidelity_256_criteria.jsonl",
+        "layer0": "fidelity_512_layer0_checks.jsonl",
+        "timing": "sweep_512_timing.jsonl",
+        "v2": "sweep_512_timing_v2.jsonl",
+        "v3": "sweep_512_timing_v3.jsonl",
+        "qwen": "sweep_512_timing_qwen.jsonl",
+        "tuning": "sweep_512_qwen_tuning.jsonl",
+    }
     for stem, file in files.items():
         for method, t in _sweep(res, file).items():
             key = method.removeprefix("cacheblend[").rstrip("]").replace("@", "-").replace(",", "-")
@@ -79,17 +91,28 @@ def _breakdown_values(res: Results) -> dict[str, Any]:
     s = _breakdown(res)
     rows = res.json(BREAKDOWN)["rows"]
     cb, full = s["cacheblend"], s["full_recompute_saved"]
-    return {"x": Stat(cb["speedup_vs_saved"], cb["speedup_vs_saved_ci"]), "overhead": cb["overhead"],
-            "attention": cb["attention_share"], "attention_full": full["attention_share"],
-            "python": cb["python_share"], "python_full": full["python_share"],
-            "questions": len({r["question"] for r in rows}), "rounds": len({r["round"] for r in rows}),
-            "prompt_k": [min(r["prompt_tokens"] for r in rows) / 1e3, max(r["prompt_tokens"] for r in rows) / 1e3]}
+    return {
+        "x": Stat(cb["speedup_vs_saved"], cb["speedup_vs_saved_ci"]),
+        "overhead": cb["overhead"],
+        "attention": cb["attention_share"],
+        "attention_full": full["attention_share"],
+        "python": cb["python_share"],
+        "python_full": full["python_share"],
+        "questions": len({r["question"] for r in rows}),
+        "rounds": len({r["round"] for r in rows}),
+        "prompt_k": [min(r["prompt_tokens"] for r in rows) / 1e3, max(r["prompt_tokens"] for r in rows) / 1e3],
+    }
 
 
 # ----------------------------------------------------------------------------- the schedule check
 SCHEDULES = "schedules_hotpotqa.jsonl"
-SCHEDULE_LABELS = {"fl3": "**default (1: 0.53, 2: 0.28, 3: 0.15)**", "fl2": "2 checks (`filter_layers=2`)",
-                   "fl1": "pick once (`filter_layers=1`)", "s35_20": "(1: 0.35, 2: 0.20, 3: 0.15)", "s30_3": "(1: 0.30, 3: 0.15)"}
+SCHEDULE_LABELS = {
+    "fl3": "**default (1: 0.53, 2: 0.28, 3: 0.15)**",
+    "fl2": "2 checks (`filter_layers=2`)",
+    "fl1": "pick once (`filter_layers=1`)",
+    "s35_20": "(1: 0.35, 2: 0.20, 3: 0.15)",
+    "s30_3": "(1: 0.30, 3: 0.15)",
+}
 
 
 def _schedules(res: Results) -> dict[str, dict[str, Any]]:
@@ -97,19 +120,28 @@ def _schedules(res: Results) -> dict[str, dict[str, Any]]:
     out = {}
     for key in SCHEDULE_LABELS:
         x, ci = speedup([r["full_s"] for r in rows], [r[f"{key}_s"] for r in rows])
-        out[key] = {"kl_mean": statistics.mean(r[key] for r in rows), "kl_median": statistics.median(r[key] for r in rows),
-                    "top1": sum(r[f"{key}_top1"] for r in rows), "x": Stat(x, ci), "n": len(rows)}
+        out[key] = {
+            "kl_mean": statistics.mean(r[key] for r in rows),
+            "kl_median": statistics.median(r[key] for r in rows),
+            "top1": sum(r[f"{key}_top1"] for r in rows),
+            "x": Stat(x, ci),
+            "n": len(rows),
+        }
     return out
 
 
 def _schedules_table(res: Results) -> str:
     s = _schedules(res)
-    lines = ["| schedule | KL mean | KL median | same top-1 token | prefill speed-up vs full (one pass, noisy) |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| schedule | KL mean | KL median | same top-1 token | prefill speed-up vs full (one pass, noisy) |",
+        "|---|---|---|---|---|",
+    ]
     for key, label in SCHEDULE_LABELS.items():
         e = s[key]
-        lines.append(f"| {label} | {e['kl_mean']:.3f} | {e['kl_median']:.3f} | {e['top1']}/{e['n']} | "
-                     f"{e['x'].value:.2f}x [{e['x'].ci[0]:.2f}, {e['x'].ci[1]:.2f}] |")
+        lines.append(
+            f"| {label} | {e['kl_mean']:.3f} | {e['kl_median']:.3f} | {e['top1']}/{e['n']} | "
+            f"{e['x'].value:.2f}x [{e['x'].ci[0]:.2f}, {e['x'].ci[1]:.2f}] |"
+        )
     return "\n".join(lines)
 
 
@@ -117,10 +149,13 @@ def _schedules_values(res: Results) -> dict[str, Any]:
     s = _schedules(res)
     rows = res.rows(SCHEDULES)
     cheaper = [k for k in SCHEDULE_LABELS if k != "fl3"]
-    return {"n": len(rows), "kl_reuse": statistics.mean(r["kl_reuse"] for r in rows),
-            "faster": [s[k]["x"].value / s["fl3"]["x"].value - 1 for k in cheaper],
-            "kl_up": [s[k]["kl_mean"] / s["fl3"]["kl_mean"] - 1 for k in cheaper],
-            "default_x": s["fl3"]["x"]}
+    return {
+        "n": len(rows),
+        "kl_reuse": statistics.mean(r["kl_reuse"] for r in rows),
+        "faster": [s[k]["x"].value / s["fl3"]["x"].value - 1 for k in cheaper],
+        "kl_up": [s[k]["kl_mean"] / s["fl3"]["kl_mean"] - 1 for k in cheaper],
+        "default_x": s["fl3"]["x"],
+    }
 
 
 # ----------------------------------------------------------------------------- one OpenMP team
@@ -131,20 +166,44 @@ def _threads_values(res: Results) -> dict[str, Any]:
 
 
 TABLES = {
-    "sweep-512-criteria": _sweep_table("fidelity_512_criteria_schedules.jsonl", CRITERIA, ("kl_mean", "kl_median", "closer", "top1"),
-                                       "cacheblend[query_value@0.15,f3,b0]"),
-    "sweep-512-timing": _sweep_table("sweep_512_timing_v3.jsonl", TIMING, ("ttft", "kl_mean", "closer", "top1", "fresh", "work", "overhead"), QV),
-    "sweep-512-timing-qwen": _sweep_table("sweep_512_timing_qwen.jsonl", TIMING[1:], ("ttft", "kl_mean", "closer", "top1", "work", "overhead"), QV),
-    "sweep-512-qwen-tuning": _sweep_table("sweep_512_qwen_tuning.jsonl", TUNING, ("ttft", "kl_mean", "kl_median", "closer", "top1", "work")),
+    "sweep-512-criteria": _sweep_table(
+        "fidelity_512_criteria_schedules.jsonl",
+        CRITERIA,
+        ("kl_mean", "kl_median", "closer", "top1"),
+        "cacheblend[query_value@0.15,f3,b0]",
+    ),
+    "sweep-512-timing": _sweep_table(
+        "sweep_512_timing_v3.jsonl", TIMING, ("ttft", "kl_mean", "closer", "top1", "fresh", "work", "overhead"), QV
+    ),
+    "sweep-512-timing-qwen": _sweep_table(
+        "sweep_512_timing_qwen.jsonl", TIMING[1:], ("ttft", "kl_mean", "closer", "top1", "work", "overhead"), QV
+    ),
+    "sweep-512-qwen-tuning": _sweep_table(
+        "sweep_512_qwen_tuning.jsonl", TUNING, ("ttft", "kl_mean", "kl_median", "closer", "top1", "work")
+    ),
     "breakdown-smollm2": Table((BREAKDOWN,), lambda res: breakdown_report(_breakdown(res))),
     "schedules-hotpotqa": Table((SCHEDULES,), _schedules_table),
     "threads-operators": Table(("threads.txt",), lambda res: threads_table(parse_report(res.text("threads.txt")))),
 }
 
 VALUES = {
-    "sweep": Values(tuple(sorted({"fidelity_512_criteria_schedules.jsonl", "fidelity_256_criteria.jsonl", "fidelity_512_layer0_checks.jsonl",
-                                  "sweep_512_timing.jsonl", "sweep_512_timing_v2.jsonl", "sweep_512_timing_v3.jsonl",
-                                  "sweep_512_timing_qwen.jsonl", "sweep_512_qwen_tuning.jsonl"})), _sweep_values),
+    "sweep": Values(
+        tuple(
+            sorted(
+                {
+                    "fidelity_512_criteria_schedules.jsonl",
+                    "fidelity_256_criteria.jsonl",
+                    "fidelity_512_layer0_checks.jsonl",
+                    "sweep_512_timing.jsonl",
+                    "sweep_512_timing_v2.jsonl",
+                    "sweep_512_timing_v3.jsonl",
+                    "sweep_512_timing_qwen.jsonl",
+                    "sweep_512_qwen_tuning.jsonl",
+                }
+            )
+        ),
+        _sweep_values,
+    ),
     "breakdown": Values((BREAKDOWN,), _breakdown_values),
     "schedules": Values((SCHEDULES,), _schedules_values),
     "threads": Values(("threads.txt",), _threads_values),

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 MINUS = "\u2212"  # the docs' minus sign
 
@@ -97,11 +98,19 @@ def render(value: Any, spec: str | None) -> str:
         raise ValueError(f"format {spec!r} needs a value with an interval, got {value!r}")
     d = 2 if digits is None else digits
     out = {
-        "x": lambda: x(v, d), "xci": lambda: x_ci(v, interval, d), "ci": lambda: ci(interval, d),
-        "f": lambda: num(v, 3 if digits is None else d), "sf": lambda: num(v, 3 if digits is None else d, signed=True),
+        "x": lambda: x(v, d),
+        "xci": lambda: x_ci(v, interval, d),
+        "ci": lambda: ci(interval, d),
+        "f": lambda: num(v, 3 if digits is None else d),
+        "sf": lambda: num(v, 3 if digits is None else d, signed=True),
         "fci": lambda: f"{num(v, d)} {ci(interval, d)}",
-        "sfci": lambda: f"{num(v, 3 if digits is None else d, signed=True)} {ci(interval, 3 if digits is None else d, signed=True)}",
-        "pct": lambda: pct(v, digits or 0), "pctci": lambda: pct_ci(v, interval),
-        "g": lambda: sig(v, digits or 2), "d": lambda: f"{int(round(v)):,}", "s": lambda: str(v),
+        "sfci": lambda: (
+            f"{num(v, 3 if digits is None else d, signed=True)} {ci(interval, 3 if digits is None else d, signed=True)}"
+        ),
+        "pct": lambda: pct(v, digits or 0),
+        "pctci": lambda: pct_ci(v, interval),
+        "g": lambda: sig(v, digits or 2),
+        "d": lambda: f"{int(round(v)):,}",
+        "s": lambda: str(v),
     }[kind]()
     return out

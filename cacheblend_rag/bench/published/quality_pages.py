@@ -45,8 +45,11 @@ class Run:
         self.eras = [{q for q in self.timed if era.get(q) == i} for i in range(len(changes) + 1)]
         self.summary = summarize(self.rows, self.timed)
         # TTFT per era, over that era's timed questions (eras too small to say anything are left out)
-        self.era_ttft = [(i, {m: ttft_speedup([r for r in self.rows if r["method"] == m], qs) for m in self.methods})
-                         for i, qs in enumerate(self.eras) if len(qs) >= MIN_TIMED]
+        self.era_ttft = [
+            (i, {m: ttft_speedup([r for r in self.rows if r["method"] == m], qs) for m in self.methods})
+            for i, qs in enumerate(self.eras)
+            if len(qs) >= MIN_TIMED
+        ]
 
     @property
     def methods(self) -> list[str]:
@@ -73,10 +76,16 @@ class Run:
         text = provenance.caption(res.folder, (*self.files, self.ttft_file))
         timed = sum(len(q) for q in self.eras)
         left = [len(self.eras[i]) for i in range(len(self.eras)) if len(self.eras[i]) < MIN_TIMED and self.eras[i]]
-        text += (f" TTFT ratios over the {timed} questions that ran while nothing else used the machine"
-                 + (", split where the engine changed during the run: " + "; ".join(
-                     f"{c.commit} ({c.what})" for c in self.changes) if self.changes else "")
-                 + (f"; {sum(left)} timed after the last change are left out" if left else "") + ".")
+        text += (
+            f" TTFT ratios over the {timed} questions that ran while nothing else used the machine"
+            + (
+                ", split where the engine changed during the run: " + "; ".join(f"{c.commit} ({c.what})" for c in self.changes)
+                if self.changes
+                else ""
+            )
+            + (f"; {sum(left)} timed after the last change are left out" if left else "")
+            + "."
+        )
         return text
 
     def entry(self, method: str, dataset: str = "all", summary: list[dict] | None = None) -> dict:
@@ -84,8 +93,11 @@ class Run:
 
     def ttft(self, method: str, era: int = -1) -> Stat:
         """The method's TTFT speed-up on an engine era with enough timed questions (the latest)."""
-        t = self.era_ttft[era][1][method] if self.era_ttft else ttft_speedup(
-            [r for r in self.rows if r["method"] == method], self.timed)
+        t = (
+            self.era_ttft[era][1][method]
+            if self.era_ttft
+            else ttft_speedup([r for r in self.rows if r["method"] == method], self.timed)
+        )
         return Stat(t["ttft_speedup"], t["ttft_speedup_ci"])
 
 
@@ -114,14 +126,23 @@ def _dev(res: Results) -> Run:
 
 
 MAIN_COLUMNS = ("recomputed", "agree", "agree_f1", "f1_diff", "kl", "kl_vs_reuse", "kl_worse", "tf_loglik", "ttft")
-PAIRS = [(DEFAULT, "cacheblend@0.15"), (DEFAULT, "full_reuse"), ("cacheblend@0.15", "full_reuse"),
-         ("question@0.15/nb", DEFAULT), ("full_reuse/nb", "full_reuse"), ("question@0.15/nb", "full_reuse/nb"),
-         ("question@0.3/nb", "question@0.15/nb")]
+PAIRS = [
+    (DEFAULT, "cacheblend@0.15"),
+    (DEFAULT, "full_reuse"),
+    ("cacheblend@0.15", "full_reuse"),
+    ("question@0.15/nb", DEFAULT),
+    ("full_reuse/nb", "full_reuse"),
+    ("question@0.15/nb", "full_reuse/nb"),
+    ("question@0.3/nb", "question@0.15/nb"),
+]
 
 
 def _main_table(run_of):
-    return Table(QWEN05 if run_of is _qwen05 else QWEN15, lambda res: run_of(res).table(MAIN_COLUMNS),
-                 caption=lambda res: run_of(res).caption(res))
+    return Table(
+        QWEN05 if run_of is _qwen05 else QWEN15,
+        lambda res: run_of(res).table(MAIN_COLUMNS),
+        caption=lambda res: run_of(res).caption(res),
+    )
 
 
 def _by_dataset(run_of):
@@ -140,6 +161,7 @@ CORPUS_SUFFIX = " (corpus)"
 def _corpus(res: Results) -> dict[str, Any]:
     """The corpus-neighbour run's /nb rows beside the 250-question run's rows on the same questions
     (full prefill gave the same answers in both, so they pair)."""
+
     def compute() -> dict[str, Any]:
         corpus = res.rows(CORPUS)
         questions = {(r["dataset"], r["qid"]) for r in corpus}
@@ -147,40 +169,62 @@ def _corpus(res: Results) -> dict[str, Any]:
         mine = [dict(r, method=r["method"] + CORPUS_SUFFIX) for r in corpus if r["method"].endswith("/nb")]
         rows = main + mine
         return {"rows": rows, "summary": summarize(rows), "questions": questions, "corpus": corpus}
+
     return res.memo("corpus", compute)
 
 
-CORPUS_ORDER = ["full_reuse", DEFAULT, "full_reuse/nb", "full_reuse/nb" + CORPUS_SUFFIX, "question@0.15/nb",
-                "question@0.15/nb" + CORPUS_SUFFIX, "question@0.3/nb", "question@0.3/nb" + CORPUS_SUFFIX]
+CORPUS_ORDER = [
+    "full_reuse",
+    DEFAULT,
+    "full_reuse/nb",
+    "full_reuse/nb" + CORPUS_SUFFIX,
+    "question@0.15/nb",
+    "question@0.15/nb" + CORPUS_SUFFIX,
+    "question@0.3/nb",
+    "question@0.3/nb" + CORPUS_SUFFIX,
+]
 
 
 def _corpus_table(res: Results) -> str:
     s = _corpus(res)["summary"]
-    lines = ["| method | neighbours from | answer = full prefill's | agreement F1 | F1 − full prefill's | KL / full reuse's "
-             "| KL worse than full reuse | HotpotQA; MuSiQue (same answer) |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| method | neighbours from | answer = full prefill's | agreement F1 | F1 − full prefill's | KL / full reuse's "
+        "| KL worse than full reuse | HotpotQA; MuSiQue (same answer) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     C = TABLE_COLUMNS
     for method in CORPUS_ORDER:
         e = next(x for x in s if x["method"] == method and x["dataset"] == "all")
         base = method.removesuffix(CORPUS_SUFFIX)
         source = "the corpus" if method.endswith(CORPUS_SUFFIX) else ("the prompt's chunks" if "/nb" in method else "–")
-        per = "; ".join(f"{x['agree']:.0%}" for d in ("hotpotqa", "musique") for x in s if x["method"] == method and x["dataset"] == d)
+        per = "; ".join(
+            f"{x['agree']:.0%}" for d in ("hotpotqa", "musique") for x in s if x["method"] == method and x["dataset"] == d
+        )
         name = f"`{base}`" + (LABELS.get(base, "") if source == "–" else "")
-        lines.append(f"| {name} | {source} | {C['agree'][1](e)} | {C['agree_f1'][1](e)} | {C['f1_diff'][1](e)} | "
-                     f"{C['kl_vs_reuse_plain'][1](e)} | {C['kl_worse'][1](e)} | {per} |")
+        lines.append(
+            f"| {name} | {source} | {C['agree'][1](e)} | {C['agree_f1'][1](e)} | {C['f1_diff'][1](e)} | "
+            f"{C['kl_vs_reuse_plain'][1](e)} | {C['kl_worse'][1](e)} | {per} |"
+        )
     return "\n".join(lines)
 
 
-CORPUS_PAIRS = [("full_reuse/nb" + CORPUS_SUFFIX, "full_reuse/nb"), ("question@0.15/nb" + CORPUS_SUFFIX, "question@0.15/nb"),
-                ("question@0.3/nb" + CORPUS_SUFFIX, "question@0.3/nb"), ("full_reuse/nb" + CORPUS_SUFFIX, "full_reuse"),
-                ("question@0.15/nb" + CORPUS_SUFFIX, DEFAULT),
-                ("question@0.3/nb" + CORPUS_SUFFIX, "question@0.15/nb" + CORPUS_SUFFIX)]
+CORPUS_PAIRS = [
+    ("full_reuse/nb" + CORPUS_SUFFIX, "full_reuse/nb"),
+    ("question@0.15/nb" + CORPUS_SUFFIX, "question@0.15/nb"),
+    ("question@0.3/nb" + CORPUS_SUFFIX, "question@0.3/nb"),
+    ("full_reuse/nb" + CORPUS_SUFFIX, "full_reuse"),
+    ("question@0.15/nb" + CORPUS_SUFFIX, DEFAULT),
+    ("question@0.3/nb" + CORPUS_SUFFIX, "question@0.15/nb" + CORPUS_SUFFIX),
+]
 
 
 def _corpus_labels() -> dict[str, str]:
     out = {}
     for m in CORPUS_ORDER:
         base = m.removesuffix(CORPUS_SUFFIX)
-        out[m] = f"`{base}` (corpus)" if m.endswith(CORPUS_SUFFIX) else (f"`{base}` (prompt's chunks)" if "/nb" in m else f"`{base}`")
+        out[m] = (
+            f"`{base}` (corpus)" if m.endswith(CORPUS_SUFFIX) else (f"`{base}` (prompt's chunks)" if "/nb" in m else f"`{base}`")
+        )
     return out
 
 
@@ -190,8 +234,15 @@ def _corpus_paired(res: Results) -> str:
 
 # ----------------------------------------------------------------------------- dev variants
 DEV_COLUMNS = ("recomputed", "agree_plain", "agree_f1", "f1_diff", "kl_vs_reuse_plain", "kl_worse", "tf_loglik", "ttft")
-DEV_VARIANTS = ["question@0.15/last", "question@0.15/max", "question@0.15/w2", "question@0.15/ape", "hybrid@0.15",
-                "chunk@0.15", "cacheblend@0.15"]
+DEV_VARIANTS = [
+    "question@0.15/last",
+    "question@0.15/max",
+    "question@0.15/w2",
+    "question@0.15/ape",
+    "hybrid@0.15",
+    "chunk@0.15",
+    "cacheblend@0.15",
+]
 
 
 def _dev_table(res: Results) -> str:
@@ -199,8 +250,9 @@ def _dev_table(res: Results) -> str:
 
 
 def _dev_paired(res: Results) -> str:
-    return comparison_table(_dev(res).rows, [(m, DEFAULT) for m in DEV_VARIANTS], metrics=("agree_f1", "kl", "tf_loglik"),
-                            against=DEFAULT)
+    return comparison_table(
+        _dev(res).rows, [(m, DEFAULT) for m in DEV_VARIANTS], metrics=("agree_f1", "kl", "tf_loglik"), against=DEFAULT
+    )
 
 
 # ----------------------------------------------------------------------------- the default beside /nb
@@ -210,21 +262,40 @@ def _side_by_side(res: Results) -> str:
     a, b = run.entry(DEFAULT), run.entry("question@0.15/nb")
     hb = {d: run.entry("question@0.15/nb", d)["agree"] for d in ("hotpotqa", "musique")}
     t = [run.ttft(m) for m in (DEFAULT, "question@0.15/nb")]
-    rows = [("agreement F1", C["agree_f1"][1](a), C["agree_f1"][1](b)),
-            ("same answer as full prefill", C["agree"][1](a), C["agree"][1](b) + f" (HotpotQA {hb['hotpotqa']:.0%}, MuSiQue {hb['musique']:.0%})"),
-            ("F1 against gold minus full prefill's", C["f1_diff"][1](a), C["f1_diff"][1](b)),
-            ("KL as a share of full reuse's", C["kl_vs_reuse_plain"][1](a), C["kl_vs_reuse_plain"][1](b)),
-            ("questions where KL is worse than full reuse's", C["kl_worse"][1](a), C["kl_worse"][1](b)),
-            ("TTFT lower than full prefill's by", f"{t[0].value:.2f}x", f"{t[1].value:.2f}x")]
-    lines = ["| measure | `question@0.15` (default settings) | `question@0.15/nb` (with `precompute(..., neighbours=2)`) |",
-             "|---|---|---|", *(f"| {m} | {x} | {y} |" for m, x, y in rows)]
+    rows = [
+        ("agreement F1", C["agree_f1"][1](a), C["agree_f1"][1](b)),
+        (
+            "same answer as full prefill",
+            C["agree"][1](a),
+            C["agree"][1](b) + f" (HotpotQA {hb['hotpotqa']:.0%}, MuSiQue {hb['musique']:.0%})",
+        ),
+        ("F1 against gold minus full prefill's", C["f1_diff"][1](a), C["f1_diff"][1](b)),
+        ("KL as a share of full reuse's", C["kl_vs_reuse_plain"][1](a), C["kl_vs_reuse_plain"][1](b)),
+        ("questions where KL is worse than full reuse's", C["kl_worse"][1](a), C["kl_worse"][1](b)),
+        ("TTFT lower than full prefill's by", f"{t[0].value:.2f}x", f"{t[1].value:.2f}x"),
+    ]
+    lines = [
+        "| measure | `question@0.15` (default settings) | `question@0.15/nb` (with `precompute(..., neighbours=2)`) |",
+        "|---|---|---|",
+        *(f"| {m} | {x} | {y} |" for m, x, y in rows),
+    ]
     return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- near-ties and the hint
 NEAR_TIE = "near_tie_hotpotqa3000.txt"
-NEAR_TIE_ORDER = ["full_reuse:0", "full_reuse:0:nb", "question:0.15", "question:0.5", "question:0.15:nb", "question:0.3:nb",
-                  "question:0.5:nb", "question:0.75:nb", "question:0.9:nb", "chunk:0.5:nb"]
+NEAR_TIE_ORDER = [
+    "full_reuse:0",
+    "full_reuse:0:nb",
+    "question:0.15",
+    "question:0.5",
+    "question:0.15:nb",
+    "question:0.3:nb",
+    "question:0.5:nb",
+    "question:0.75:nb",
+    "question:0.9:nb",
+    "chunk:0.5:nb",
+]
 
 
 def _near_tie(res: Results) -> dict[str, Any]:
@@ -253,8 +324,13 @@ def _near_tie_table(res: Results) -> str:
     data = _near_tie(res)
     first, second = data["full"][2][0][0], data["full"][2][1][0]
     lines = [f'| method | answer | KL to full prefill | P("{second}") | P("{first}") |', "|---|---|---|---|---|"]
-    entries = [("full prefill", data["full"]), *((f"`{_method_name(k)}`" + (" (whole chunks)" if k.startswith("chunk") else ""),
-                                                data["rows"][k]) for k in NEAR_TIE_ORDER)]
+    entries = [
+        ("full prefill", data["full"]),
+        *(
+            (f"`{_method_name(k)}`" + (" (whole chunks)" if k.startswith("chunk") else ""), data["rows"][k])
+            for k in NEAR_TIE_ORDER
+        ),
+    ]
     for name, (answer, kl, top) in entries:
         lines.append(f"| {name} | {answer} | {kl:.3f} | {_prob(top, second)} | {_prob(top, first)} |")
     return "\n".join(lines).replace("| 0.000 |", "| 0 |", 1)
@@ -267,19 +343,32 @@ def _hint(res: Results) -> dict[str, Any]:
     rows = res.rows(HINT)
     wins = sum(r["f1_hint"] > r["f1_plain"] for r in rows)
     losses = sum(r["f1_hint"] < r["f1_plain"] for r in rows)
-    return {"n": len(rows), "f1": [statistics.mean(r[f"f1_{k}"] for r in rows) for k in ("plain", "hint")],
-            "len": [statistics.mean(r[f"len_{k}"] for r in rows) for k in ("plain", "hint")],
-            "cut": [sum(r[f"len_{k}"] >= 16 for r in rows) for k in ("plain", "hint")],
-            "wins": wins, "losses": losses, "ties": len(rows) - wins - losses, "p": sign_test(wins, losses)}
+    return {
+        "n": len(rows),
+        "f1": [statistics.mean(r[f"f1_{k}"] for r in rows) for k in ("plain", "hint")],
+        "len": [statistics.mean(r[f"len_{k}"] for r in rows) for k in ("plain", "hint")],
+        "cut": [sum(r[f"len_{k}"] >= 16 for r in rows) for k in ("plain", "hint")],
+        "wins": wins,
+        "losses": losses,
+        "ties": len(rows) - wins - losses,
+        "p": sign_test(wins, losses),
+    }
 
 
 def _hint_table(res: Results) -> str:
     h = _hint(res)
-    rows = [("F1 against the gold answers (mean)", *(f"{v:.3f}" for v in h["f1"])),
-            ("answer length in tokens (mean)", *(f"{v:.1f}" for v in h["len"])),
-            ("answers cut off at the 16-token budget", *(str(v) for v in h["cut"]))]
-    return "\n".join([f"| full prefill, HotpotQA dev questions 0-{h['n'] - 1} | without a hint | with `SHORT_ANSWER_HINT` |",
-                      "|---|---|---|", *(f"| {a} | {b} | {c} |" for a, b, c in rows)])
+    rows = [
+        ("F1 against the gold answers (mean)", *(f"{v:.3f}" for v in h["f1"])),
+        ("answer length in tokens (mean)", *(f"{v:.1f}" for v in h["len"])),
+        ("answers cut off at the 16-token budget", *(str(v) for v in h["cut"])),
+    ]
+    return "\n".join(
+        [
+            f"| full prefill, HotpotQA dev questions 0-{h['n'] - 1} | without a hint | with `SHORT_ANSWER_HINT` |",
+            "|---|---|---|",
+            *(f"| {a} | {b} | {c} |" for a, b, c in rows),
+        ]
+    )
 
 
 # ----------------------------------------------------------------------------- numbers in prose
@@ -291,10 +380,15 @@ def _fidelity_values(run_of, pairs: list[tuple[str, str]]):
     def compute(res: Results) -> dict[str, Any]:
         run = run_of(res)
         e = {m: run.entry(m) for m in dict.fromkeys(r["method"] for r in run.rows)}
-        v: dict[str, Any] = {"n": e[DEFAULT]["n"], "f1_full": e[DEFAULT]["f1_full"], "timed": len(run.timed),
-                             "n_confident": e[DEFAULT]["n_confident"], "with_margin": _with_margin(run.rows),
-                             "prompt_k": [min(r["prompt_tokens"] for r in run.rows) / 1e3, max(r["prompt_tokens"] for r in run.rows) / 1e3],
-                             "s_per_question": _seconds_per_question(run.rows)}
+        v: dict[str, Any] = {
+            "n": e[DEFAULT]["n"],
+            "f1_full": e[DEFAULT]["f1_full"],
+            "timed": len(run.timed),
+            "n_confident": e[DEFAULT]["n_confident"],
+            "with_margin": _with_margin(run.rows),
+            "prompt_k": [min(r["prompt_tokens"] for r in run.rows) / 1e3, max(r["prompt_tokens"] for r in run.rows) / 1e3],
+            "s_per_question": _seconds_per_question(run.rows),
+        }
         for d in ("hotpotqa", "musique"):
             v[f"n_{d}"] = run.entry(DEFAULT, d)["n"]
         for m, x in e.items():
@@ -325,6 +419,7 @@ def _fidelity_values(run_of, pairs: list[tuple[str, str]]):
             for metric in ("agree_f1", "kl", "tf_loglik"):
                 v.update(_comparison(run.rows, a, b, metric, f"{ka}-{kb}.{metric}"))
         return v
+
     return compute
 
 
@@ -339,6 +434,7 @@ def _comparison(rows: list[dict], a: str, b: str, metric: str, key: str) -> dict
                 done["c"] = compare(rows, a, b, metric)
             c = done["c"]
             return {"diff": Stat(c["diff"], c["diff_ci"]), "wins": c["wins"], "losses": c["losses"], "p": c["sign_p"]}[field]
+
         return value
 
     return {key: get("diff"), f"{key}.wins": get("wins"), f"{key}.losses": get("losses"), f"{key}.p": get("p")}
@@ -369,7 +465,9 @@ def _corpus_values(res: Results) -> dict[str, Any]:
         rows = [r for r in c["corpus"] if r["dataset"] == d and r["method"] == "question@0.15/nb"]
         v[f"in_prompt_{d}"] = statistics.mean(r["neighbours_in_prompt"] for r in rows)
     for m in CORPUS_ORDER:
-        k = m.removesuffix(CORPUS_SUFFIX).replace("@", "").replace("/", "_").replace(".", "") + ("_corpus" if m.endswith(CORPUS_SUFFIX) else "")
+        k = m.removesuffix(CORPUS_SUFFIX).replace("@", "").replace("/", "_").replace(".", "") + (
+            "_corpus" if m.endswith(CORPUS_SUFFIX) else ""
+        )
         e = s[(m, "all")]
         v[f"{k}.agree"], v[f"{k}.agree_f1"] = e["agree"], e["agree_f1"]
         v[f"{k}.agree_hotpotqa"], v[f"{k}.agree_musique"] = s[(m, "hotpotqa")]["agree"], s[(m, "musique")]["agree"]
@@ -377,8 +475,11 @@ def _corpus_values(res: Results) -> dict[str, Any]:
         v[f"{k}.kl_worse_n"] = round(e.get("kl_worse_than_reuse", 0.0) * e["n"])
         v[f"{k}.kl_worse_musique_n"] = round(s[(m, "musique")].get("kl_worse_than_reuse", 0.0) * s[(m, "musique")]["n"])
     for a, b in CORPUS_PAIRS:
-        key = "-".join(m.removesuffix(CORPUS_SUFFIX).replace("@", "").replace("/", "_").replace(".", "")
-                       + ("_corpus" if m.endswith(CORPUS_SUFFIX) else "") for m in (a, b))
+        key = "-".join(
+            m.removesuffix(CORPUS_SUFFIX).replace("@", "").replace("/", "_").replace(".", "")
+            + ("_corpus" if m.endswith(CORPUS_SUFFIX) else "")
+            for m in (a, b)
+        )
         for metric in ("agree_f1", "kl"):
             v.update(_comparison(c["rows"], a, b, metric, f"{key}.{metric}"))
     return v

@@ -35,8 +35,13 @@ class Results:
 
     def rows(self, *names: str) -> list[dict]:
         """The rows of one or more JSON-lines files, in order."""
-        return [r for name in names for r in self._get("rows", name, lambda p: [
-            json.loads(line) for line in p.read_text(encoding="utf-8").splitlines() if line.strip()])]
+        return [
+            r
+            for name in names
+            for r in self._get(
+                "rows", name, lambda p: [json.loads(line) for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+            )
+        ]
 
     def json(self, name: str) -> Any:
         return self._get("json", name, lambda p: json.loads(p.read_text(encoding="utf-8")))

@@ -14,8 +14,13 @@ UNCALIBRATED = "pipeline_bench_quiet.json"  # the same before the calibration (d
 REDIS = "pipeline_bench_redis.json"
 # The options of the commands the pages show, which the JSON does not record.
 CALIBRATED_ARGS = types.SimpleNamespace(stored_dtype=None, dtype="float32", repeats=2)
-REDIS_LABELS = {"memory": "memory", "disk": "local disk (warm page cache)", "redis": "local Redis",
-                "throttled100": "disk throttled to 100 MB/s", "redis_throttled100": "Redis throttled to 100 MB/s"}
+REDIS_LABELS = {
+    "memory": "memory",
+    "disk": "local disk (warm page cache)",
+    "redis": "local Redis",
+    "throttled100": "disk throttled to 100 MB/s",
+    "redis_throttled100": "Redis throttled to 100 MB/s",
+}
 
 
 def _calibrated_block(res: Results) -> str:
@@ -25,8 +30,12 @@ def _calibrated_block(res: Results) -> str:
 def _tier_values(res: Results, name: str) -> dict[str, Any]:
     run = res.json(name)
     full = run["full_recompute_s"]
-    v: dict[str, Any] = {"full_s": full, "chunks": run["chunks"], "context_tokens": run["context_tokens"],
-                         "prompt_tokens": run["prompt_tokens"]}
+    v: dict[str, Any] = {
+        "full_s": full,
+        "chunks": run["chunks"],
+        "context_tokens": run["context_tokens"],
+        "prompt_tokens": run["prompt_tokens"],
+    }
     for tier, r in run["tiers"].items():
         v[f"{tier}.ratio"] = r["ratio"]
         v[f"{tier}.pure_load"] = r["pure_load_s"] / full

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import Any, Literal, Sequence
+from collections.abc import Sequence
+from typing import Any, Literal
 
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
@@ -228,7 +229,5 @@ def _role(msg: BaseMessage) -> str:
     if isinstance(msg, HumanMessage):
         return "user"
     raise ValueError(
-        f"{type(msg).__name__} is not supported: CacheBlend chat models take system, human and AI "
-        "text messages (no tool calling)"
+        f"{type(msg).__name__} is not supported: CacheBlend chat models take system, human and AI text messages (no tool calling)"
     )
-

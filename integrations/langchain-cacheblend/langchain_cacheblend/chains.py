@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
 
 from langchain_core.callbacks import BaseCallbackHandler, BaseCallbackManager
 from langchain_core.documents import Document
@@ -54,8 +55,7 @@ def create_cacheblend_rag_chain(
     template: BasePromptTemplate | None = PromptTemplate.from_template(prompt) if isinstance(prompt, str) else prompt
     if template is not None and "context" in template.input_variables:
         raise ValueError(
-            "the prompt formats the question turn only; drop {context}: the documents are passed "
-            "to the model as separate chunks"
+            "the prompt formats the question turn only; drop {context}: the documents are passed to the model as separate chunks"
         )
 
     def to_prompt(inputs: dict[str, Any]) -> RAGPromptValue:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
@@ -38,7 +39,9 @@ class ChatCacheBlend(CacheBlendParams, BaseChatModel):
     """
 
     @classmethod
-    def from_pretrained(cls, model: str | None = None, *, engine_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> "ChatCacheBlend":
+    def from_pretrained(
+        cls, model: str | None = None, *, engine_kwargs: dict[str, Any] | None = None, **kwargs: Any
+    ) -> ChatCacheBlend:
         """Load the engine now (``CacheBlendEngine.from_pretrained``) rather than on first use."""
         from cacheblend_rag import CacheBlendEngine
 

@@ -36,7 +36,9 @@ class LocalSentenceTransformerEmbeddings(Embeddings):
             if self._model is None:
                 from sentence_transformers import SentenceTransformer
 
-                self._model = SentenceTransformer(self.model_name_or_path, device=self.device, local_files_only=True, **self.model_kwargs)
+                self._model = SentenceTransformer(
+                    self.model_name_or_path, device=self.device, local_files_only=True, **self.model_kwargs
+                )
             return self._model
 
     def _encode(self, texts: list[str]) -> list[list[float]]:

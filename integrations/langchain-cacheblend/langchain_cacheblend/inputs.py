@@ -94,8 +94,7 @@ class RAGPromptValue(PromptValue):
         docs = next((data[k] for k in CONTEXT_KEYS if k in data), None)
         if not isinstance(question, str) or docs is None:
             raise ValueError(
-                "a dict input needs a 'question' str and a 'context' list of Documents or strings, "
-                f"got keys {sorted(data)}"
+                f"a dict input needs a 'question' str and a 'context' list of Documents or strings, got keys {sorted(data)}"
             )
         if isinstance(docs, str) or not isinstance(docs, Sequence):
             raise TypeError(

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
-from typing import Any, AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun, Callbacks
 from langchain_core.language_models import BaseLLM, LanguageModelInput
@@ -20,7 +22,7 @@ from .inputs import RAGPromptValue
 # keyword arguments (BaseChatModel's key has them), so invoke(x, seed=2) or .bind(mode=...) would
 # be served an answer cached under other settings. generate()/agenerate() put the call's settings
 # where the key is read; a context variable keeps concurrent calls (threads, tasks) apart.
-_call_settings: ContextVar[dict[str, Any]] = ContextVar("cacheblend_call_settings", default={})
+_call_settings: ContextVar[Mapping[str, Any]] = ContextVar("cacheblend_call_settings", default=MappingProxyType({}))
 
 
 def _settings_of(kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -53,7 +55,9 @@ class CacheBlendLLM(CacheBlendParams, BaseLLM):
     """
 
     @classmethod
-    def from_pretrained(cls, model: str | None = None, *, engine_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> "CacheBlendLLM":
+    def from_pretrained(
+        cls, model: str | None = None, *, engine_kwargs: dict[str, Any] | None = None, **kwargs: Any
+    ) -> CacheBlendLLM:
         """Load the engine now (``CacheBlendEngine.from_pretrained``) rather than on first use."""
         from cacheblend_rag import CacheBlendEngine
 
@@ -67,14 +71,18 @@ class CacheBlendLLM(CacheBlendParams, BaseLLM):
     def _identifying_params(self) -> Mapping[str, Any]:
         return {**self._params(), **_call_settings.get()}
 
-    def generate(self, prompts: list[str], stop: list[str] | None = None, callbacks: Callbacks | list[Callbacks] = None, **kwargs: Any) -> LLMResult:
+    def generate(
+        self, prompts: list[str], stop: list[str] | None = None, callbacks: Callbacks | list[Callbacks] = None, **kwargs: Any
+    ) -> LLMResult:
         token = _call_settings.set(_settings_of(kwargs))
         try:
             return super().generate(prompts, stop, callbacks, **kwargs)
         finally:
             _call_settings.reset(token)
 
-    async def agenerate(self, prompts: list[str], stop: list[str] | None = None, callbacks: Callbacks | list[Callbacks] = None, **kwargs: Any) -> LLMResult:
+    async def agenerate(
+        self, prompts: list[str], stop: list[str] | None = None, callbacks: Callbacks | list[Callbacks] = None, **kwargs: Any
+    ) -> LLMResult:
         token = _call_settings.set(_settings_of(kwargs))
         try:
             return await super().agenerate(prompts, stop, callbacks, **kwargs)

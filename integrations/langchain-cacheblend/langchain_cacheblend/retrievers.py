@@ -31,9 +31,7 @@ def _resolve(llm_or_engine: Any) -> tuple[CacheBlendEngine, ChunkRegistry]:
         return llm_or_engine.get_engine(), llm_or_engine.chunk_registry
     if isinstance(llm_or_engine, CacheBlendEngine):
         return llm_or_engine, ChunkRegistry.for_engine(llm_or_engine)
-    raise TypeError(
-        f"expected a CacheBlendLLM, ChatCacheBlend or CacheBlendEngine, got {type(llm_or_engine).__name__}"
-    )
+    raise TypeError(f"expected a CacheBlendLLM, ChatCacheBlend or CacheBlendEngine, got {type(llm_or_engine).__name__}")
 
 
 class CacheBlendRetriever(BaseRetriever):
@@ -92,7 +90,9 @@ class CacheBlendRetriever(BaseRetriever):
             engine, registry = None, self.registry
         return engine, self.registry if self.registry is not None else registry
 
-    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun, **kwargs: Any) -> list[Document]:
+    def _get_relevant_documents(
+        self, query: str, *, run_manager: CallbackManagerForRetrieverRun, **kwargs: Any
+    ) -> list[Document]:
         docs = self.retriever.invoke(query, config={"callbacks": run_manager.get_child()}, **kwargs)
         self._register(docs)
         return docs

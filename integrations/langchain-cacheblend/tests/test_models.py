@@ -88,9 +88,7 @@ def test_unchanged_chat_chain_matches_the_engine(tiny_engine, vectorstore):
     chat = ChatCacheBlend(engine=tiny_engine, max_new_tokens=N)
     inner = vectorstore.as_retriever(search_kwargs={"k": 3})
     retriever = CacheBlendRetriever(retriever=inner, llm=chat, precompute="sync")
-    prompt = ChatPromptTemplate.from_messages(
-        [("system", "Use this context:\n\n{context}"), ("human", "{question}")]
-    )
+    prompt = ChatPromptTemplate.from_messages([("system", "Use this context:\n\n{context}"), ("human", "{question}")])
     chain = {"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | chat
     msg = chain.invoke(QUESTION)
     ref = tiny_engine.generate(f"Use this context:\n\n{QUESTION}", texts(inner.invoke(QUESTION)), max_new_tokens=N)
@@ -147,7 +145,10 @@ def test_streaming_reports_tokens_through_callbacks(tiny_engine, documents):
 def test_async_and_batch(tiny_engine, documents):
     llm = CacheBlendLLM(engine=tiny_engine, max_new_tokens=N)
     chat = ChatCacheBlend(engine=tiny_engine, max_new_tokens=N)
-    inputs = [{"question": QUESTION, "context": documents[:2]}, {"question": "Where is the Eiffel Tower?", "context": documents[1:3]}]
+    inputs = [
+        {"question": QUESTION, "context": documents[:2]},
+        {"question": "Where is the Eiffel Tower?", "context": documents[1:3]},
+    ]
     refs = [tiny_engine.generate(x["question"], texts(x["context"]), max_new_tokens=N).text for x in inputs]
 
     assert llm.batch(inputs) == refs
@@ -189,7 +190,9 @@ def test_overlapping_calls_are_decoded_together_with_the_same_answers(tiny_engin
         cached = sum(len(s) for s in tiny_engine.build_layout(x["question"], texts(x["context"])).segments if s.reusable)
         assert m.usage_metadata["input_token_details"]["cache_read"] == cached
     assert "".join(llm.stream(inputs[0])) == refs[0]
-    assert llm.invoke("Hello, no documents here") == CacheBlendLLM(engine=tiny_engine, max_new_tokens=N).invoke("Hello, no documents here")
+    assert llm.invoke("Hello, no documents here") == CacheBlendLLM(engine=tiny_engine, max_new_tokens=N).invoke(
+        "Hello, no documents here"
+    )
 
 
 def test_stop_sequences_reach_the_engine(tiny_engine, documents):
@@ -247,9 +250,15 @@ def test_llm_cache_keys_on_the_engines_settings(tiny_engine, tmp_path, documents
     from cacheblend_rag.store.disk import KVStore
 
     def engine(name: str, **kwargs) -> CacheBlendEngine:
-        return CacheBlendEngine(tiny_engine.model, tiny_engine.tokenizer, store=KVStore(tmp_path / name), pipelined=False, **kwargs)
+        return CacheBlendEngine(
+            tiny_engine.model, tiny_engine.tokenizer, store=KVStore(tmp_path / name), pipelined=False, **kwargs
+        )
 
-    engines = [tiny_engine, engine("hint", answer_hint="Reply with a year only, please."), engine("ratio", config=BlendConfig(recompute_ratio=1.0))]
+    engines = [
+        tiny_engine,
+        engine("hint", answer_hint="Reply with a year only, please."),
+        engine("ratio", config=BlendConfig(recompute_ratio=1.0)),
+    ]
     x = {"question": QUESTION, "context": documents[:2]}
     refs = [e.generate(QUESTION, texts(documents[:2]), max_new_tokens=N).text for e in engines]
     assert len(set(refs)) == 3
@@ -273,7 +282,9 @@ def test_default_engine_loads_lazily_once(tiny_engine, monkeypatch):
     from cacheblend_rag import CacheBlendEngine
 
     calls = []
-    monkeypatch.setattr(CacheBlendEngine, "from_pretrained", classmethod(lambda cls, model=None, **kw: calls.append((model, kw)) or tiny_engine))
+    monkeypatch.setattr(
+        CacheBlendEngine, "from_pretrained", classmethod(lambda cls, model=None, **kw: calls.append((model, kw)) or tiny_engine)
+    )
     llm = ChatCacheBlend(model="my-model", engine_kwargs={"device": "cpu"}, max_new_tokens=2)
     assert calls == []
     llm.invoke({"question": QUESTION, "context": ["The Eiffel Tower is in Paris."]})
@@ -287,11 +298,15 @@ def test_prompt_without_known_chunks_is_a_plain_full_prefill(tiny_engine):
     cb = Collect()
     out = llm.invoke("Where is the Eiffel Tower?", config={"callbacks": [cb]})
     tok = tiny_engine.tokenizer
-    text = tok.apply_chat_template([{"role": "user", "content": "Where is the Eiffel Tower?"}], tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Where is the Eiffel Tower?"}], tokenize=False, add_generation_prompt=True
+    )
     ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
     with torch.inference_mode():
-        gen = tiny_engine.model.generate(ids, max_new_tokens=N, do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    assert out == tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True)
+        gen = tiny_engine.model.generate(
+            ids, max_new_tokens=N, do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+        )
+    assert out == tok.decode(gen[0, ids.shape[1] :], skip_special_tokens=True)
     assert cb.infos[0]["mode"] == "plain_chat" and cb.infos[0]["chunk_hits"] == 0
 
     chat = ChatCacheBlend(engine=tiny_engine, max_new_tokens=N, registry=ChunkRegistry())
@@ -301,7 +316,9 @@ def test_prompt_without_known_chunks_is_a_plain_full_prefill(tiny_engine):
 
 def test_bad_inputs_raise_clear_errors(tiny_engine, documents):
     strict = CacheBlendLLM(engine=tiny_engine, require_chunks=True, registry=ChunkRegistry())
-    with pytest.raises(ValueError, match="no chunks found in the prompt; wrap your retriever|no chunks found in the prompt: wrap your retriever"):
+    with pytest.raises(
+        ValueError, match="no chunks found in the prompt; wrap your retriever|no chunks found in the prompt: wrap your retriever"
+    ):
         strict.invoke("What is the capital of France?")
     with pytest.raises(ValueError, match="no chunks found"):
         ChatCacheBlend(engine=tiny_engine, require_chunks=True, registry=ChunkRegistry()).invoke("Hi")
@@ -339,7 +356,11 @@ def test_usage_metadata_reports_the_chunk_tokens_read_from_the_cache(tiny_engine
     assert first.usage_metadata["input_tokens"] == len(layout)
 
     second = chat.invoke([rag_message(QUESTION, docs)])  # the misses were written back
-    assert second.usage_metadata["input_token_details"]["cache_read"] == sum(chunk_tokens) == second.response_metadata["context_tokens"]
+    assert (
+        second.usage_metadata["input_token_details"]["cache_read"]
+        == sum(chunk_tokens)
+        == second.response_metadata["context_tokens"]
+    )
     streamed = None
     for piece in chat.stream([rag_message(QUESTION, docs)]):
         streamed = piece if streamed is None else streamed + piece
@@ -360,7 +381,9 @@ def test_metadata_reports_what_matching_found_and_warns_once_when_nothing_matche
 
     # A format_docs that numbers the documents inside their text hides every chunk.
     numbered = "\n".join(f"[{i}] {d.page_content[:60]}" for i, d in enumerate(documents[:2]))
-    with pytest.warns(UserWarning, match=r"the prompt contains none of the 4 registered chunk texts, so it is answered with a full prefill"):
+    with pytest.warns(
+        UserWarning, match=r"the prompt contains none of the 4 registered chunk texts, so it is answered with a full prefill"
+    ):
         llm.invoke(TEMPLATE.format(context=numbered, question=QUESTION), config={"callbacks": [cb]})
     assert cb.infos[-1]["chunks_matched"] == 0 and cb.infos[-1]["mode"] == "plain_chat"
     import warnings
@@ -443,6 +466,7 @@ def test_models_on_one_engine_share_one_batcher(tiny_engine, documents):
 def test_cancelled_ainvoke_stops_generating(tiny_engine, documents, model_class):
     """asyncio.wait_for(model.ainvoke(...), timeout) or a cancelled task must free the engine, not
     keep decoding to max_new_tokens behind the caller's back."""
+
     class Count(BaseCallbackHandler):
         n = 0
 
@@ -452,7 +476,9 @@ def test_cancelled_ainvoke_stops_generating(tiny_engine, documents, model_class)
     model = model_class(engine=tiny_engine, max_new_tokens=200)
 
     async def run():
-        task = asyncio.create_task(model.ainvoke({"question": QUESTION, "context": documents[:2]}, config={"callbacks": [Count()]}))
+        task = asyncio.create_task(
+            model.ainvoke({"question": QUESTION, "context": documents[:2]}, config={"callbacks": [Count()]})
+        )
         while Count.n < 2:
             assert not task.done()
             await asyncio.sleep(0.001)

@@ -33,7 +33,9 @@ def test_precompute_sync_and_background(tiny_engine, vectorstore):
     inner = vectorstore.as_retriever(search_kwargs={"k": 2})
     docs = CacheBlendRetriever(retriever=inner, engine=tiny_engine, precompute="sync").invoke(QUESTION)
     assert all(tiny_engine.is_cached(d.page_content) for d in docs)
-    bg = CacheBlendRetriever(retriever=vectorstore.as_retriever(search_kwargs={"k": 4}), engine=tiny_engine, precompute="background")
+    bg = CacheBlendRetriever(
+        retriever=vectorstore.as_retriever(search_kwargs={"k": 4}), engine=tiny_engine, precompute="background"
+    )
     docs = bg.invoke("Thames")
     bg.wait()
     tiny_engine.flush()
@@ -79,7 +81,9 @@ def test_create_cacheblend_rag_chain(tiny_engine, vectorstore):
     docs = inner.invoke(QUESTION)
     assert out["documents"] == docs and out["question"] == QUESTION
     assert out["answer"] == tiny_engine.generate(QUESTION, [d.page_content for d in docs], max_new_tokens=5).text
-    templated = create_cacheblend_rag_chain(inner, CacheBlendLLM(engine=tiny_engine, max_new_tokens=5), prompt="{question} Answer briefly.")
+    templated = create_cacheblend_rag_chain(
+        inner, CacheBlendLLM(engine=tiny_engine, max_new_tokens=5), prompt="{question} Answer briefly."
+    )
     ref = tiny_engine.generate(f"{QUESTION} Answer briefly.", [d.page_content for d in docs], max_new_tokens=5)
     assert templated.invoke(QUESTION) == ref.text
     with pytest.raises(ValueError, match="drop \\{context\\}"):
@@ -113,7 +117,9 @@ def test_background_precompute_error_is_kept_for_wait(tiny_engine, vectorstore, 
         return precompute(*args, **kwargs)
 
     monkeypatch.setattr(tiny_engine, "precompute", fails_first)
-    bg = CacheBlendRetriever(retriever=vectorstore.as_retriever(search_kwargs={"k": 2}), engine=tiny_engine, precompute="background")
+    bg = CacheBlendRetriever(
+        retriever=vectorstore.as_retriever(search_kwargs={"k": 2}), engine=tiny_engine, precompute="background"
+    )
     bg.invoke(QUESTION)
     deadline = time.monotonic() + 30
     while "background KV precompute failed" not in caplog.text and time.monotonic() < deadline:
@@ -153,11 +159,13 @@ def test_chain_maps_the_question_attention_onto_its_documents(tiny_engine, vecto
         def _get_relevant_documents(self, query, *, run_manager):
             return [docs[0], Document(page_content=" "), docs[1], docs[0]]
 
-    out = create_cacheblend_rag_chain(Repeats(), ChatCacheBlend(engine=tiny_engine, max_new_tokens=5),
-                                      return_source_documents=True).invoke(QUESTION)
+    out = create_cacheblend_rag_chain(
+        Repeats(), ChatCacheBlend(engine=tiny_engine, max_new_tokens=5), return_source_documents=True
+    ).invoke(QUESTION)
     two = tiny_engine.generate(QUESTION, [docs[0].page_content, docs[1].page_content], max_new_tokens=5).stats["chunk_attention"]
     assert out["chunk_attention"] == [pytest.approx(two[0]), None, pytest.approx(two[1]), None]
     # A mode that does not measure attention: None for the whole entry.
-    full = create_cacheblend_rag_chain(inner, ChatCacheBlend(engine=tiny_engine, max_new_tokens=5, mode="full_recompute"),
-                                       return_source_documents=True).invoke(QUESTION)
+    full = create_cacheblend_rag_chain(
+        inner, ChatCacheBlend(engine=tiny_engine, max_new_tokens=5, mode="full_recompute"), return_source_documents=True
+    ).invoke(QUESTION)
     assert full["chunk_attention"] is None and full["answer"]

@@ -108,9 +108,7 @@ def test_answer_equals_engine_on_retrieved_chunks(engine, index):
     direct = engine.generate(QUESTION, chunks, **GEN)
     assert direct.text and resp.response == direct.text
     # Order matters to the prefill; the same chunks in another order give other logits.
-    assert not torch.equal(
-        engine.next_token_logits(QUESTION, chunks), engine.next_token_logits(QUESTION, chunks[::-1])
-    )
+    assert not torch.equal(engine.next_token_logits(QUESTION, chunks), engine.next_token_logits(QUESTION, chunks[::-1]))
     stats = resp.metadata["cacheblend"]
     assert stats["mode"] == "cacheblend" and stats["chunks"] == TOP_K
 
@@ -128,9 +126,7 @@ def test_source_nodes_are_the_retrieved_nodes(engine, index):
 
 
 def test_generation_settings_reach_the_engine(engine, index):
-    qe = CacheBlendQueryEngine.from_index(
-        index, engine, similarity_top_k=TOP_K, mode="full_recompute", max_new_tokens=3
-    )
+    qe = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, mode="full_recompute", max_new_tokens=3)
     resp = qe.query(QUESTION)
     chunks = chunk_texts(resp.source_nodes)
     assert resp.response == engine.generate(QUESTION, chunks, mode="full_recompute", max_new_tokens=3).text
@@ -199,7 +195,9 @@ def test_precompute_postprocessor_passes_nodes_through(engine, index):
 
 def test_source_nodes_can_be_scored_by_the_question_attention(engine, index):
     retrieved = index.as_retriever(similarity_top_k=TOP_K).retrieve(QUESTION)
-    resp = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, source_scores="attention", **GEN).query(QUESTION)
+    resp = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, source_scores="attention", **GEN).query(
+        QUESTION
+    )
     shares = resp.metadata["cacheblend"]["chunk_attention"]
     # The engine's own shares for these chunks, one per node in retrieved order, summing to 1.
     direct = engine.generate(QUESTION, chunk_texts(retrieved), **GEN).stats["chunk_attention"]
@@ -212,16 +210,20 @@ def test_source_nodes_can_be_scored_by_the_question_attention(engine, index):
     # By default, or in a mode that does not measure it, the retriever's nodes and scores.
     default = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, **GEN).query(QUESTION)
     assert default.source_nodes == retrieved and default.metadata["cacheblend"]["chunk_attention"] == pytest.approx(shares)
-    full = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, mode="full_recompute", source_scores="attention",
-                                            **GEN).query(QUESTION)
+    full = CacheBlendQueryEngine.from_index(
+        index, engine, similarity_top_k=TOP_K, mode="full_recompute", source_scores="attention", **GEN
+    ).query(QUESTION)
     assert "chunk_attention" not in full.metadata["cacheblend"]
     assert full.source_nodes == retrieved
 
 
 def test_streamed_source_nodes_get_their_scores_with_the_stats(engine, index):
-    plain = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, source_scores="attention", **GEN).query(QUESTION)
-    resp = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, streaming=True, source_scores="attention",
-                                            **GEN).query(QUESTION)
+    plain = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, source_scores="attention", **GEN).query(
+        QUESTION
+    )
+    resp = CacheBlendQueryEngine.from_index(
+        index, engine, similarity_top_k=TOP_K, streaming=True, source_scores="attention", **GEN
+    ).query(QUESTION)
     before = [n.score for n in resp.source_nodes]
     assert before == [n.node.metadata.get("retriever_score", n.score) for n in plain.source_nodes]
     "".join(resp.response_gen)
@@ -230,8 +232,10 @@ def test_streamed_source_nodes_get_their_scores_with_the_stats(engine, index):
 
 def test_repeated_and_empty_nodes_get_no_share(engine):
     twin = TextNode(text=PASSAGES[0][1], metadata={"topic": PASSAGES[0][0]}, id_="twin")
-    nodes = [NodeWithScore(node=TextNode(text=t, metadata={"topic": topic}, id_=f"m{i}"), score=1.0 - i / 10)
-             for i, (topic, t) in enumerate(PASSAGES[:2])]
+    nodes = [
+        NodeWithScore(node=TextNode(text=t, metadata={"topic": topic}, id_=f"m{i}"), score=1.0 - i / 10)
+        for i, (topic, t) in enumerate(PASSAGES[:2])
+    ]
     nodes += [NodeWithScore(node=twin, score=0.5), NodeWithScore(node=TextNode(text="  ", id_="blank"), score=0.4)]
     resp = CacheBlendSynthesizer(engine=engine, source_scores="attention", **GEN).synthesize(QUESTION, nodes)
     scores = [n.score for n in resp.source_nodes]
@@ -649,7 +653,9 @@ def test_qa_template_with_template_var_mappings(engine, index):
     resp = synth.synthesize(QUESTION, nodes)
     assert resp.response == engine.generate(f"Q: {QUESTION}", chunk_texts(nodes), **GEN).text
     with pytest.raises(ValueError, match=r"text_qa_template lacks \{query_str\}"):
-        CacheBlendSynthesizer(engine=engine, text_qa_template=PromptTemplate("{ctx}", template_var_mappings={"context_str": "ctx"}))
+        CacheBlendSynthesizer(
+            engine=engine, text_qa_template=PromptTemplate("{ctx}", template_var_mappings={"context_str": "ctx"})
+        )
 
 
 def test_synthesizer_honours_the_llm_system_prompt(engine, index):

@@ -1,8 +1,8 @@
 """LlamaIndex integration for cacheblend-rag: query an index with CacheBlend doing the prefill.
 
-    from llama_index.cacheblend import CacheBlendQueryEngine
-    qe = CacheBlendQueryEngine.from_index(index)        # precomputes the index's chunk KV
-    print(qe.query("Where was Marie Curie born?"))
+from llama_index.cacheblend import CacheBlendQueryEngine
+qe = CacheBlendQueryEngine.from_index(index)        # precomputes the index's chunk KV
+print(qe.query("Where was Marie Curie born?"))
 """
 
 from .llm import CacheBlendLLM

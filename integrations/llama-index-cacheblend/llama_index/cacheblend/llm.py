@@ -3,14 +3,9 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
-from cacheblend_rag import MODES, CacheBlendEngine, GenerationResult
-from cacheblend_rag.aio import iterate_in_thread
-from cacheblend_rag.config import check_mode
-from cacheblend_rag.matching import ChunkRegistry
-from cacheblend_rag.plain import chat_text
-from cacheblend_rag.serving import Batcher, Request, Run
 from llama_index.core.base.llms.generic_utils import (
     astream_completion_response_to_chat_response,
     completion_response_to_chat_response,
@@ -33,6 +28,12 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.llm import default_completion_to_prompt
 
+from cacheblend_rag import MODES, CacheBlendEngine, GenerationResult
+from cacheblend_rag.aio import iterate_in_thread
+from cacheblend_rag.config import check_mode
+from cacheblend_rag.matching import ChunkRegistry
+from cacheblend_rag.plain import chat_text
+from cacheblend_rag.serving import Batcher, Request, Run
 
 NO_MATCH = (
     "the prompt contains none of the {n} chunk texts registered with this engine, so it is answered "
@@ -47,8 +48,12 @@ GENERATION_KEYS = ("mode", "recompute_ratio", "max_new_tokens", "temperature", "
 # LlamaIndex's roles as chat templates know them: DEVELOPER is OpenAI's newer name for the system
 # turn, CHATBOT (Cohere's) and MODEL (Gemini's) the assistant's; the rest (tool, function) are user text.
 CHAT_ROLES = {
-    MessageRole.SYSTEM: "system", MessageRole.DEVELOPER: "system", MessageRole.USER: "user",
-    MessageRole.ASSISTANT: "assistant", MessageRole.CHATBOT: "assistant", MessageRole.MODEL: "assistant",
+    MessageRole.SYSTEM: "system",
+    MessageRole.DEVELOPER: "system",
+    MessageRole.USER: "user",
+    MessageRole.ASSISTANT: "assistant",
+    MessageRole.CHATBOT: "assistant",
+    MessageRole.MODEL: "assistant",
 }
 # The fields among them (stop is per call only), plus the others: what error messages list.
 GENERATION_FIELDS = tuple(k for k in GENERATION_KEYS if k != "stop") + ("match_chunks", "max_batch")
@@ -75,7 +80,7 @@ class CacheBlendLLM(CustomLLM):
         default="cacheblend",
         description=f"prefill mode for answers over chunks: one of {', '.join(MODES)}",
     )
-    recompute_ratio: Optional[float] = Field(
+    recompute_ratio: float | None = Field(
         default=None,
         description="fraction of context tokens CacheBlend recomputes per layer; None keeps the "
         "engine's BlendConfig (0.15, the paper's default)",
@@ -84,7 +89,7 @@ class CacheBlendLLM(CustomLLM):
     temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy decoding")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="nucleus sampling (temperature > 0)")
     top_k: int = Field(default=0, ge=0, description="top-k sampling, 0 disables (temperature > 0)")
-    seed: Optional[int] = Field(default=None, description="sampling seed (temperature > 0)")
+    seed: int | None = Field(default=None, description="sampling seed (temperature > 0)")
     match_chunks: bool = Field(
         default=True,
         description="find registered chunk texts inside plain prompts (complete/chat) and reuse their KV",
@@ -120,7 +125,7 @@ class CacheBlendLLM(CustomLLM):
 
     @field_validator("recompute_ratio")
     @classmethod
-    def _check_ratio(cls, ratio: Optional[float]) -> Optional[float]:
+    def _check_ratio(cls, ratio: float | None) -> float | None:
         if ratio is not None and not 0.0 <= ratio <= 1.0:
             raise ValueError(f"recompute_ratio={ratio} is outside [0, 1]")
         return ratio
@@ -144,7 +149,7 @@ class CacheBlendLLM(CustomLLM):
 
     # ------------------------------------------------------------------ requests
     @property
-    def batcher(self) -> Optional[Batcher]:
+    def batcher(self) -> Batcher | None:
         """The batcher serving this LLM's requests (None when ``max_batch`` is 1), shared by every
         model on the same engine with the same ``max_batch``; its ``steps`` and ``rows_stepped``
         tell how many answers shared each decode step."""
@@ -178,7 +183,7 @@ class CacheBlendLLM(CustomLLM):
         """Chunk texts known to this engine (shared with every integration using it)."""
         return ChunkRegistry.for_engine(self._engine)
 
-    def _match(self, text: str) -> Optional[Request]:
+    def _match(self, text: str) -> Request | None:
         """A request over the known chunks found in ``text``, or None when there are none."""
         if not self.match_chunks:
             return None
@@ -210,16 +215,12 @@ class CacheBlendLLM(CustomLLM):
     def _format_messages(self, messages: Sequence[ChatMessage]) -> str:
         if self.messages_to_prompt is not generic_messages_to_prompt:
             return self.messages_to_prompt(messages)
-        return self._apply_chat_template(
-            [{"role": CHAT_ROLES.get(m.role, "user"), "content": m.content or ""} for m in messages]
-        )
+        return self._apply_chat_template([{"role": CHAT_ROLES.get(m.role, "user"), "content": m.content or ""} for m in messages])
 
     def _apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         return chat_text(self._engine.tokenizer, messages)
 
-    def stream_prompt(
-        self, prompt: str, formatted: bool = False, chunks: Optional[Sequence[str]] = None, **overrides: Any
-    ) -> Run:
+    def stream_prompt(self, prompt: str, formatted: bool = False, chunks: Sequence[str] | None = None, **overrides: Any) -> Run:
         """Answer a prompt: over ``chunks`` if given, else over its known chunks if it has any,
         else by full prefill.
 
@@ -328,7 +329,7 @@ def raw_response(result: GenerationResult) -> dict[str, Any]:
     }
 
 
-def _completion(run: Run, text: Optional[str] = None, delta: Optional[str] = None) -> CompletionResponse:
+def _completion(run: Run, text: str | None = None, delta: str | None = None) -> CompletionResponse:
     result = run.result
     assert result is not None
     # Where the chunks came from, for the answer's stats.

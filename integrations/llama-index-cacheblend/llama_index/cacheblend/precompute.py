@@ -97,9 +97,7 @@ class CacheBlendPrecompute(BaseNodePostprocessor):
     def engine(self) -> CacheBlendEngine:
         return self._engine
 
-    def _postprocess_nodes(
-        self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
-    ) -> list[NodeWithScore]:
+    def _postprocess_nodes(self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None) -> list[NodeWithScore]:
         # Empty retrievals pass through: the synthesizer reports them with a clear error.
         chunks = node_chunks(self._engine, nodes, self.metadata_mode, allow_none=True)
         if chunks:

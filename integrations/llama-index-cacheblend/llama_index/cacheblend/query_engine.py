@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any, List, Literal, Optional
+from typing import Any, Literal
 
-from cacheblend_rag import CacheBlendEngine
-from cacheblend_rag.learned_neighbours import LearnConfig
-from cacheblend_rag.prompt import validate_question
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.base.response.schema import RESPONSE_TYPE
 from llama_index.core.callbacks.base import CallbackManager
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
+from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import MetadataMode, QueryBundle
-from llama_index.core.prompts import BasePromptTemplate
+
+from cacheblend_rag import CacheBlendEngine
+from cacheblend_rag.learned_neighbours import LearnConfig
+from cacheblend_rag.prompt import validate_question
 
 from .llm import CacheBlendLLM
 from .nodes import DEFAULT_METADATA_MODE
@@ -21,11 +22,13 @@ from .precompute import precompute_index
 from .synthesizer import CacheBlendSynthesizer
 
 
-def _resolve_llm(llm: Optional[CacheBlendLLM], engine: Optional[CacheBlendEngine], gen: dict[str, Any]) -> CacheBlendLLM:
+def _resolve_llm(llm: CacheBlendLLM | None, engine: CacheBlendEngine | None, gen: dict[str, Any]) -> CacheBlendLLM:
     """``llm`` as given, else a CacheBlendLLM over ``engine`` (default: the bundled model)."""
     if llm is not None:
         if not isinstance(llm, CacheBlendLLM):
-            raise TypeError(f"llm must be a CacheBlendLLM, got {type(llm).__name__}: wrap your engine as CacheBlendLLM(engine=...)")
+            raise TypeError(
+                f"llm must be a CacheBlendLLM, got {type(llm).__name__}: wrap your engine as CacheBlendLLM(engine=...)"
+            )
         if engine is not None or gen:
             raise TypeError("pass either llm= or engine=/generation settings, not both")
         return llm
@@ -42,8 +45,8 @@ class CacheBlendQueryEngine(RetrieverQueryEngine):
         self,
         retriever: BaseRetriever,
         response_synthesizer: CacheBlendSynthesizer,
-        node_postprocessors: Optional[List[BaseNodePostprocessor]] = None,
-        callback_manager: Optional[CallbackManager] = None,
+        node_postprocessors: list[BaseNodePostprocessor] | None = None,
+        callback_manager: CallbackManager | None = None,
     ) -> None:
         if not isinstance(response_synthesizer, CacheBlendSynthesizer):
             raise TypeError(
@@ -56,20 +59,20 @@ class CacheBlendQueryEngine(RetrieverQueryEngine):
     def from_index(
         cls,
         index: Any,
-        engine: Optional[CacheBlendEngine] = None,
+        engine: CacheBlendEngine | None = None,
         similarity_top_k: int = 6,
         precompute: bool = True,
         streaming: bool = False,
         *,
         metadata_mode: MetadataMode = DEFAULT_METADATA_MODE,
-        node_postprocessors: Optional[List[BaseNodePostprocessor]] = None,
+        node_postprocessors: list[BaseNodePostprocessor] | None = None,
         show_progress: bool = True,
-        llm: Optional[CacheBlendLLM] = None,
-        text_qa_template: Optional[BasePromptTemplate] = None,
+        llm: CacheBlendLLM | None = None,
+        text_qa_template: BasePromptTemplate | None = None,
         neighbours: int = 2,
         source_scores: Literal["retriever", "attention"] = "retriever",
         **gen: Any,
-    ) -> "CacheBlendQueryEngine":
+    ) -> CacheBlendQueryEngine:
         """Query ``index`` with CacheBlend in one line.
 
         llm: the CacheBlendLLM to answer with (e.g. the one in ``Settings.llm``); else one is
@@ -94,8 +97,13 @@ class CacheBlendQueryEngine(RetrieverQueryEngine):
             precompute_index(index, llm.engine, progress=show_progress, metadata_mode=metadata_mode, neighbours=neighbours)
         elif neighbours:
             llm.engine.learn_neighbours(LearnConfig(neighbours=neighbours))
-        synth = CacheBlendSynthesizer(llm=llm, streaming=streaming, metadata_mode=metadata_mode, text_qa_template=text_qa_template,
-                                      source_scores=source_scores)
+        synth = CacheBlendSynthesizer(
+            llm=llm,
+            streaming=streaming,
+            metadata_mode=metadata_mode,
+            text_qa_template=text_qa_template,
+            source_scores=source_scores,
+        )
         return cls(
             retriever=index.as_retriever(similarity_top_k=similarity_top_k),
             response_synthesizer=synth,
@@ -106,21 +114,26 @@ class CacheBlendQueryEngine(RetrieverQueryEngine):
     def from_args(  # type: ignore[override]
         cls,
         retriever: BaseRetriever,
-        llm: Optional[CacheBlendLLM] = None,
-        node_postprocessors: Optional[List[BaseNodePostprocessor]] = None,
-        callback_manager: Optional[CallbackManager] = None,
+        llm: CacheBlendLLM | None = None,
+        node_postprocessors: list[BaseNodePostprocessor] | None = None,
+        callback_manager: CallbackManager | None = None,
         streaming: bool = False,
         metadata_mode: MetadataMode = DEFAULT_METADATA_MODE,
-        text_qa_template: Optional[BasePromptTemplate] = None,
-        engine: Optional[CacheBlendEngine] = None,
+        text_qa_template: BasePromptTemplate | None = None,
+        engine: CacheBlendEngine | None = None,
         source_scores: Literal["retriever", "attention"] = "retriever",
         **gen: Any,
-    ) -> "CacheBlendQueryEngine":
+    ) -> CacheBlendQueryEngine:
         """Like ``RetrieverQueryEngine.from_args`` but always with a CacheBlendSynthesizer
         (``llm``, else one over ``engine``, default the bundled model)."""
         llm = _resolve_llm(llm, engine, gen)
-        synth = CacheBlendSynthesizer(llm=llm, streaming=streaming, metadata_mode=metadata_mode, text_qa_template=text_qa_template,
-                                      source_scores=source_scores)
+        synth = CacheBlendSynthesizer(
+            llm=llm,
+            streaming=streaming,
+            metadata_mode=metadata_mode,
+            text_qa_template=text_qa_template,
+            source_scores=source_scores,
+        )
         return cls(retriever, synth, node_postprocessors, callback_manager)
 
     @property
@@ -135,7 +148,7 @@ class CacheBlendQueryEngine(RetrieverQueryEngine):
     def engine(self) -> CacheBlendEngine:
         return self.llm.engine
 
-    def with_retriever(self, retriever: BaseRetriever) -> "CacheBlendQueryEngine":
+    def with_retriever(self, retriever: BaseRetriever) -> CacheBlendQueryEngine:
         return type(self)(retriever, self.synthesizer, self._node_postprocessors, self.callback_manager)
 
     # Check the question before the retriever embeds it, so an empty one fails clearly and cheaply.

@@ -9,21 +9,24 @@ formatted over the chunks, and the chunks passed alongside so none of them is re
 
 from __future__ import annotations
 
-from typing import Any, AsyncGenerator, Callable, Dict, Generator, List, Literal, Optional, Sequence
+from collections.abc import AsyncGenerator, Callable, Generator, Sequence
+from typing import Any, Literal
 
 import llama_index.core.instrumentation as instrument
-from cacheblend_rag.prompt import validate_question
-from cacheblend_rag.sources import STATS_KEY as SOURCES_KEY, attention_by_text
+from llama_index.core.base.llms.types import CompletionResponseAsyncGen, CompletionResponseGen
 from llama_index.core.base.response.schema import RESPONSE_TYPE, Response, StreamingResponse
 from llama_index.core.callbacks.base import CallbackManager
 from llama_index.core.callbacks.schema import CBEventType, EventPayload
 from llama_index.core.instrumentation.events.synthesis import SynthesizeEndEvent, SynthesizeStartEvent
-from llama_index.core.base.llms.types import CompletionResponseAsyncGen, CompletionResponseGen
 from llama_index.core.prompts import BasePromptTemplate, PromptTemplate
 from llama_index.core.prompts.mixin import PromptDictType
 from llama_index.core.prompts.prompt_type import PromptType
 from llama_index.core.response_synthesizers.base import BaseSynthesizer, QueryTextType
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
+
+from cacheblend_rag.prompt import validate_question
+from cacheblend_rag.sources import STATS_KEY as SOURCES_KEY
+from cacheblend_rag.sources import attention_by_text
 
 from .llm import CacheBlendLLM
 from .nodes import DEFAULT_METADATA_MODE, has_text, node_chunks, node_text
@@ -97,18 +100,20 @@ class CacheBlendSynthesizer(BaseSynthesizer):
 
     def __init__(
         self,
-        llm: Optional[CacheBlendLLM] = None,
+        llm: CacheBlendLLM | None = None,
         *,
         engine: Any = None,
         streaming: bool = False,
         metadata_mode: MetadataMode = DEFAULT_METADATA_MODE,
-        callback_manager: Optional[CallbackManager] = None,
-        text_qa_template: Optional[BasePromptTemplate] = None,
+        callback_manager: CallbackManager | None = None,
+        text_qa_template: BasePromptTemplate | None = None,
         source_scores: Literal["retriever", "attention"] = "retriever",
         **gen: Any,
     ) -> None:
         if source_scores not in SOURCE_SCORES:
-            raise ValueError(f"source_scores={source_scores!r}: choose 'retriever' or 'attention' (the question's attention share)")
+            raise ValueError(
+                f"source_scores={source_scores!r}: choose 'retriever' or 'attention' (the question's attention share)"
+            )
         if llm is None:
             llm = CacheBlendLLM(engine=engine, **gen)
         elif not isinstance(llm, CacheBlendLLM):
@@ -135,7 +140,7 @@ class CacheBlendSynthesizer(BaseSynthesizer):
     def source_scores(self) -> str:
         return self._source_scores
 
-    def scored_sources(self, nodes: Sequence[NodeWithScore], stats: Dict[str, Any]) -> List[NodeWithScore]:
+    def scored_sources(self, nodes: Sequence[NodeWithScore], stats: dict[str, Any]) -> list[NodeWithScore]:
         """``nodes`` (the retrieved ones, in order) with the question's attention share as their
         score (see ``source_scores``), or unchanged when the stats hold none."""
         shares = stats.get(SOURCES_KEY)
@@ -181,9 +186,9 @@ class CacheBlendSynthesizer(BaseSynthesizer):
     def _prepare(
         self,
         query: QueryTextType,
-        nodes: List[NodeWithScore],
-        additional_source_nodes: Optional[Sequence[NodeWithScore]],
-    ) -> tuple[str, list[str], list[NodeWithScore], Dict[str, Any]]:
+        nodes: list[NodeWithScore],
+        additional_source_nodes: Sequence[NodeWithScore] | None,
+    ) -> tuple[str, list[str], list[NodeWithScore], dict[str, Any]]:
         """The question, the chunks, the source nodes and the response metadata of one request."""
         query_str = query.query_str if isinstance(query, QueryBundle) else query
         validate_question(query_str)
@@ -196,8 +201,8 @@ class CacheBlendSynthesizer(BaseSynthesizer):
     def synthesize(
         self,
         query: QueryTextType,
-        nodes: List[NodeWithScore],
-        additional_source_nodes: Optional[Sequence[NodeWithScore]] = None,
+        nodes: list[NodeWithScore],
+        additional_source_nodes: Sequence[NodeWithScore] | None = None,
         **response_kwargs: Any,
     ) -> RESPONSE_TYPE:
         dispatcher.event(SynthesizeStartEvent(query=query))
@@ -207,13 +212,15 @@ class CacheBlendSynthesizer(BaseSynthesizer):
             response: RESPONSE_TYPE
             if self._streaming:
                 responses = self.llm.stream_complete(prompt, formatted=True, chunks=chunks, **response_kwargs)
-                response = StreamingResponse(_deltas(responses, metadata, self._rescore(nodes, source_nodes)),
-                                             source_nodes=source_nodes, metadata=metadata)
+                response = StreamingResponse(
+                    _deltas(responses, metadata, self._rescore(nodes, source_nodes)), source_nodes=source_nodes, metadata=metadata
+                )
             else:
                 completion = self.llm.complete(prompt, formatted=True, chunks=chunks, **response_kwargs)
                 metadata[STATS_KEY] = completion.additional_kwargs["cacheblend"]
-                response = Response(completion.text, source_nodes=self._sources(nodes, source_nodes, metadata[STATS_KEY]),
-                                    metadata=metadata)
+                response = Response(
+                    completion.text, source_nodes=self._sources(nodes, source_nodes, metadata[STATS_KEY]), metadata=metadata
+                )
             event.on_end(payload={EventPayload.RESPONSE: response})
         dispatcher.event(SynthesizeEndEvent(query=query, response=response))
         return response
@@ -222,8 +229,8 @@ class CacheBlendSynthesizer(BaseSynthesizer):
     async def asynthesize(
         self,
         query: QueryTextType,
-        nodes: List[NodeWithScore],
-        additional_source_nodes: Optional[Sequence[NodeWithScore]] = None,
+        nodes: list[NodeWithScore],
+        additional_source_nodes: Sequence[NodeWithScore] | None = None,
         **response_kwargs: Any,
     ) -> RESPONSE_TYPE:
         dispatcher.event(SynthesizeStartEvent(query=query))
@@ -233,36 +240,43 @@ class CacheBlendSynthesizer(BaseSynthesizer):
             response: RESPONSE_TYPE
             if self._streaming and AsyncStreamingResponse is not None:
                 aresponses = await self.llm.astream_complete(prompt, formatted=True, chunks=chunks, **response_kwargs)
-                response = AsyncStreamingResponse(_adeltas(aresponses, metadata, self._rescore(nodes, source_nodes)),
-                                                  source_nodes=source_nodes, metadata=metadata)
+                response = AsyncStreamingResponse(
+                    _adeltas(aresponses, metadata, self._rescore(nodes, source_nodes)),
+                    source_nodes=source_nodes,
+                    metadata=metadata,
+                )
             elif self._streaming:  # pragma: no cover - older cores: a sync stream
                 responses = self.llm.stream_complete(prompt, formatted=True, chunks=chunks, **response_kwargs)
-                response = StreamingResponse(_deltas(responses, metadata, self._rescore(nodes, source_nodes)),
-                                             source_nodes=source_nodes, metadata=metadata)
+                response = StreamingResponse(
+                    _deltas(responses, metadata, self._rescore(nodes, source_nodes)), source_nodes=source_nodes, metadata=metadata
+                )
             else:
                 completion = await self.llm.acomplete(prompt, formatted=True, chunks=chunks, **response_kwargs)
                 metadata[STATS_KEY] = completion.additional_kwargs["cacheblend"]
-                response = Response(completion.text, source_nodes=self._sources(nodes, source_nodes, metadata[STATS_KEY]),
-                                    metadata=metadata)
+                response = Response(
+                    completion.text, source_nodes=self._sources(nodes, source_nodes, metadata[STATS_KEY]), metadata=metadata
+                )
             event.on_end(payload={EventPayload.RESPONSE: response})
         dispatcher.event(SynthesizeEndEvent(query=query, response=response))
         return response
 
-    def _sources(self, nodes: Sequence[NodeWithScore], source_nodes: List[NodeWithScore], stats: Dict[str, Any]) -> List[NodeWithScore]:
+    def _sources(
+        self, nodes: Sequence[NodeWithScore], source_nodes: list[NodeWithScore], stats: dict[str, Any]
+    ) -> list[NodeWithScore]:
         # The retrieved nodes rescored; additional source nodes were no chunk: as given.
-        return self.scored_sources(nodes, stats) + source_nodes[len(nodes):]
+        return self.scored_sources(nodes, stats) + source_nodes[len(nodes) :]
 
-    def _rescore(self, nodes: Sequence[NodeWithScore], source_nodes: List[NodeWithScore]) -> Callable[[Dict[str, Any]], None]:
+    def _rescore(self, nodes: Sequence[NodeWithScore], source_nodes: list[NodeWithScore]) -> Callable[[dict[str, Any]], None]:
         """For a stream: rescore the response's own ``source_nodes`` list once the stats arrive."""
         retrieved = list(nodes)
 
-        def on_stats(stats: Dict[str, Any]) -> None:
+        def on_stats(stats: dict[str, Any]) -> None:
             source_nodes[:] = self._sources(retrieved, source_nodes, stats)
 
         return on_stats
 
 
-def _rescored(node: NodeWithScore, share: Optional[float]) -> NodeWithScore:
+def _rescored(node: NodeWithScore, share: float | None) -> NodeWithScore:
     """A copy of ``node`` scored ``share``, the retriever's score kept in its metadata (excluded
     from the LLM's and the embedder's text, so the chunk text and its cache key stay the same).
     The node object itself may be the docstore's: it is never changed."""
@@ -273,8 +287,9 @@ def _rescored(node: NodeWithScore, share: Optional[float]) -> NodeWithScore:
     return NodeWithScore(node=base, score=share)
 
 
-def _deltas(responses: CompletionResponseGen, metadata: Dict[str, Any],
-            on_stats: Optional[Callable[[Dict[str, Any]], None]] = None) -> Generator[str, None, None]:
+def _deltas(
+    responses: CompletionResponseGen, metadata: dict[str, Any], on_stats: Callable[[dict[str, Any]], None] | None = None
+) -> Generator[str, None, None]:
     """The text deltas of a completion stream; its last response's stats go into ``metadata``
     and to ``on_stats``."""
     for r in responses:
@@ -286,8 +301,9 @@ def _deltas(responses: CompletionResponseGen, metadata: Dict[str, Any],
             yield r.delta
 
 
-async def _adeltas(responses: CompletionResponseAsyncGen, metadata: Dict[str, Any],
-                   on_stats: Optional[Callable[[Dict[str, Any]], None]] = None) -> AsyncGenerator[str, None]:
+async def _adeltas(
+    responses: CompletionResponseAsyncGen, metadata: dict[str, Any], on_stats: Callable[[dict[str, Any]], None] | None = None
+) -> AsyncGenerator[str, None]:
     async for r in responses:
         if "cacheblend" in r.additional_kwargs:
             metadata[STATS_KEY] = r.additional_kwargs["cacheblend"]
