@@ -48,13 +48,13 @@ class CacheBlendRetriever(BaseRetriever):
       generation. ``wait()`` blocks until it is done. The worker runs single-threaded, so it
       never slows the model's own thread (``cacheblend_rag.threads``).
 
-    ``neighbours`` (default 2; 0 turns it off) gives the chunks neighbour-aware caches, which answer
-    much closer to a full prefill: the engine learns which chunks are retrieved together and caches
-    each chunk behind its most frequent predecessors in the background
-    (``CacheBlendEngine.learn_neighbours``), and with ``precompute`` each retrieved chunk is also
-    cached behind its ``neighbours`` most similar chunks of the same retrieval right away. Cost: one
-    extra chunk prefill (behind ``neighbours`` chunks) per neighbour-aware cache, computed off the
-    request path, and their storage (up to 4 per chunk besides its plain cache).
+    ``neighbours`` (default 2; 0 turns it off): with ``precompute``, each retrieved chunk is also
+    cached behind its ``neighbours`` most similar chunks of the same retrieval, which answers much
+    closer to a full prefill. ``learn=True`` also has the engine learn which chunks are retrieved
+    together and cache each chunk behind its most frequent predecessors in the background
+    (``CacheBlendEngine.learn_neighbours``; a repeated question may then be answered differently
+    once, closer to full prefill). Cost: one extra chunk prefill (behind ``neighbours`` chunks) per
+    neighbour-aware cache, and its storage (up to 4 per chunk besides its plain cache).
 
     Give ``llm`` (a CacheBlendLLM/ChatCacheBlend) or ``engine``; ``registry`` overrides theirs.
     """
@@ -67,6 +67,7 @@ class CacheBlendRetriever(BaseRetriever):
     registry: ChunkRegistry | None = None
     precompute: Literal["sync", "background", False] = False
     neighbours: int = Field(default=2, ge=0)
+    learn: bool = False
 
     _pool: ThreadPoolExecutor | None = PrivateAttr(default=None)
     _pending: list[Future] = PrivateAttr(default_factory=list)
@@ -111,7 +112,7 @@ class CacheBlendRetriever(BaseRetriever):
         texts = [d.page_content for d in docs if d.page_content.strip()]
         engine, registry = self._target()
         registry.add(texts)
-        if engine is not None and self.neighbours:
+        if engine is not None and self.learn and self.neighbours:
             engine.learn_neighbours(LearnConfig(neighbours=self.neighbours))
         if not self.precompute or not texts:
             return
@@ -176,6 +177,7 @@ def precompute_vectorstore(
     batch_size: int = 32,
     progress: bool = True,
     neighbours: int = 2,
+    learn: bool = False,
 ) -> int:
     """Compute and store the KV of every document, and register their texts with the model.
 
@@ -184,9 +186,9 @@ def precompute_vectorstore(
     CacheBlendEngine. Already cached chunks are skipped. Returns how many chunks were computed.
     ``neighbours`` (default 2; 0: plain caches only) also caches each document prefilled behind
     its ``neighbours`` most similar documents of the whole collection (``CacheBlendEngine.precompute``:
-    about ``neighbours + 1`` times the plain precompute, and twice the storage), and has the engine
-    learn better neighbours from the chunks retrieved together (``CacheBlendEngine.learn_neighbours``);
-    precompute again after the collection changes.
+    about ``neighbours + 1`` times the plain precompute, and twice the storage); precompute again
+    after the collection changes. ``learn=True`` also has the engine learn better neighbours from
+    the chunks retrieved together (``CacheBlendEngine.learn_neighbours``).
     """
     if isinstance(neighbours, bool) or not isinstance(neighbours, int) or neighbours < 0:
         raise ValueError(f"neighbours={neighbours!r} must be an int >= 0 (0: plain chunk caches only)")
@@ -194,8 +196,9 @@ def precompute_vectorstore(
         raise ValueError(f"batch_size={batch_size} must be >= 1")
     engine, registry = _resolve(llm_or_engine)
     texts, total = _texts_of(vectorstore_or_documents)
-    if neighbours:
+    if learn and neighbours:
         engine.learn_neighbours(LearnConfig(neighbours=neighbours))
+    if neighbours:
         # Neighbours are chosen across the whole collection, not within a batch.
         everything = [t for t in texts if t.strip()]
         registry.add(everything)

@@ -58,9 +58,11 @@ def test_wrapper_needs_a_model():
 
 def test_precompute_vectorstore_and_document_lists(tiny_engine, vectorstore, documents):
     llm = CacheBlendLLM(engine=tiny_engine)
-    # By default each document also gets a cache behind its 2 nearest documents, and the engine
-    # learns neighbours from the traffic; neighbours=0 computes the plain caches only.
+    # By default each document also gets a cache behind its 2 nearest documents; neighbours=0
+    # computes the plain caches only, and learn=True has the engine learn neighbours as it answers.
     assert precompute_vectorstore(vectorstore, llm, batch_size=3, progress=False) == 2 * len(documents)
+    assert tiny_engine.learner is None
+    assert precompute_vectorstore(documents, tiny_engine, progress=False, learn=True) == 0
     assert tiny_engine.learner is not None and tiny_engine.learner.config.neighbours == 2
     assert all(tiny_engine.is_cached(d.page_content) and d.page_content in llm.chunk_registry for d in documents)
     assert precompute_vectorstore(documents, tiny_engine, progress=False) == 0  # already cached

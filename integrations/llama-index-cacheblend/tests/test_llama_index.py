@@ -136,7 +136,7 @@ def test_generation_settings_reach_the_engine(engine, index):
 
 # ---------------------------------------------------------------------------- caches
 def test_second_query_hits_every_chunk(engine, index):
-    qe = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, precompute=False, **GEN)
+    qe = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, precompute=False, learn=True, **GEN)
     first = qe.query(QUESTION).metadata["cacheblend"]
     assert (first["chunk_hits"], first["chunk_misses"]) == (0, TOP_K)
     engine.learner.wait()  # the nodes, retrieved together, are now also cached behind each other
@@ -246,17 +246,8 @@ def test_repeated_and_empty_nodes_get_no_share(engine):
 
 
 # ---------------------------------------------------------------------------- streaming and async
-def _learned(engine, qe) -> None:
-    """Serve QUESTION once and let the engine finish caching its nodes behind each other, so that
-    later answers to it come from the same caches (learned neighbours change the second answer)."""
-    qe.query(QUESTION)
-    engine.learner.wait()
-
-
 def test_streaming_yields_the_same_text(engine, index):
-    qe = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, **GEN)
-    _learned(engine, qe)
-    plain = qe.query(QUESTION)
+    plain = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, **GEN).query(QUESTION)
     streaming = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, streaming=True, **GEN)
     resp = streaming.query(QUESTION)
     assert "cacheblend" not in resp.metadata  # stats arrive with the end of the stream
@@ -268,7 +259,6 @@ def test_streaming_yields_the_same_text(engine, index):
 
 def test_async_query_matches_sync(engine, index):
     qe = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, **GEN)
-    _learned(engine, qe)
     sync = qe.query(QUESTION)
     resp = asyncio.run(qe.aquery(QUESTION))
     assert resp.response == sync.response

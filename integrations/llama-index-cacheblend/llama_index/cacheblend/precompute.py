@@ -45,14 +45,15 @@ def precompute_index(
     *,
     metadata_mode: MetadataMode = DEFAULT_METADATA_MODE,
     neighbours: int = 2,
+    learn: bool = False,
 ) -> int:
     """Store the chunk KV of every node of ``index`` (a tqdm bar when ``progress``).
 
     ``neighbours`` (default 2; 0: plain caches only) also caches each node prefilled behind its
     ``neighbours`` most similar nodes of the index (``CacheBlendEngine.precompute``): answers much
     closer to a full prefill, for about ``neighbours + 1`` times the precompute and twice the
-    storage; and the engine learns better neighbours from the nodes retrieved together
-    (``CacheBlendEngine.learn_neighbours``). Run it again after the index changes.
+    storage. Run it again after the index changes. ``learn=True`` also has the engine learn better
+    neighbours from the nodes retrieved together (``CacheBlendEngine.learn_neighbours``).
 
     Idempotent: nodes already cached are skipped. Returns how many chunks were computed. Nodes
     without text are skipped; an index with no text at all, or a node longer than the model's
@@ -68,7 +69,7 @@ def precompute_index(
         )
     chunks = node_chunks(eng, nodes, metadata_mode, what="nodes in the index")
     computed = eng.precompute(chunks, neighbours=neighbours, progress=progress)
-    if neighbours:
+    if learn and neighbours:
         eng.learn_neighbours(LearnConfig(neighbours=neighbours))
     return computed
 

@@ -70,6 +70,7 @@ class CacheBlendQueryEngine(RetrieverQueryEngine):
         llm: CacheBlendLLM | None = None,
         text_qa_template: BasePromptTemplate | None = None,
         neighbours: int = 2,
+        learn: bool = False,
         source_scores: Literal["retriever", "attention"] = "retriever",
         **gen: Any,
     ) -> CacheBlendQueryEngine:
@@ -86,16 +87,19 @@ class CacheBlendQueryEngine(RetrieverQueryEngine):
             the first query reuses caches. Without it a chunk is computed (and stored) the first
             time it is retrieved.
         neighbours: neighbour-aware caches (``precompute_index``; default 2, 0 turns them off):
-            each node also cached behind its most similar nodes, and behind the nodes it is
-            retrieved with as the engine learns them. Answers get closer to a full prefill's, so
-            a repeated query's answer may change once its nodes were learned.
+            each node also cached behind its most similar nodes; answers get closer to a full
+            prefill's.
+        learn: also cache nodes behind the nodes they are retrieved with, as the engine learns
+            them (``CacheBlendEngine.learn_neighbours``); a repeated query's answer may then change
+            once, towards full prefill's.
         **gen: CacheBlendLLM fields: mode ("cacheblend"), recompute_ratio (engine default 0.15),
             max_new_tokens (128), temperature (0.0), top_p, top_k, seed.
         """
         llm = _resolve_llm(llm, engine, gen)
         if precompute:
-            precompute_index(index, llm.engine, progress=show_progress, metadata_mode=metadata_mode, neighbours=neighbours)
-        elif neighbours:
+            precompute_index(index, llm.engine, progress=show_progress, metadata_mode=metadata_mode, neighbours=neighbours,
+                             learn=learn)
+        elif learn and neighbours:
             llm.engine.learn_neighbours(LearnConfig(neighbours=neighbours))
         synth = CacheBlendSynthesizer(
             llm=llm,
