@@ -99,6 +99,8 @@ ALLOWED_TABLES = {
     ("benchmarks.md", "| name | source | task / metric | context |"): "the datasets and where they come from",
     ("choosing.md", "| | models |"): "which model families load",
     ("choosing.md", "| entry point | default | turn it off |"): "which neighbour-cache default each entry point has",
+    ("sources.md", "| where | what you get |"): "where the shares appear, in words",
+    ("sources.md", "| mode | `chunk_attention` |"): "which modes report the shares",
     ("cluster.md", "| set-up | what it buys | what it costs |"): "the deployment steps compared in words",
     ("cli.md", "| variable | meaning |"): "environment variables",
     ("engine.md", "| mode | what is reused | what is computed |"): "what each mode does",

@@ -38,7 +38,7 @@ def test_attention_by_text_maps_shares_onto_the_texts_as_passed():
 
 def test_batched_answers_carry_chunk_attention(tokenizer, tmp_path):
     from cacheblend_rag import CacheBlendEngine
-    from cacheblend_rag.batching import Batcher
+    from cacheblend_rag.serving import Batcher
     from cacheblend_rag.store.disk import KVStore
     from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_model
 

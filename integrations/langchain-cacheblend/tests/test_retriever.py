@@ -141,6 +141,7 @@ def test_chain_maps_the_question_attention_onto_its_documents(tiny_engine, vecto
 
     inner = vectorstore.as_retriever(search_kwargs={"k": 3})
     docs = inner.invoke(QUESTION)
+    tiny_engine.precompute([d.page_content for d in docs], progress=False)  # every call below reads stored caches
     ref = tiny_engine.generate(QUESTION, [d.page_content for d in docs], max_new_tokens=5)
     shares = ref.stats["chunk_attention"]
     assert len(shares) == 3 and sum(shares) == pytest.approx(1.0)

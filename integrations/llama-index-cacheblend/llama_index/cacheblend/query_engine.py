@@ -97,8 +97,9 @@ class CacheBlendQueryEngine(RetrieverQueryEngine):
         """
         llm = _resolve_llm(llm, engine, gen)
         if precompute:
-            precompute_index(index, llm.engine, progress=show_progress, metadata_mode=metadata_mode, neighbours=neighbours,
-                             learn=learn)
+            precompute_index(
+                index, llm.engine, progress=show_progress, metadata_mode=metadata_mode, neighbours=neighbours, learn=learn
+            )
         elif learn and neighbours:
             llm.engine.learn_neighbours(LearnConfig(neighbours=neighbours))
         synth = CacheBlendSynthesizer(
