@@ -41,6 +41,31 @@ class RoomLayer(DynamicLayer):
         self._values[..., :n, :] = values
         self.keys, self.values = self._keys[..., :n, :], self._values[..., :n, :]
 
+    @classmethod
+    def stacked(cls, rows: list[tuple[torch.Tensor, torch.Tensor]], room: int = DEFAULT_ROOM) -> RoomLayer:
+        """One layer whose row ``j`` holds ``rows[j]`` (keys, values: [kv_heads, length_j, head_dim])
+        right-aligned, left-padded with zeros to the longest row.
+
+        Each row is copied once, straight into the buffer: a batch that gains or loses an answer
+        is rebuilt at the cost of one copy of its rows, not three (pad, concatenate, reserve)."""
+        layer = cls.__new__(cls)
+        DynamicLayer.__init__(layer)
+        keys0, values0 = rows[0]
+        width = max(k.shape[-2] for k, _ in rows)
+        layer.room = min(max(1, room), DEFAULT_ROOM)
+        layer.device, layer.is_initialized = keys0.device, True
+        layer._keys = keys0.new_empty((len(rows), keys0.shape[0], width + layer.room, keys0.shape[-1]))
+        layer._values = values0.new_empty((len(rows), values0.shape[0], width + layer.room, values0.shape[-1]))
+        for j, (k, v) in enumerate(rows):
+            pad = width - k.shape[-2]
+            # Padding is masked out, but a masked NaN would still reach the output (0 * NaN): zeros.
+            layer._keys[j, :, :pad] = 0
+            layer._values[j, :, :pad] = 0
+            layer._keys[j, :, pad:width] = k
+            layer._values[j, :, pad:width] = v
+        layer.keys, layer.values = layer._keys[..., :width, :], layer._values[..., :width, :]
+        return layer
+
     def _owns(self) -> bool:
         # Another method (batch_select_indices, reorder_cache, ...) may have replaced the views.
         return (
@@ -72,6 +97,17 @@ def room_cache(keys: list[torch.Tensor], values: list[torch.Tensor], room: int =
     for i, (k, v) in enumerate(zip(keys, values)):
         cache.update(k[..., :0, :], v[..., :0, :], i)  # creates layer i
         cache.layers[i] = RoomLayer(k, v, room)
+    return cache
+
+
+def stacked_cache(rows: list[tuple[list[torch.Tensor], list[torch.Tensor]]], room: int = DEFAULT_ROOM) -> DynamicCache:
+    """A batch's cache from its answers: ``rows[j]`` is answer ``j``'s per-layer keys and values
+    ([kv_heads, length_j, head_dim] each), left-padded to the longest (``RoomLayer.stacked``)."""
+    cache = DynamicCache()
+    for i in range(len(rows[0][0])):
+        layer = RoomLayer.stacked([(keys[i], values[i]) for keys, values in rows], room)
+        cache.update(layer.keys[..., :0, :], layer.values[..., :0, :], i)  # creates layer i
+        cache.layers[i] = layer
     return cache
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from cacheblend_rag.decode_cache import RoomLayer, room_cache, with_room
+from cacheblend_rag.decode_cache import RoomLayer, room_cache, stacked_cache, with_room
 from cacheblend_rag.testing import make_model
 
 STEPS = 6
@@ -70,3 +70,21 @@ def test_room_layer_starts_over_after_reset():
     k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
     got_k, got_v = cache.update(k, v, 0)
     assert torch.equal(got_k, k) and torch.equal(got_v, v) and cache.get_seq_length() == 3
+
+
+def test_stacked_cache_left_pads_rows_with_zeros_and_grows_in_place():
+    # A batch's cache built from answers of different lengths: each row right-aligned, the padding
+    # zeros (masked positions must not hold NaN: 0 * NaN reaches attention's output).
+    short = [torch.randn(2, 3, 8) for _ in range(2)], [torch.randn(2, 3, 8) for _ in range(2)]
+    long = [torch.randn(2, 5, 8) for _ in range(2)], [torch.randn(2, 5, 8) for _ in range(2)]
+    cache = stacked_cache([short, long], room=4)
+    for layer in range(2):
+        keys, values = cache.layers[layer].keys, cache.layers[layer].values
+        assert keys.shape == values.shape == (2, 2, 5, 8)
+        assert torch.equal(keys[0, :, :2], torch.zeros(2, 2, 8)) and torch.equal(values[0, :, :2], torch.zeros(2, 2, 8))
+        assert torch.equal(keys[0, :, 2:], short[0][layer]) and torch.equal(values[0, :, 2:], short[1][layer])
+        assert torch.equal(keys[1], long[0][layer]) and torch.equal(values[1], long[1][layer])
+    buffer = cache.layers[0]._keys.data_ptr()
+    new = torch.randn(2, 2, 1, 8)
+    k, _ = cache.update(new, new, 0)
+    assert k.shape[-2] == 6 and torch.equal(k[..., -1:, :], new) and cache.layers[0]._keys.data_ptr() == buffer

@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -30,7 +30,7 @@ from transformers import DynamicCache
 
 from ..backbone import cache_kwarg
 from ..config import SamplingParams
-from ..decode_cache import room_cache
+from ..decode_cache import stacked_cache
 from ..generation import Decoder, DecodeState, decode, eos_token_ids
 from ..threads import release_team
 
@@ -108,18 +108,21 @@ class DecodeBatch:
             sink.done(decoder.state())
             return
         keys, values = _layer_kv(cache)
-        keys = [k[..., :length, :] for k in keys]  # [1, kv_heads, length, head_dim]
-        values = [v[..., :length, :] for v in values]
+        rows = self._row_kv(range(len(self.rows)))
+        rows.append(([k[0, :, :length] for k in keys], [v[0, :, :length] for v in values]))  # [kv_heads, length, head_dim]
         mask = torch.ones(1, length, dtype=torch.long, device=first_logits.device)
-        if self.rows:
-            assert self.mask is not None and self.cache is not None
+        if self.mask is not None:
             width = max(self.mask.shape[1], length)
-            old_k, old_v = _layer_kv(self.cache)
-            keys = [torch.cat([_pad_left(a, width), _pad_left(b, width)]) for a, b in zip(old_k, keys)]
-            values = [torch.cat([_pad_left(a, width), _pad_left(b, width)]) for a, b in zip(old_v, values)]
             mask = torch.cat([_pad_left(self.mask, width), _pad_left(mask, width)])
         self.rows.append(_Row(decoder, sink, token, length))
-        self.cache, self.mask = room_cache(keys, values, self._room()), mask
+        self.cache, self.mask = stacked_cache(rows, self._room()), mask
+
+    def _row_kv(self, rows: Iterable[int], first: int = 0) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """Views of the given rows' per-layer K/V from column ``first`` on, for ``stacked_cache``."""
+        if self.cache is None:
+            return []
+        keys, values = _layer_kv(self.cache)
+        return [([k[i, :, first:] for k in keys], [v[i, :, first:] for v in values]) for i in rows]
 
     def _room(self) -> int:
         # Positions the longest-running answer may still add: the cache need not grow again.
@@ -182,13 +185,11 @@ class DecodeBatch:
             self.cache, self.mask = None, None
             return
         assert self.mask is not None and self.cache is not None
-        idx = torch.tensor(rows, device=self.mask.device)
-        mask = self.mask[idx]
+        mask = self.mask[torch.tensor(rows, device=self.mask.device)]
         # Drop the padding columns no remaining row needs (the row that left was the longest).
         first = int(mask.any(0).nonzero()[0])
         self.mask = mask[:, first:]
-        keys, values = _layer_kv(self.cache)
-        self.cache = room_cache([k[idx, :, first:] for k in keys], [v[idx, :, first:] for v in values], self._room())
+        self.cache = stacked_cache(self._row_kv(rows, first), self._room())
 
 
 def _cancelled(token_ids: list[int], text: str) -> DecodeState:
