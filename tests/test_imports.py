@@ -20,10 +20,7 @@ PACKAGE = "cacheblend_rag"
 # own packages, which depend on cacheblend-rag).
 NOT_FROM_THE_CORE = (f"{PACKAGE}.bench", "langchain_cacheblend", "llama_index.cacheblend")
 # Known cycles, each with the work that removes it.
-KNOWN_CYCLES: set[frozenset[str]] = {
-    # server/limits.py reads ServerConfig from server/app.py, which installs the limits.
-    frozenset({f"{PACKAGE}.server.app", f"{PACKAGE}.server.limits"}),
-}
+KNOWN_CYCLES: set[frozenset[str]] = set()
 
 
 def modules(root: Path, package: str = PACKAGE) -> dict[str, Path]:

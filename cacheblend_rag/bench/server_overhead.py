@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 
 from ..engine import CacheBlendEngine
-from ..server.app import ServerConfig, create_app
+from ..server import ServerConfig, create_app
 from ..server.live import BackgroundServer
 from ..threads import release_team
 from .datasets import load_hotpotqa

@@ -12,7 +12,7 @@ slow connections) is bounded here, and refused with OpenAI's error body naming t
   ``timeout_header_s``) and a cap on open connections that closes the oldest connection still
   waiting for its headers first, so idle connections cannot lock a working client out.
 * :func:`uvicorn_config`: uvicorn's own settings (keep-alive timeout, header size) from the
-  :class:`~.app.ServerConfig`.
+  :class:`~.config.ServerConfig`.
 """
 
 from __future__ import annotations
@@ -22,15 +22,14 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import h11
 import uvicorn
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-if TYPE_CHECKING:
-    from .app import ServerConfig
+from .config import ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +198,5 @@ def uvicorn_settings(config: ServerConfig) -> dict[str, Any]:
 def uvicorn_config(app: Any, config: ServerConfig | None = None, **kwargs: Any) -> uvicorn.Config:
     """A ``uvicorn.Config`` for ``app`` with the limits and timeouts of ``config`` (default: the
     one ``create_app`` stored on the app). ``kwargs`` go to uvicorn (host, port, log_level, ...)."""
-    from .app import ServerConfig
-
     config = config or getattr(getattr(app, "state", None), "server_config", None) or ServerConfig()
     return uvicorn.Config(app, **uvicorn_settings(config), **kwargs)

@@ -10,6 +10,7 @@ from typing import Any
 
 from .. import provenance
 from ..format_probe import probe_table
+from ..server_load import markdown_table as server_load_table
 from ..summary import markdown_table, pooled, speedup_over, summarize
 from ..whole_answer import WholeAnswerConfig, decode_step_table
 from ..whole_answer import markdown_table as whole_table
@@ -460,6 +461,35 @@ def _load_values(res: Results) -> dict[str, Any]:
     }
 
 
+# ----------------------------------------------------------------------------- the HTTP server under load
+SERVER_LOAD = "server_load_smollm2.json"
+SERVER_LOAD_ROWS = "server_load_smollm2.jsonl"
+
+
+def _server_load_values(res: Results) -> dict[str, Any]:
+    summary = {(e["max_batch"], e["clients"]): e for e in res.json(SERVER_LOAD)["summary"]}
+    alone = [r for r in res.rows(SERVER_LOAD_ROWS) if r["max_batch"] == 1 and r["clients"] == 1]
+    batched = max(b for b, _ in summary)
+    out: dict[str, Any] = {
+        "batch": batched,
+        "tokens": statistics.mean(r["tokens"] for r in alone),
+        "max_tokens": alone[0]["max_new_tokens"],
+        "ttft_alone": statistics.mean(r["ttft_s"] for r in alone),
+        "e2e_alone": statistics.mean(r["total_s"] for r in alone),
+        # The part of an answer served alone that batching cannot share: its prefill (time to
+        # first token), over the whole answer. Batched throughput is at most 1 / this.
+        "prefill_share": sum(r["ttft_s"] for r in alone) / sum(r["total_s"] for r in alone),
+    }
+    out["bound"] = 1 / out["prefill_share"]
+    for clients in sorted({c for _, c in summary}):
+        one, many = summary[(1, clients)], summary[(batched, clients)]
+        out[f"ratio_{clients}"] = many["answers_per_s"] / one["answers_per_s"]
+        out[f"ttft_p50_unbatched_{clients}"] = one["ttft_p50"]
+        out[f"ttft_p50_batched_{clients}"] = many["ttft_p50"]
+        out[f"per_step_{clients}"] = many["answers_per_step"]
+    return out
+
+
 # ----------------------------------------------------------------------------- the reliability load run
 RELIABILITY = "reliability_load_tiny.txt"
 
@@ -492,6 +522,7 @@ TABLES = {
         ("weight_formats_probe_smollm2.json",), lambda res: probe_table(res.json("weight_formats_probe_smollm2.json"))
     ),
     "load-smollm2": Table((LOAD,), _load_table),
+    "server-load-smollm2": Table((SERVER_LOAD,), lambda res: server_load_table(res.json(SERVER_LOAD)["summary"])),
     "reliability-load-tiny": Table((RELIABILITY,), lambda res: "```\n" + res.text(RELIABILITY).strip() + "\n```"),
 }
 
@@ -510,6 +541,7 @@ VALUES = {
     ),
     "load": Values((LOAD, "load_smollm2.jsonl"), _load_values),
     "reliability": Values((RELIABILITY,), _reliability_values),
+    "serverload": Values((SERVER_LOAD, SERVER_LOAD_ROWS), _server_load_values),
     "decode": Values(
         ("decode_step_smollm2.json",),
         lambda res: {k: res.json("decode_step_smollm2.json")["fp32"][k] for k in ("weight_mb", "kv_mb", "prompt_tokens")},

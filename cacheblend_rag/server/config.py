@@ -1,0 +1,69 @@
+"""How the server presents and protects its engine: :class:`ServerConfig`, read by the app
+(``app.py``) and by the connection limits it installs (``limits.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the server presents and protects its engine (docs/server.md lists every limit).
+
+    model_name: the name clients pass as ``model`` (None: the engine's ``model_id``). Any other
+        name is answered 404 ``model_not_found``, as OpenAI does.
+    max_batch: answers decoded together, one forward per token for all of them (default 8; 1:
+        one answer at a time). Requests are prefilled one at a time as they arrive.
+    max_queue: requests that may wait while ``max_batch`` run; one more gets 503 at once (default 8).
+
+    Request limits (one more is refused with 413 for the body, else 400, naming the limit):
+    max_body_bytes: bytes of one request body (default 8 MiB).
+    max_documents: documents of one request, from ``documents`` or chunk content parts (default 64).
+    max_document_chars: characters of one document (default 100,000).
+    max_stop_strings: stop strings of one request (default 16; OpenAI allows 4).
+    max_stop_chars: characters of one stop string (default 256).
+
+    Connections (uvicorn, through :func:`~.limits.uvicorn_config`):
+    timeout_header_s: seconds a connection may take to send a request's headers, counted from
+        its opening or the previous response; then it is closed (default 10).
+    timeout_body_s: seconds a request's body may take to arrive; then 408 (default 30).
+    timeout_keep_alive_s: seconds an idle keep-alive connection stays open (default 5, uvicorn's).
+    max_connections: open connections; one more closes the oldest one still waiting for its
+        headers, or itself if every other one is busy (default 128).
+    max_header_bytes: bytes of a request's headers (h11's ``max_incomplete_event_size``; default
+        16 KiB); more gets 400 from uvicorn.
+    """
+
+    model_name: str | None = None
+    max_batch: int = 8
+    max_queue: int = 8
+    max_body_bytes: int = 8 * 2**20
+    max_documents: int = 64
+    max_document_chars: int = 100_000
+    max_stop_strings: int = 16
+    max_stop_chars: int = 256
+    timeout_header_s: float = 10.0
+    timeout_body_s: float = 30.0
+    timeout_keep_alive_s: int = 5
+    max_connections: int = 128
+    max_header_bytes: int = 16 * 1024
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_batch",
+            "max_body_bytes",
+            "max_documents",
+            "max_document_chars",
+            "max_stop_strings",
+            "max_stop_chars",
+            "max_connections",
+            "max_header_bytes",
+            "timeout_keep_alive_s",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ServerConfig.{name}={value!r} must be an int >= 1")
+        for name in ("timeout_header_s", "timeout_body_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"ServerConfig.{name}={value!r} must be a number of seconds > 0")
