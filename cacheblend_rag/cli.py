@@ -20,22 +20,12 @@ COMMANDS_GROUP = "cacheblend_rag.commands"
 
 
 def split_text(text: str, tokenizer, max_tokens: int) -> list[str]:
-    """Split a document into chunks of whole paragraphs, each at most ``max_tokens`` tokens."""
-    chunks: list[str] = []
-    current: list[str] = []
-    size = 0
-    for para in (p.strip() for p in text.split("\n\n")):
-        if not para:
-            continue
-        n = len(tokenizer(para, add_special_tokens=False)["input_ids"])
-        if current and size + n > max_tokens:
-            chunks.append("\n\n".join(current))
-            current, size = [], 0
-        current.append(para)
-        size += n
-    if current:
-        chunks.append("\n\n".join(current))
-    return chunks
+    """Split a document into chunks of at most ``max_tokens`` of the model's tokens, at paragraph
+    breaks first, then lines, then words (langchain-text-splitters' recursive splitter)."""
+    from langchain_text_splitters import RecursiveCharacterTextSplitter
+
+    splitter = RecursiveCharacterTextSplitter.from_huggingface_tokenizer(tokenizer, chunk_size=max_tokens, chunk_overlap=0)
+    return [chunk for chunk in splitter.split_text(text) if chunk.strip()]
 
 
 def read_chunks(paths: list[str], tokenizer, max_tokens: int) -> list[str]:

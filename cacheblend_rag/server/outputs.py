@@ -32,7 +32,11 @@ DONE = "data: [DONE]\n\n"
 
 
 def sse(event: BaseModel) -> str:
-    """One server-sent event carrying ``event`` as JSON."""
+    """One server-sent event carrying ``event`` as JSON.
+
+    OpenAI's stream is bare ``data:`` lines ending in ``data: [DONE]``, one f-string; sse-starlette's
+    response would add what OpenAI clients do not expect (pings, its own disconnect handling,
+    which the worker's cancellation already does)."""
     return f"data: {event.model_dump_json()}\n\n"
 
 

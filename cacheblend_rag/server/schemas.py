@@ -3,6 +3,10 @@
 Unknown fields are ignored, as OpenAI clients add new optional ones over time; fields whose
 non-default value would change the answer in a way the engine cannot do (``n`` > 1, tools,
 logprobs, penalties, ...) are refused with a 400 rather than silently dropped.
+
+Our own pydantic models rather than the ``openai`` package's types: its request parameters are
+TypedDicts (no validation, nothing to refuse with), and its response models are the client's
+(every field optional on parse); these models validate strictly and state what the engine honours.
 """
 
 from __future__ import annotations
