@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from . import datasets as ds
-from .load import Pool, percentile
+from .load import Pool, summarize_setting
 from .methods import parse_methods
 
 SERVED_NAME = "bench"
@@ -274,20 +274,6 @@ def closed_loop(url: str, pool: Pool, clients: int, requests: int, body: dict[st
     if errors:
         raise errors[0]
     return rows, time.perf_counter() - t0
-
-
-def summarize_setting(rows: list[dict], wall_s: float) -> dict[str, float]:
-    ttft, total = [r["ttft_s"] for r in rows], [r["total_s"] for r in rows]
-    return {
-        "answers": len(rows),
-        "wall_s": wall_s,
-        "answers_per_s": len(rows) / wall_s if wall_s > 0 else float("nan"),
-        "tokens_per_s": sum(r["tokens"] for r in rows) / wall_s if wall_s > 0 else float("nan"),
-        "ttft_p50": percentile(ttft, 50),
-        "ttft_p95": percentile(ttft, 95),
-        "e2e_p50": percentile(total, 50),
-        "e2e_p95": percentile(total, 95),
-    }
 
 
 # ---------------------------------------------------------------------- the run
