@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from importlib.metadata import entry_points
 from pathlib import Path
 
 from . import __version__
-from .config import MODES
+from .config import MODES, BlendConfig
 from .paths import DataFileError
 from .weights import WEIGHT_FORMATS
 
@@ -59,10 +60,12 @@ def _ask(args: argparse.Namespace) -> int:
 
     if args.top_k < 0:
         raise SystemExit(f"error: --top-k {args.top_k}: pass a number of chunks >= 1, or 0 to send every chunk")
+    _check_guard(args.guard_margin)
     engine = CacheBlendEngine.from_pretrained(
         args.model, device=args.device, dtype=args.dtype, weights=args.weights, store=_store(args.store)
     )
     try:
+        _guarded(engine, args.guard_margin)
         corpus = read_chunks(args.files, engine.tokenizer, args.chunk_tokens)
         chunks = retrieve(args.question, corpus, args.top_k)
         if not args.no_neighbours:
@@ -134,6 +137,27 @@ STORE_HELP = (
 )
 
 
+GUARD_HELP = (
+    "the fidelity guard (BlendConfig.guard_margin): answer from a full prefill, on top of the blended one, "
+    "whenever the blended first-token margin (log-probability of the first token minus its runner-up's) is "
+    "below this, e.g. 0.5 (default: off); measure the trade with python -m cacheblend_rag.bench.guard_curve"
+)
+
+
+def _check_guard(margin: float | None) -> None:
+    """Refuse a bad ``--guard-margin`` before the model loads, with the config's own message."""
+    try:
+        BlendConfig(guard_margin=margin)
+    except ValueError as exc:
+        raise SystemExit(f"error: --guard-margin: {exc}") from None
+
+
+def _guarded(engine, margin: float | None) -> None:
+    """Give ``engine``'s config (calibrated or default) the guard's threshold."""
+    if margin is not None:
+        engine.config = replace(engine.config, guard_margin=margin)
+
+
 def _store(text: str | None) -> list[str] | None:
     """``--store disk,redis://...`` -> the tier list ``from_pretrained(store=...)`` takes."""
     return None if text is None else [part.strip() for part in text.split(",") if part.strip()]
@@ -167,10 +191,12 @@ def _serve(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:  # checked before the model loads
         raise SystemExit(f"error: {exc}") from None
+    _check_guard(args.guard_margin)
     engine = CacheBlendEngine.from_pretrained(
         args.model, device=args.device, dtype=args.dtype, weights=args.weights, store_dir=args.store_dir, store=_store(args.store)
     )
     try:
+        _guarded(engine, args.guard_margin)
         app = create_app(engine, config)
         # uvicorn stops on SIGINT/SIGTERM gracefully: it stops accepting connections, lets open
         # requests finish, then runs the app's shutdown (which drains the batcher).
@@ -228,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
         "more chunk cache of storage each; later calls reuse them",
     )
     ask.add_argument("--store", default=None, help=STORE_HELP)
+    ask.add_argument("--guard-margin", type=float, default=None, help=GUARD_HELP)
     ask.set_defaults(func=_ask)
     serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (docs/server.md)")
     serve.add_argument("--model", default=None, help="model dir, .gguf file or hub id (default: bundled SmolLM2-135M-Instruct)")
@@ -254,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
         "prefill behind up to 2 chunks per new cache; storage: up to 4 more caches per chunk), answers come "
         "closer to full prefill's, and a repeated request may be answered differently once its caches exist",
     )
+    serve.add_argument("--guard-margin", type=float, default=None, help=GUARD_HELP)
     serve.add_argument("--served-model-name", default=None, help="the name clients pass as model (default: the model's id)")
     serve.add_argument("--device", default="cpu")
     serve.add_argument("--dtype", default="float32")
