@@ -10,7 +10,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 from . import __version__
-from .config import MODES, BlendConfig
+from .config import FUSED_MODES, MODES, BlendConfig
 from .paths import DataFileError
 from .weights import WEIGHT_FORMATS
 
@@ -68,7 +68,7 @@ def _ask(args: argparse.Namespace) -> int:
         _guarded(engine, args.guard_margin)
         corpus = read_chunks(args.files, engine.tokenizer, args.chunk_tokens)
         chunks = retrieve(args.question, corpus, args.top_k)
-        if not args.no_neighbours:
+        if not args.no_neighbours and args.mode in FUSED_MODES:
             # Each retrieved chunk also cached behind its most similar chunks of all the files: the
             # neighbour index lives in this process, so this runs (cheaply, once cached) every time.
             engine.precompute(chunks, neighbours=ASK_NEIGHBOURS, corpus=corpus, progress=not args.json)
@@ -242,13 +242,15 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument(
         "--precompute",
         action="store_true",
-        help="with --no-neighbours: precompute the plain chunk caches first (not counted in TTFT); "
-        "without it they are computed during the answer",
+        help="precompute the plain chunk caches first (not counted in TTFT) where the default neighbour-aware "
+        "precompute does not run (--no-neighbours, or a --mode other than cacheblend and full_reuse); without it "
+        "missing caches are computed during the answer",
     )
     ask.add_argument(
         "--no-neighbours",
         action="store_true",
-        help="cache each chunk alone only. By default, before the question is timed, each retrieved chunk is also "
+        help="cache each chunk alone only. By default (--mode cacheblend or full_reuse), before the question is "
+        "timed, each retrieved chunk is also "
         f"cached behind its {ASK_NEIGHBOURS} most similar chunks of all the files (bundled MiniLM), which brings "
         f"answers much closer to full prefill's: about {ASK_NEIGHBOURS + 1} chunk prefills per new chunk and one "
         "more chunk cache of storage each; later calls reuse them",

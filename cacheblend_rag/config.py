@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, replace
 # full_recompute is the model's own forward; full_recompute_saved the same exact prefill with the
 # last-layer saving the fused modes get (only the last position runs attention and the MLP there).
 MODES = ("full_recompute", "full_recompute_saved", "prefix_caching", "full_reuse", "cacheblend")
+# The modes that fuse each chunk's own cache (neighbour-aware ones included) and read a BlendConfig.
+FUSED_MODES = ("full_reuse", "cacheblend")
 # How the cacheblend mode picks the context tokens it recomputes (BlendConfig.strategy).
 STRATEGIES = ("hkvd", "question", "chunk", "hybrid")
 
