@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from importlib.metadata import entry_points
 from pathlib import Path
 
 from . import __version__
-from .config import MODES
+from .config import FUSED_MODES, MODES, BlendConfig
 from .paths import DataFileError
 from .weights import WEIGHT_FORMATS
 
@@ -59,12 +60,19 @@ def _ask(args: argparse.Namespace) -> int:
 
     if args.top_k < 0:
         raise SystemExit(f"error: --top-k {args.top_k}: pass a number of chunks >= 1, or 0 to send every chunk")
+    _check_guard(args.guard_margin)
     engine = CacheBlendEngine.from_pretrained(
         args.model, device=args.device, dtype=args.dtype, weights=args.weights, store=_store(args.store)
     )
     try:
-        chunks = retrieve(args.question, read_chunks(args.files, engine.tokenizer, args.chunk_tokens), args.top_k)
-        if args.precompute:
+        _guarded(engine, args.guard_margin)
+        corpus = read_chunks(args.files, engine.tokenizer, args.chunk_tokens)
+        chunks = retrieve(args.question, corpus, args.top_k)
+        if not args.no_neighbours and args.mode in FUSED_MODES:
+            # Each retrieved chunk also cached behind its most similar chunks of all the files: the
+            # neighbour index lives in this process, so this runs (cheaply, once cached) every time.
+            engine.precompute(chunks, neighbours=ASK_NEIGHBOURS, corpus=corpus, progress=not args.json)
+        elif args.precompute:
             engine.precompute(chunks, progress=not args.json)
         stream = engine.stream(
             args.question,
@@ -97,13 +105,15 @@ def _ask(args: argparse.Namespace) -> int:
     print()
     print(
         f"[{s['mode']}] time to first token {res.ttft_s:.2f}s, {s['chunks']} chunks "
-        f"({s['chunk_hits']} cached, {s['chunk_misses']} computed now), "
+        f"({s['chunk_hits']} cached, {s['chunk_misses']} computed now, {s.get('neighbour_hits', 0)} behind their neighbours), "
         f"recomputed {100 * s['recompute_fraction']:.0f}% of token-layers",
         file=sys.stderr,
     )
     return 0
 
 
+# How many chunks ask caches each retrieved chunk behind (the engine's precompute(neighbours=n)).
+ASK_NEIGHBOURS = 2
 WEIGHTS_HELP = "linear layers' format: fp32 (default) or fp16 (CPU only: half the weight bytes per decoded token)"
 # ServerConfig's request limits and connection timeouts as `serve` flags (docs/server.md). The
 # defaults are ServerConfig's (this module must not import the server extra to build its parser);
@@ -125,6 +135,27 @@ STORE_HELP = (
     "chunk cache tiers below memory, fastest first, comma-separated: disk, redis://host:6379/0 "
     "(rediss:// for TLS); e.g. disk,redis://cache:6379/0 shares caches through Redis (default: disk)"
 )
+
+
+GUARD_HELP = (
+    "the fidelity guard (BlendConfig.guard_margin): answer from a full prefill, on top of the blended one, "
+    "whenever the blended first-token margin (log-probability of the first token minus its runner-up's) is "
+    "below this, e.g. 0.5 (default: off); measure the trade with python -m cacheblend_rag.bench.guard_curve"
+)
+
+
+def _check_guard(margin: float | None) -> None:
+    """Refuse a bad ``--guard-margin`` before the model loads, with the config's own message."""
+    try:
+        BlendConfig(guard_margin=margin)
+    except ValueError as exc:
+        raise SystemExit(f"error: --guard-margin: {exc}") from None
+
+
+def _guarded(engine, margin: float | None) -> None:
+    """Give ``engine``'s config (calibrated or default) the guard's threshold."""
+    if margin is not None:
+        engine.config = replace(engine.config, guard_margin=margin)
 
 
 def _store(text: str | None) -> list[str] | None:
@@ -155,14 +186,17 @@ def _serve(args: argparse.Namespace) -> int:
             model_name=args.served_model_name,
             max_batch=args.max_batch,
             max_queue=args.max_queue,
+            learn_neighbours=not args.no_neighbours,
             **{name: getattr(args, name) for name in _SERVER_LIMITS if getattr(args, name) is not None},
         )
     except ValueError as exc:  # checked before the model loads
         raise SystemExit(f"error: {exc}") from None
+    _check_guard(args.guard_margin)
     engine = CacheBlendEngine.from_pretrained(
         args.model, device=args.device, dtype=args.dtype, weights=args.weights, store_dir=args.store_dir, store=_store(args.store)
     )
     try:
+        _guarded(engine, args.guard_margin)
         app = create_app(engine, config)
         # uvicorn stops on SIGINT/SIGTERM gracefully: it stops accepting connections, lets open
         # requests finish, then runs the app's shutdown (which drains the batcher).
@@ -205,8 +239,24 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--device", default="cpu")
     ask.add_argument("--dtype", default="float32")
     ask.add_argument("--weights", default="fp32", choices=list(WEIGHT_FORMATS), help=WEIGHTS_HELP)
-    ask.add_argument("--precompute", action="store_true", help="precompute chunk caches first (not counted in TTFT)")
+    ask.add_argument(
+        "--precompute",
+        action="store_true",
+        help="precompute the plain chunk caches first (not counted in TTFT) where the default neighbour-aware "
+        "precompute does not run (--no-neighbours, or a --mode other than cacheblend and full_reuse); without it "
+        "missing caches are computed during the answer",
+    )
+    ask.add_argument(
+        "--no-neighbours",
+        action="store_true",
+        help="cache each chunk alone only. By default (--mode cacheblend or full_reuse), before the question is "
+        "timed, each retrieved chunk is also "
+        f"cached behind its {ASK_NEIGHBOURS} most similar chunks of all the files (bundled MiniLM), which brings "
+        f"answers much closer to full prefill's: about {ASK_NEIGHBOURS + 1} chunk prefills per new chunk and one "
+        "more chunk cache of storage each; later calls reuse them",
+    )
     ask.add_argument("--store", default=None, help=STORE_HELP)
+    ask.add_argument("--guard-margin", type=float, default=None, help=GUARD_HELP)
     ask.set_defaults(func=_ask)
     serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (docs/server.md)")
     serve.add_argument("--model", default=None, help="model dir, .gguf file or hub id (default: bundled SmolLM2-135M-Instruct)")
@@ -225,6 +275,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for name, (kind, help_text) in _SERVER_LIMITS.items():
         serve.add_argument("--" + name.removesuffix("_s").replace("_", "-"), dest=name, type=kind, default=None, help=help_text)
+    serve.add_argument(
+        "--no-neighbours",
+        action="store_true",
+        help="do not learn neighbour-aware chunk caches from the requests. By default each request's chunks are "
+        "also cached behind the chunks in front of them, in the background between requests (one more chunk "
+        "prefill behind up to 2 chunks per new cache; storage: up to 4 more caches per chunk), answers come "
+        "closer to full prefill's, and a repeated request may be answered differently once its caches exist",
+    )
+    serve.add_argument("--guard-margin", type=float, default=None, help=GUARD_HELP)
     serve.add_argument("--served-model-name", default=None, help="the name clients pass as model (default: the model's id)")
     serve.add_argument("--device", default="cpu")
     serve.add_argument("--dtype", default="float32")

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, replace
 # full_recompute is the model's own forward; full_recompute_saved the same exact prefill with the
 # last-layer saving the fused modes get (only the last position runs attention and the MLP there).
 MODES = ("full_recompute", "full_recompute_saved", "prefix_caching", "full_reuse", "cacheblend")
+# The modes that fuse each chunk's own cache (neighbour-aware ones included) and read a BlendConfig.
+FUSED_MODES = ("full_reuse", "cacheblend")
 # How the cacheblend mode picks the context tokens it recomputes (BlendConfig.strategy).
 STRATEGIES = ("hkvd", "question", "chunk", "hybrid")
 
@@ -70,6 +72,15 @@ class BlendConfig:
     neighbour_caches: use a chunk's cross-chunk-aware cache (``engine.precompute(...,
         neighbours=n)``: prefilled behind its most similar chunks) where one was computed. The
         prompt's first chunk always uses its plain cache, which is exact there.
+    guard_margin: the fidelity guard (``guard.py``), off by default (None). When the blended
+        prefill's first-token margin (top-1 minus top-2 log-probability of the first answer token,
+        from its own last logits) is below this, the prompt is prefilled again in full
+        (``full_recompute_saved``, exact) and answered from that: the answer is full prefill's, at
+        the cost of both prefills. Fused modes only (``cacheblend``, ``full_reuse``); every fused
+        prefill reports ``stats["first_token_margin"]`` and ``stats["escalated"]``. Pick the
+        threshold from ``python -m cacheblend_rag.bench.guard_curve`` (share escalated, agreement
+        and TTFT per threshold, from ``cacheblend-rag fidelity`` rows); ``float("inf")`` always
+        escalates.
     attention_groups: speed only, never the result: the recomputed tokens' attention runs in this
         many blocks of rows, each reading the keys up to its last position instead of the whole
         prompt (a causal prefill skips the masked half; scattered rows cannot). A minimum: a
@@ -92,8 +103,19 @@ class BlendConfig:
     neighbour_caches: bool = True
     context_temperature: float = 1.0
     context_scale: float = 1.0
+    guard_margin: float | None = None
 
     def __post_init__(self) -> None:
+        if self.guard_margin is not None and (
+            isinstance(self.guard_margin, bool)
+            or not isinstance(self.guard_margin, numbers.Real)
+            or math.isnan(self.guard_margin)
+            or self.guard_margin < 0
+        ):
+            raise ValueError(
+                f"guard_margin={self.guard_margin!r} must be None (no guard) or a log-probability margin >= 0, "
+                "e.g. 0.69 (first token less than twice as likely as the second: answer with a full prefill)"
+            )
         # bool is an int (True would silently mean 1.0) and "0.5" would fail deep in a comparison.
         if isinstance(self.recompute_ratio, bool) or not isinstance(self.recompute_ratio, numbers.Real):
             raise TypeError(

@@ -26,6 +26,7 @@ from .config import BlendConfig, SamplingParams, check_mode
 from .decode_step import FastDecodeStep
 from .fusor import FusionStats, fuse, question_pass
 from .generation import DecodeState, decode
+from .guard import ESCALATED, MARGIN, escalates, first_token_margin
 from .learned_neighbours import LearnConfig, NeighbourLearner
 from .planner import PrefixRequest
 from .prompt import DEFAULT_INSTRUCTION, PromptBuilder, PromptLayout, Segment, check_texts, check_unicode, named_chunks
@@ -329,7 +330,8 @@ class CacheBlendEngine:
             try:
                 if mode == "prefix_caching":
                     return self._prefix_prefill(layout, store, t0, avoid=lost_keys)
-                return self._fused_prefill(layout, mode, config, store, pipelined, t0, avoid=lost_keys)
+                fused = self._fused_prefill(layout, mode, config, store, pipelined, t0, avoid=lost_keys)
+                return self._guarded(fused, config, store, t0)
             except ChunkLost as lost:
                 # A record went bad, was evicted or its storage failed after the lookup: drop it and
                 # recompute it on the retry. The retry never loads a lost key again (even if a broken
@@ -343,6 +345,20 @@ class CacheBlendEngine:
                 except Exception as exc:  # noqa: BLE001 - a failing store must not fail the answer
                     log.warning("could not discard chunk %s: %r", lost.key[:16], exc)
         raise RuntimeError("chunk caches kept disappearing during load; is another process clearing the store?")
+
+    def _guarded(self, fused: PrefillResult, config: BlendConfig, store: ChunkStore, t0: float) -> PrefillResult:
+        """The fidelity guard (``guard.py``): ``fused``, or a full prefill of the same prompt when
+        ``fused``'s first-token margin is below ``config.guard_margin``. Both report the margin."""
+        margin = first_token_margin(fused.logits)
+        fused.stats.update({MARGIN: margin, ESCALATED: False})
+        if not escalates(margin, config.guard_margin):
+            return fused
+        layout = fused.layout
+        full = self._causal_prefill(layout, "full_recompute_saved", planner.plan_full(layout, self.device), store, t0)
+        full.stats.update({MARGIN: margin, ESCALATED: True, "blended_prefill_s": fused.stats["prefill_s"]})
+        if SOURCES_KEY in fused.stats:  # the question's attention per chunk, from the blended pass
+            full.stats[SOURCES_KEY] = fused.stats[SOURCES_KEY]
+        return full
 
     def _prefix_prefill(self, layout: PromptLayout, store: ChunkStore, t0: float, avoid: set[str]) -> PrefillResult:
         """Exact reuse of the longest prefix of segments cached behind exactly what precedes them
@@ -649,9 +665,11 @@ class GenerationStream:
             pre = self.engine.prefill(self.layout, self.mode, self.config, pipelined=self.pipelined, store=self.store)
             if cached is not None:
                 # Under prefix caching only the reused prefix comes from the store.
-                pre.stats["cache_read_tokens"] = (
-                    int(pre.stats.get("reused_prefix_tokens", 0)) if self.mode == "prefix_caching" else cached
-                )
+                if self.mode == "prefix_caching":
+                    cached = int(pre.stats.get("reused_prefix_tokens", 0))
+                elif pre.stats.get(ESCALATED):
+                    cached = 0  # the guard answered from a full prefill, which reads nothing
+                pre.stats["cache_read_tokens"] = cached
             self.prefill_result = pre
         return self.prefill_result
 

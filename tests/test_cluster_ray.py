@@ -69,7 +69,8 @@ def cluster(redis_server):
         spec = EngineSpec(
             factory="cacheblend_rag.testing:make_store_engine", factory_kwargs={"store": redis_server.url, "memory_bytes": 2**26}
         )
-        options = ClusterOptions(routing_stats_period_s=1.0, server={"model_name": MODEL})
+        # Learning off: a repeated request is compared with the first (and its reads counted).
+        options = ClusterOptions(routing_stats_period_s=1.0, server={"model_name": MODEL, "learn_neighbours": False})
         # Half a CPU each: both replicas and the front fit on Ray's two.
         app = build_app(spec, options, num_replicas=2, ray_actor_options={"num_cpus": 0.5})
         serve.run(app, name="cacheblend", route_prefix="/")

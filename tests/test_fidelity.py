@@ -122,9 +122,12 @@ def test_fidelity_run_scores_an_exact_method_as_agreeing(tmp_path, monkeypatch):
     # for full reuse).
     full_logits = {q: logits for name, q, logits in answered if name == "full_recompute"}
     reuse_logits = {q: logits for name, q, logits in answered if name == "full_reuse"}
+    own_logits = {(name, q): logits for name, q, logits in answered}
     for r in rows:
         assert r["margin_full"] == pytest.approx(first_token_margin(full_logits[r["question"]]), abs=1e-6)
         assert r["margin_full"] != pytest.approx(first_token_margin(reuse_logits[r["question"]]), abs=1e-6)
+        # ``margin`` is the method's own (what the fidelity guard reads: bench.guard_curve).
+        assert r["margin"] == pytest.approx(first_token_margin(own_logits[r["method"], r["question"]]), abs=1e-6)
     confident = [r for r in rows if r["method"] == "full_reuse" and r["margin_full"] >= math.log(2)]
     assert summary["full_reuse"]["n_confident"] == len(confident)
     if confident:

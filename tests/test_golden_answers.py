@@ -155,7 +155,8 @@ def _server_cases(engine, spec: dict) -> dict[str, str]:
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["text"]
 
-    with TestClient(create_app(engine, ServerConfig(model_name="m"))) as http:
+    # Learning off: a repeated request may otherwise be answered from a cache learned from the first.
+    with TestClient(create_app(engine, ServerConfig(model_name="m", learn_neighbours=False))) as http:
         for i, q in enumerate(qs):
             user = [{"role": "user", "content": q}]
             out[f"server/chat/documents/{i}"] = chat(user, documents=chunks)

@@ -3,6 +3,7 @@ never beside an answer; a chunk cached behind exactly the chunks in front of it 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -168,3 +169,60 @@ def test_an_unreadable_saved_file_is_ignored_with_a_warning(tokenizer, tmp_path,
         assert eng.generate(QUESTION, CHUNKS, max_new_tokens=2).text is not None
     finally:
         eng.close()
+
+
+# ---------------------------------------------------------------------- the refresh and answers in flight
+def _gate(learner, eng):
+    """Hold ``learner``'s refreshes back until the returned event is set (then they take the engine's
+    lock as usual): a refresh that takes long, as on a large model."""
+    opened = threading.Event()
+
+    @contextlib.contextmanager
+    def gated():
+        opened.wait()
+        with eng.lock:
+            yield
+
+    learner._lock = gated
+    return opened
+
+
+def test_requests_never_wait_for_a_refresh_and_the_queue_stays_bounded(tokenizer, tmp_path):
+    eng = _engine(tokenizer, tmp_path / "kv")
+    plain = _engine(tokenizer, tmp_path / "plain")
+    try:
+        learner = eng.learn_neighbours(LearnConfig(max_pending=2))
+        opened = _gate(learner, eng)
+        orders = [CHUNKS, CHUNKS[::-1], CHUNKS[1:] + CHUNKS[:1], CHUNKS[2:] + CHUNKS[:2]]
+        for chunks in orders:  # each answered while every refresh is still held back
+            got = eng.generate(QUESTION, chunks, max_new_tokens=4)
+            assert got.token_ids == plain.generate(QUESTION, chunks, max_new_tokens=4).token_ids
+        assert learner.computed == 0 and learner._jobs.qsize() <= 2  # one being held, the rest dropped beyond 2
+        opened.set()
+        learner.wait()
+        assert 1 <= learner.computed <= 3
+    finally:
+        eng.close()
+        plain.close()
+
+
+def test_a_refresh_between_an_answers_tokens_does_not_change_it(tokenizer, tmp_path):
+    eng = _engine(tokenizer, tmp_path / "kv")
+    plain = _engine(tokenizer, tmp_path / "plain")
+    try:
+        learner = eng.learn_neighbours()
+        opened = _gate(learner, eng)
+        eng.generate(QUESTION, CHUNKS, max_new_tokens=2)  # teaches: two refreshes queued, held back
+        stream = eng.stream(QUESTION, CHUNKS, max_new_tokens=12, temperature=0.0)
+        first = next(iter(stream))  # prefilled (with the caches there were) and answering
+        opened.set()
+        learner.wait()  # the learned caches are computed in the middle of the answer
+        assert learner.computed == 2
+        text = first + "".join(stream)
+        assert stream.result is not None and stream.result.stats["neighbour_hits"] == 0
+        ref = plain.generate(QUESTION, CHUNKS, max_new_tokens=12)
+        assert stream.result.token_ids == ref.token_ids and text == ref.text
+        assert eng.generate(QUESTION, CHUNKS, max_new_tokens=2).stats["neighbour_hits"] == 2  # used from now on
+    finally:
+        eng.close()
+        plain.close()

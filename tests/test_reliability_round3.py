@@ -137,7 +137,10 @@ def expected(engine):
 
 
 def _serve(engine, **limits) -> BackgroundServer:
-    return BackgroundServer(create_app(engine, ServerConfig(model_name=MODEL, **limits)), timeout_s=BOUND_S).start()
+    # Learning off: answers are compared with the engine's, before and after other requests.
+    return BackgroundServer(
+        create_app(engine, ServerConfig(model_name=MODEL, learn_neighbours=False, **limits)), timeout_s=BOUND_S
+    ).start()
 
 
 @pytest.fixture(scope="module")

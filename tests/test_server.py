@@ -66,7 +66,9 @@ def engine(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def live(engine):
-    server = LiveServer(create_app(engine, ServerConfig(model_name=MODEL))).start()
+    # Learning off: these tests compare the server's answers with the engine's, and a request repeated
+    # after a learned cache exists may be answered from it (test_the_default_server_learns_...).
+    server = LiveServer(create_app(engine, ServerConfig(model_name=MODEL, learn_neighbours=False))).start()
     yield server
     server.stop()
 
@@ -324,7 +326,9 @@ def test_body_that_is_not_json_is_a_400(live):
 # ---------------------------------------------------------------------- admission and cancellation
 def test_full_queue_answers_503_and_queued_requests_still_finish(engine, expected):
     # --max-batch 1: one answer at a time, one waiting (--max-queue 1), the next refused.
-    server = LiveServer(create_app(engine, ServerConfig(model_name=MODEL, max_batch=1, max_queue=1))).start()
+    server = LiveServer(
+        create_app(engine, ServerConfig(model_name=MODEL, max_batch=1, max_queue=1, learn_neighbours=False))
+    ).start()
     client = server.client()
     ask = lambda: _chat(client, messages=_user(), extra_body={"documents": SAMPLE_CHUNKS})  # noqa: E731
     try:
@@ -420,7 +424,7 @@ def test_job_stops_producing_once_the_consumer_leaves():
 
 
 def test_graceful_shutdown_finishes_the_request_in_flight(engine, expected):
-    server = LiveServer(create_app(engine, ServerConfig(model_name=MODEL))).start()
+    server = LiveServer(create_app(engine, ServerConfig(model_name=MODEL, learn_neighbours=False))).start()
     client = server.client()
     with ThreadPoolExecutor(1) as pool:
         with engine.lock:
@@ -441,13 +445,51 @@ def test_graceful_shutdown_finishes_the_request_in_flight(engine, expected):
     assert not server.thread.is_alive()
 
 
+# ---------------------------------------------------------------------- learned neighbours
+def test_the_default_server_learns_neighbour_caches_from_its_requests_and_uses_them(tmp_path):
+    from fastapi.testclient import TestClient
+
+    eng = make_engine("llama", seed=0, store_dir=tmp_path / "kv", pipelined=False)
+    hits: list[int] = []
+    prefill = eng.prefill
+
+    def counted(*args, **kwargs):
+        pre = prefill(*args, **kwargs)
+        hits.append(pre.stats.get("neighbour_hits", 0))
+        return pre
+
+    eng.prefill = counted
+    body = {"model": MODEL, "messages": _user(), "documents": SAMPLE_CHUNKS, "max_tokens": 2}
+    try:
+        with TestClient(create_app(eng, ServerConfig(model_name=MODEL))) as http:
+            assert eng.learner is not None
+            assert http.post("/v1/chat/completions", json=body).status_code == 200
+            eng.learner.wait()  # the refresh runs off the request path
+            assert eng.learner.computed == len(SAMPLE_CHUNKS) - 1
+            assert http.post("/v1/chat/completions", json=body).status_code == 200
+        assert hits == [0, len(SAMPLE_CHUNKS) - 1]  # every chunk but the first served its learned cache
+    finally:
+        eng.close()
+
+
+def test_learning_off_leaves_the_engine_as_it_was(tmp_path):
+    eng = make_engine("llama", seed=0, store_dir=tmp_path / "kv", pipelined=False)
+    try:
+        create_app(eng, ServerConfig(learn_neighbours=False))
+        assert eng.learner is None
+    finally:
+        eng.close()
+    with pytest.raises(ValueError, match="learn_neighbours"):
+        ServerConfig(learn_neighbours="no")
+
+
 # ---------------------------------------------------------------------- CLI
 def test_serve_subcommand_builds_the_app_from_its_flags(monkeypatch, tmp_path):
     seen: dict = {}
 
     def fake_from_pretrained(cls, model=None, **kwargs):
         seen["load"] = (model, kwargs)
-        eng = make_engine("llama", seed=0, store_dir=tmp_path / "kv", pipelined=False)
+        eng = seen["engine"] = make_engine("llama", seed=0, store_dir=tmp_path / "kv", pipelined=False)
         close = eng.close
         eng.close = lambda: (seen.setdefault("closed", True), close())
         return eng
@@ -497,6 +539,9 @@ def test_serve_subcommand_builds_the_app_from_its_flags(monkeypatch, tmp_path):
     assert seen["run"]["host"] == "127.0.0.1" and seen["run"]["port"] == 9123
     assert seen["health"]["max_queue"] == 3 and seen["health"]["max_batch"] == 2 and seen["health"]["model"] == "rag"
     assert seen["closed"]  # the engine is closed when the server stops
+    assert seen["engine"].learner is not None  # learned neighbours by default
+    assert cli.main(["serve", "--store-dir", str(tmp_path / "s"), "--no-neighbours"]) == 0
+    assert seen["engine"].learner is None
 
 
 def test_engine_failure_is_a_500_in_openai_form():
@@ -509,7 +554,7 @@ def test_engine_failure_is_a_500_in_openai_form():
         def open_stream(self, *args, **kwargs):
             raise RuntimeError("out of memory")
 
-    with TestClient(create_app(Broken()), raise_server_exceptions=False) as http:
+    with TestClient(create_app(Broken(), ServerConfig(learn_neighbours=False)), raise_server_exceptions=False) as http:
         body = {"model": "broken", "messages": _user(), "documents": ["a doc"]}
         r = http.post("/v1/chat/completions", json=body)
         assert r.status_code == 500 and "RuntimeError: out of memory" in r.json()["error"]["message"]

@@ -45,7 +45,8 @@ def engine(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def live(engine):
-    app = create_app(engine, ServerConfig(model_name=MODEL, max_batch=4))
+    # Learning off: batched answers are compared with answers computed one at a time.
+    app = create_app(engine, ServerConfig(model_name=MODEL, max_batch=4, learn_neighbours=False))
     server = BackgroundServer(app, timeout_s=TIMEOUT).start()
     server.batcher = app.state.batcher
     yield server

@@ -10,7 +10,11 @@ over the same retrieved chunks. A row per (question, method) holds:
 - ``tf_loglik``: mean log-likelihood of full prefill's answer tokens, teacher-forced over the
   method's own prefill cache. Unlike the next-token KL it sees errors the cache causes while
   decoding (a later answer token that the stale K/V makes unlikely);
-- ``ttft_s`` / ``ttft_full_s``: time to first token of the method and of full prefill.
+- ``ttft_s`` / ``ttft_full_s``: time to first token of the method and of full prefill;
+- ``margin`` / ``margin_full``: the first-token margin (top-1 minus top-2 log-probability) of the
+  method's own prefill and of full prefill's. ``margin`` is what the fidelity guard
+  (``BlendConfig.guard_margin``) reads, so ``bench.guard_curve`` computes the guard's trade from
+  these rows (with a ``full_recompute_saved`` row per question for the escalations' cost).
 
 The summary gives each method's means with paired bootstrap 95% intervals (F1 difference to full
 prefill, TTFT ratio) and, when ``full_reuse`` ran, the KL ratio to it and the share of questions
@@ -35,6 +39,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from ..guard import first_token_margin
 from ..metrics import next_token_kl, normalize_answer, qa_f1, token_f1
 from ..neighbours import nearest
 from . import datasets as ds
@@ -136,12 +141,6 @@ def answer_once(engine, method: Method, question: str, chunks: list[str], budget
 # perturbation far smaller than any reuse error (a KL of 0.01) can swap the two and with them the
 # whole greedy answer, so exact agreement there says more about the reader than about the cache.
 CONFIDENT_MARGIN = math.log(2.0)
-
-
-def first_token_margin(logits: torch.Tensor) -> float:
-    """Log-probability gap between the two most likely next tokens (``logits``: [vocab])."""
-    top = torch.log_softmax(logits.float(), -1).topk(2).values
-    return float(top[0] - top[1])
 
 
 def neighbours_in_prompt(chunks: list[str], pool: list[str], n: int, embed) -> float:
@@ -290,6 +289,7 @@ def _run(
                     kl=next_token_kl(ref_pre.logits, pre.logits),
                     tf_loglik=teacher_forced_loglik(engine, pre.cache, pre.logits, start, target, pre.attention_kwargs),
                     ttft_s=res.ttft_s,
+                    margin=first_token_margin(pre.logits),
                     recompute_fraction=s.get("recompute_fraction"),
                     neighbour_hits=s.get("neighbour_hits", 0),
                     time=time.time(),

@@ -58,10 +58,11 @@ class Method:
 
     def blend_config(self, base: BlendConfig) -> BlendConfig | None:
         """The config of this method's prefill. Benchmarks compare chunk caches explicitly:
-        neighbour-aware caches are used only by methods named with "/nb"."""
+        neighbour-aware caches are used only by methods named with "/nb", and the fidelity guard
+        never runs (its trade is computed from the rows: ``bench.guard_curve``)."""
         if not self.is_kv:
             return None
-        cfg = replace(base, neighbour_caches=False)
+        cfg = replace(base, neighbour_caches=False, guard_margin=None)
         if self.mode == "cacheblend":
             cfg = cfg.with_ratio(self.ratio)
             if self.criterion:

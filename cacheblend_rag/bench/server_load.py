@@ -145,6 +145,9 @@ class SubprocessServer:
             store_dir,
             "--served-model-name",
             SERVED_NAME,
+            # Every --max-batch setting answers over the same plain caches: learning would give the
+            # settings measured later caches the earlier ones taught, and refreshes the first only.
+            "--no-neighbours",
             "--device",
             device,
             "--weights",
@@ -285,7 +288,9 @@ def _servers(cfg: ServerLoadConfig, engine, out: Path) -> Iterator[tuple[int, An
             from ..server import ServerConfig, create_app
             from ..server.live import BackgroundServer
 
-            app = create_app(engine, ServerConfig(model_name=SERVED_NAME, max_batch=max_batch, max_queue=max_queue))
+            app = create_app(
+                engine, ServerConfig(model_name=SERVED_NAME, max_batch=max_batch, max_queue=max_queue, learn_neighbours=False)
+            )
             server: Any = BackgroundServer(app, timeout_s=cfg.start_timeout_s).start()
         else:
             server = SubprocessServer(

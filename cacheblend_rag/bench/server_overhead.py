@@ -89,7 +89,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 _in_process(engine, question, chunks, args.max_tokens)
             rows = []
             with (
-                BackgroundServer(create_app(engine, ServerConfig())) as server,
+                # Learning off: the server must do the in-process engine's work, over the same caches.
+                BackgroundServer(create_app(engine, ServerConfig(learn_neighbours=False))) as server,
                 httpx.Client(base_url=server.url, timeout=300.0) as http,
             ):
                 _over_http(http, engine.model_id, *cases[0], args.max_tokens)

@@ -101,6 +101,9 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     ``rows_stepped`` count decode steps and the answers they advanced)."""
     config = config or ServerConfig()
     name = config.model_name or engine.model_id
+    if config.learn_neighbours:
+        # A request's own chunks are the evidence of which chunks precede which (no corpus here).
+        engine.learn_neighbours()
     worker = EngineWorker(engine, config.max_queue, config.max_batch)
     started = int(time.time())
 

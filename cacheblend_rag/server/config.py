@@ -15,6 +15,14 @@ class ServerConfig:
     max_batch: answers decoded together, one forward per token for all of them (default 8; 1:
         one answer at a time). Requests are prefilled one at a time as they arrive.
     max_queue: requests that may wait while ``max_batch`` run; one more gets 503 at once (default 8).
+    learn_neighbours: learn neighbour-aware chunk caches from the traffic (default True;
+        ``serve --no-neighbours`` turns it off): ``create_app`` calls ``engine.learn_neighbours()``,
+        so after a request its chunks are also cached behind the chunks in front of them, in the
+        background between requests (one chunk prefill behind up to 2 chunks per new cache, at most
+        4 such caches per chunk), and later requests with those chunks use them. Answers come
+        closer to full prefill's, but are no longer a function of the request alone: a request
+        repeated after its learned caches exist may be answered differently, once. False keeps every
+        answer reproducible (it does not stop an engine that already learns).
 
     Request limits (one more is refused with 413 for the body, else 400, naming the limit):
     max_body_bytes: bytes of one request body (default 8 MiB).
@@ -37,6 +45,7 @@ class ServerConfig:
     model_name: str | None = None
     max_batch: int = 8
     max_queue: int = 8
+    learn_neighbours: bool = True
     max_body_bytes: int = 8 * 2**20
     max_documents: int = 64
     max_document_chars: int = 100_000
@@ -49,6 +58,8 @@ class ServerConfig:
     max_header_bytes: int = 16 * 1024
 
     def __post_init__(self) -> None:
+        if not isinstance(self.learn_neighbours, bool):
+            raise ValueError(f"ServerConfig.learn_neighbours={self.learn_neighbours!r} must be True or False")
         for name in (
             "max_batch",
             "max_body_bytes",

@@ -517,3 +517,16 @@ def test_blank_documents_are_left_out_by_both_models(tiny_engine, documents):
     llm = CacheBlendLLM(engine=tiny_engine, max_new_tokens=N, registry=ChunkRegistry())
     assert chat.invoke({"question": QUESTION, "context": docs}).content == ref.text
     assert llm.invoke({"question": QUESTION, "context": docs}) == ref.text
+
+
+def test_the_fidelity_guard_comes_with_the_engines_config(tiny_engine, documents):
+    from dataclasses import replace
+
+    x = {"question": QUESTION, "context": documents[:2]}
+    full = tiny_engine.generate(QUESTION, texts(documents[:2]), max_new_tokens=N, mode="full_recompute_saved")
+    tiny_engine.config = replace(tiny_engine.config, guard_margin=float("inf"))  # always below: always escalated
+    llm = CacheBlendLLM(engine=tiny_engine, max_tokens=N)
+    res = llm.generate_prompt([llm._convert_input(x)])
+    info = res.generations[0][0].generation_info
+    assert info["escalated"] is True and info["first_token_margin"] >= 0
+    assert res.generations[0][0].text == full.text
