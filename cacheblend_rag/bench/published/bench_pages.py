@@ -9,6 +9,7 @@ import statistics
 from typing import Any
 
 from .. import provenance
+from ..batch_step import markdown_table as batch_step_table
 from ..format_probe import probe_table
 from ..server_load import markdown_table as server_load_table
 from ..summary import markdown_table, pooled, speedup_over, summarize
@@ -464,6 +465,18 @@ def _load_values(res: Results) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- the HTTP server under load
 SERVER_LOAD = "server_load_smollm2.json"
 SERVER_LOAD_ROWS = "server_load_smollm2.jsonl"
+BATCH_STEP = "batch_step_smollm2.json"
+
+
+def _batch_step_values(res: Results) -> dict[str, Any]:
+    d = res.json(BATCH_STEP)
+    out: dict[str, Any] = {"tokens": d["tokens"]}
+    for fmt, entries in d["formats"].items():
+        alone = entries[0]["step_ms"]
+        for e in entries:
+            out[f"{fmt}_{e['rows']}_ms"] = e["step_ms"]
+            out[f"{fmt}_{e['rows']}_gain"] = alone / e["per_answer_ms"]
+    return out
 
 
 def _server_load_values(res: Results) -> dict[str, Any]:
@@ -481,6 +494,10 @@ def _server_load_values(res: Results) -> dict[str, Any]:
         "prefill_share": sum(r["ttft_s"] for r in alone) / sum(r["total_s"] for r in alone),
     }
     out["bound"] = 1 / out["prefill_share"]
+    # With decoding shared as the measured 4-answer step shares it (batch_step): the prefill share
+    # unchanged, the rest divided by that step's gain per answer.
+    gain = _batch_step_values(res)["fp32_4_gain"]
+    out["bound_4"] = 1 / (out["prefill_share"] + (1 - out["prefill_share"]) / gain)
     for clients in sorted({c for _, c in summary}):
         one, many = summary[(1, clients)], summary[(batched, clients)]
         out[f"ratio_{clients}"] = many["answers_per_s"] / one["answers_per_s"]
@@ -522,6 +539,7 @@ TABLES = {
         ("weight_formats_probe_smollm2.json",), lambda res: probe_table(res.json("weight_formats_probe_smollm2.json"))
     ),
     "load-smollm2": Table((LOAD,), _load_table),
+    "batch-step-smollm2": Table((BATCH_STEP,), lambda res: batch_step_table(res.json(BATCH_STEP))),
     "server-load-smollm2": Table((SERVER_LOAD,), lambda res: server_load_table(res.json(SERVER_LOAD)["summary"])),
     "reliability-load-tiny": Table((RELIABILITY,), lambda res: "```\n" + res.text(RELIABILITY).strip() + "\n```"),
 }
@@ -541,7 +559,8 @@ VALUES = {
     ),
     "load": Values((LOAD, "load_smollm2.jsonl"), _load_values),
     "reliability": Values((RELIABILITY,), _reliability_values),
-    "serverload": Values((SERVER_LOAD, SERVER_LOAD_ROWS), _server_load_values),
+    "batchstep": Values((BATCH_STEP,), _batch_step_values),
+    "serverload": Values((SERVER_LOAD, SERVER_LOAD_ROWS, BATCH_STEP), _server_load_values),
     "decode": Values(
         ("decode_step_smollm2.json",),
         lambda res: {k: res.json("decode_step_smollm2.json")["fp32"][k] for k in ("weight_mb", "kv_mb", "prompt_tokens")},
