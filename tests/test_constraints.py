@@ -57,9 +57,14 @@ def test_bitmask_is_read_bit_by_bit_and_tokens_past_it_are_refused():
 
 
 def test_closed_objects_closes_every_object_but_keeps_explicit_choices():
-    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "string"}}},
-                                               "c": {"type": "array", "items": {"properties": {"d": {}}}},
-                                               "e": {"type": "object", "properties": {}, "additionalProperties": True}}}
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "object", "properties": {"b": {"type": "string"}}},
+            "c": {"type": "array", "items": {"properties": {"d": {}}}},
+            "e": {"type": "object", "properties": {}, "additionalProperties": True},
+        },
+    }
     out = closed_objects(schema)
     assert out["additionalProperties"] is False
     assert out["properties"]["a"]["additionalProperties"] is False
@@ -94,8 +99,9 @@ def test_greedy_choice_is_the_argmax_among_the_allowed_tokens(engine):
 @pytest.mark.parametrize("seed", [None, 0, 1])
 def test_constrained_answers_parse_and_match_the_schema(engine, mode, seed):
     sampling = {} if seed is None else {"temperature": 1.0, "seed": seed}
-    res = engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, mode=mode, max_new_tokens=120,
-                          constraint=Grammar.json_schema(SCHEMA), **sampling)
+    res = engine.generate(
+        SAMPLE_QUESTION, SAMPLE_CHUNKS, mode=mode, max_new_tokens=120, constraint=Grammar.json_schema(SCHEMA), **sampling
+    )
     assert res.finish_reason == "stop", res.text
     jsonschema.validate(json.loads(res.text), SCHEMA)
 
@@ -126,8 +132,7 @@ def test_plain_chats_take_the_constraint_too(engine):
 
 
 def test_a_grammar_that_ends_stops_the_answer_even_with_ignore_eos(engine):
-    res = engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, max_new_tokens=50, ignore_eos=True,
-                          constraint=Grammar.regex("a|b"))
+    res = engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, max_new_tokens=50, ignore_eos=True, constraint=Grammar.regex("a|b"))
     assert res.text in ("a", "b") and res.finish_reason == "stop"
 
 

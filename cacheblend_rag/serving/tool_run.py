@@ -20,39 +20,43 @@ from .request import Request
 from .run import Run
 
 if TYPE_CHECKING:
-    from ..engine import CacheBlendEngine
+    from ..engine import CacheBlendEngine, GenerationResult
+    from ..prompt import PromptLayout
     from .batcher import Batcher
 
 
-class ToolRun(Run):
+class ToolRun:
     """A :class:`~.run.Run` whose answer may hold tool calls (``parse``): iterating yields the
     text outside them (``tools.CallStream``); once it ends ``result.text`` is that text, its stats
-    count the calls and :attr:`parsed` holds them."""
+    count the calls and :attr:`parsed` holds them. Otherwise it is the run itself (``request``,
+    ``layout``, ``cancel``)."""
 
-    def __init__(
-        self,
-        engine: CacheBlendEngine,
-        request: Request,
-        *,
-        parse: bool,
-        names: Sequence[str] = (),
-        batcher: Batcher | None = None,
-    ):
-        super().__init__(engine, request, batcher=batcher)
-        self.parse, self.names = parse, tuple(names)
+    def __init__(self, run: Run, *, parse: bool, names: Sequence[str] = ()):
+        self.run, self.parse, self.names = run, parse, tuple(names)
+        self.request = run.request
+        self.result: GenerationResult | None = None
         self.parsed = ParsedAnswer("")
 
+    @property
+    def layout(self) -> PromptLayout:
+        return self.run.layout
+
+    @property
+    def cancelled(self) -> bool:
+        return self.run.cancelled
+
+    def cancel(self) -> None:
+        self.run.cancel()
+
     def __iter__(self) -> Iterator[str]:
-        if not self.parse:
-            yield from super().__iter__()
-            return
-        calls = CallStream(self.names)
-        for delta in super().__iter__():
-            ready = calls.feed(delta)
+        calls = CallStream(self.names) if self.parse else None
+        for delta in self.run:
+            ready = calls.feed(delta) if calls is not None else delta
             if ready:
                 yield ready
-        res = self.result
-        if res is None:  # cancelled
+        res = self.run.result
+        if res is None or calls is None:  # cancelled, or an answer not read for calls
+            self.result = res
             return
         rest = calls.finish(res.text)
         if rest:
@@ -89,4 +93,4 @@ def start(
     stops = [*([stop] if isinstance(stop, str) else (stop or ())), *plan.stops]
     settings = dict(settings, stop=stops, constraint=constraint if constraint is not None else plan.constraint)
     request = request.with_tools(plan.tools, [dict(t) for t in turns]).with_hint(hint).with_settings(**settings)
-    return ToolRun(engine, request, parse=plan.parse, names=tool_names(plan.tools), batcher=batcher)
+    return ToolRun(Run(engine, request, batcher=batcher), parse=plan.parse, names=tool_names(plan.tools))

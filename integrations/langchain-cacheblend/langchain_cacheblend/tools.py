@@ -15,9 +15,9 @@ exchange after it is rendered by the chat template after the question (``turns``
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping, Sequence
 from operator import itemgetter
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.output_parsers import JsonOutputKeyToolsParser, JsonOutputParser, PydanticOutputParser, PydanticToolsParser
@@ -25,30 +25,13 @@ from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 
-from cacheblend_rag.constraints import Grammar, closed_objects
-from cacheblend_rag.run import Request, Run, RunResult
-from cacheblend_rag.tools import (
-    CallStream,
-    ParsedAnswer,
-    check_choice,
-    normalize_tools,
-    plan_tools,
-    require_tool_support,
-    tool_names,
-)
+from cacheblend_rag.constraints import response_format_constraint
+from cacheblend_rag.serving import Request, ToolRun, tool_run
+from cacheblend_rag.tools import check_choice, normalize_tools, require_tool_support
 
 # What bind_tools / with_structured_output bind, and _start takes out of a call's arguments.
 TOOL_KWARGS = ("tools", "tool_choice", "response_format", "parallel_tool_calls")
 METHODS = ("json_schema", "function_calling", "json_mode")
-SCHEMA_HINT = "Answer with a JSON object that matches this JSON schema:\n{schema}"
-
-
-@dataclass(frozen=True)
-class ToolRequest(Request):
-    """A request whose conversation goes on after the question's turn: ``turns`` (the assistant's
-    tool calls and the tools' results, in the chat template's message format) follow it."""
-
-    turns: tuple[dict[str, Any], ...] = ()
 
 
 def _text(content: Any, what: str) -> str:
@@ -73,68 +56,31 @@ def _text(content: Any, what: str) -> str:
 def turn(message: BaseMessage) -> dict[str, Any]:
     """A message in the chat template's format (role, content, tool_calls, name)."""
     if isinstance(message, ToolMessage):
-        return {"role": "tool", "content": _text(message.content, "a ToolMessage"), "name": message.name or "",
-                "tool_call_id": message.tool_call_id}
+        return {
+            "role": "tool",
+            "content": _text(message.content, "a ToolMessage"),
+            "name": message.name or "",
+            "tool_call_id": message.tool_call_id,
+        }
     if isinstance(message, AIMessage):
         out: dict[str, Any] = {"role": "assistant", "content": _text(message.content, "an AIMessage")}
         if message.tool_calls:
-            out["tool_calls"] = [{"type": "function", "id": c.get("id"), "function": {"name": c["name"], "arguments": c["args"]}}
-                                 for c in message.tool_calls]
+            out["tool_calls"] = [
+                {"type": "function", "id": c.get("id"), "function": {"name": c["name"], "arguments": c["args"]}}
+                for c in message.tool_calls
+            ]
         return out
     if isinstance(message, HumanMessage):
         return {"role": "user", "content": _text(message.content, "a HumanMessage")}
     if isinstance(message, SystemMessage):
         return {"role": "system", "content": _text(message.content, "a SystemMessage")}
-    raise ValueError(f"{type(message).__name__} is not supported: CacheBlend chat models take system, human, AI and tool messages")
+    raise ValueError(
+        f"{type(message).__name__} is not supported: CacheBlend chat models take system, human, AI and tool messages"
+    )
 
 
 def _starts_tool_exchange(message: BaseMessage) -> bool:
     return isinstance(message, ToolMessage) or (isinstance(message, AIMessage) and bool(message.tool_calls))
-
-
-def _with_hint(request: Request, hint: str) -> Request:
-    """``request`` with ``hint`` after its question (the chunks' caches do not depend on it)."""
-    if not request.plain:
-        return replace(request, question=f"{request.question}\n\n{hint}")
-    messages = [dict(m) for m in request.messages]
-    last = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
-    if last is None:
-        messages.append({"role": "user", "content": hint})
-    else:
-        messages[last]["content"] = f"{messages[last]['content']}\n\n{hint}"
-    return replace(request, messages=tuple(messages))
-
-
-class ToolRun:
-    """A :class:`~cacheblend_rag.run.Run` whose answer may hold tool calls (``parse``): iterating
-    yields the text outside them (``cacheblend_rag.tools.CallStream``), and once it ends
-    ``result.text`` is that text and ``parsed`` holds the calls."""
-
-    def __init__(self, run: Run, parse: bool, names: Sequence[str] = ()):
-        self._run, self._parse, self._names = run, parse, tuple(names)
-        self.request, self.cancelled = run.request, run.cancelled
-        self.result: RunResult | None = None
-        self.parsed = ParsedAnswer("")
-
-    def __iter__(self) -> Iterator[str]:
-        if not self._parse:
-            yield from self._run
-            self.result = self._run.result
-            return
-        calls = CallStream(self._names)
-        for delta in self._run:
-            ready = calls.feed(delta)
-            if ready:
-                yield ready
-        res = self._run.result
-        if res is None:
-            return
-        rest = calls.finish(res.text)
-        if rest:
-            yield rest
-        self.parsed = calls.parsed
-        stats = dict(res.stats, tool_calls=len(self.parsed.calls), invalid_tool_calls=len(self.parsed.invalid))
-        self.result = RunResult(self.parsed.content, res.token_ids, res.finish_reason, stats)
 
 
 def message_fields(run: Any) -> dict[str, Any]:
@@ -143,8 +89,10 @@ def message_fields(run: Any) -> dict[str, Any]:
         return {}
     return {
         "tool_calls": [{"name": c.name, "args": c.arguments, "id": c.id, "type": "tool_call"} for c in run.parsed.calls],
-        "invalid_tool_calls": [{"name": c.name, "args": c.arguments, "id": c.id, "error": c.error, "type": "invalid_tool_call"}
-                               for c in run.parsed.invalid],
+        "invalid_tool_calls": [
+            {"name": c.name, "args": c.arguments, "id": c.id, "error": c.error, "type": "invalid_tool_call"}
+            for c in run.parsed.invalid
+        ],
     }
 
 
@@ -154,10 +102,14 @@ def chunk_fields(run: Any) -> dict[str, Any]:
     partial JSON, and a string (not an object) is what keeps it among ``invalid_tool_calls``."""
     if not isinstance(run, ToolRun) or not (run.parsed.calls or run.parsed.invalid):
         return {}
-    chunks = [{"name": c.name, "args": json.dumps(c.arguments), "id": c.id, "index": i, "type": "tool_call_chunk"}
-              for i, c in enumerate(run.parsed.calls)]
-    chunks += [{"name": c.name, "args": json.dumps(c.text), "id": c.id, "index": len(chunks) + i, "type": "tool_call_chunk"}
-               for i, c in enumerate(run.parsed.invalid)]
+    chunks = [
+        {"name": c.name, "args": json.dumps(c.arguments), "id": c.id, "index": i, "type": "tool_call_chunk"}
+        for i, c in enumerate(run.parsed.calls)
+    ]
+    chunks += [
+        {"name": c.name, "args": json.dumps(c.text), "id": c.id, "index": len(chunks) + i, "type": "tool_call_chunk"}
+        for i, c in enumerate(run.parsed.invalid)
+    ]
     return {"tool_call_chunks": chunks}
 
 
@@ -205,7 +157,9 @@ class ToolCallingMixin:
         constrained call to the schema as a tool; needs a template with tool support). ``include_raw=True`` returns ``{"raw", "parsed",
         "parsing_error"}`` instead of raising when parsing fails (an answer cut by ``max_tokens``)."""
         if kwargs:
-            raise ValueError(f"unsupported arguments {sorted(kwargs)}: with_structured_output takes schema, method, include_raw, strict")
+            raise ValueError(
+                f"unsupported arguments {sorted(kwargs)}: with_structured_output takes schema, method, include_raw, strict"
+            )
         if method not in METHODS:
             raise ValueError(f"method={method!r}: choose one of {', '.join(METHODS)}")
         if schema is None and method != "json_mode":
@@ -216,8 +170,11 @@ class ToolCallingMixin:
         if method == "function_calling":
             name = convert_to_openai_tool(schema)["function"]["name"]
             llm = self.bind_tools([schema], tool_choice=name, strict=strict, ls_structured_output_format=traced)
-            parser = (PydanticToolsParser(tools=[schema], first_tool_only=True) if pydantic  # type: ignore[list-item]
-                      else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
+            parser = (
+                PydanticToolsParser(tools=[schema], first_tool_only=True)
+                if pydantic  # type: ignore[list-item]
+                else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
+            )
         else:
             if method == "json_schema" or schema is not None:  # json_mode with a schema: constrained to it too
                 json_schema = convert_to_json_schema(schema)  # type: ignore[arg-type]
@@ -241,48 +198,23 @@ class ToolCallingMixin:
         if start is None:
             return super()._request_from_messages(messages)  # type: ignore[misc]
         head = super()._request_from_messages(messages[:start])  # type: ignore[misc]
-        turns = tuple(turn(m) for m in messages[start:])
-        if head.plain:
-            return ToolRequest(head.question, (), tuple(head.messages) + turns, head.chunk_source, head.chunks_matched)
-        return ToolRequest(head.question, head.chunks, (), head.chunk_source, head.chunks_matched, turns=turns)
+        return head.with_tools((), [turn(m) for m in messages[start:]])
 
     def _start(self, request: Request, stop: Sequence[str] | None, overrides: dict[str, Any]) -> Any:
         calls = {k: overrides.pop(k) for k in TOOL_KWARGS if k in overrides}
-        turns = request.turns if isinstance(request, ToolRequest) else ()
-        if not calls and not turns:
+        if not calls and not request.turns:
             return super()._start(request, stop, overrides)  # type: ignore[misc]
-        engine = self.get_engine()  # type: ignore[attr-defined]
-        plan = plan_tools(calls.get("tools"), calls.get("tool_choice"), engine.tokenizer, bool(calls.get("parallel_tool_calls")))
-        extra: dict[str, Any] = {}
-        if plan.tools:
-            extra["tools"] = plan.tools
-        if plan.constraint is not None:
-            extra["constraint"] = plan.constraint
-        fmt = calls.get("response_format")
-        if fmt is not None:
-            if plan.parse and plan.constraint is not None:
-                raise ValueError("a forced tool call and a response_format cannot be combined: choose one")
-            grammar, hint = response_grammar(fmt)
-            extra["constraint"] = grammar  # with tool_choice="none" the format is the answer's grammar
-            if hint:
-                request = _with_hint(request, hint)
-        if turns and not request.plain:
-            extra["turns"] = turns
-        kwargs = dict(self._engine_kwargs([*(stop or []), *plan.stops], overrides), **extra)  # type: ignore[attr-defined]
-        run = Run(engine, request, engine_kwargs=kwargs, batcher=self.batcher)  # type: ignore[attr-defined]
-        return ToolRun(run, parse=plan.parse, names=tool_names(plan.tools))
-
-
-def response_grammar(fmt: Mapping[str, Any]) -> tuple[Grammar, str]:
-    """The constraint and the prompt hint of an OpenAI-style ``response_format``:
-    ``{"type": "json_schema", "json_schema": {"schema": ...}}`` or ``{"type": "json_object"}``."""
-    kind = fmt.get("type") if isinstance(fmt, Mapping) else None
-    if kind == "json_object":
-        return Grammar.json_object(), ""
-    if kind == "json_schema":
-        schema = (fmt.get("json_schema") or {}).get("schema")
-        if not isinstance(schema, Mapping):
-            raise ValueError("response_format json_schema needs {'json_schema': {'schema': {...}}}")
-        shown = {k: v for k, v in schema.items() if k != "title"}
-        return Grammar.json_schema(closed_objects(schema)), SCHEMA_HINT.format(schema=json.dumps(shown))
-    raise ValueError(f"response_format={fmt!r}: give {{'type': 'json_schema', 'json_schema': {{'schema': ...}}}} or {{'type': 'json_object'}}")
+        constraint, hint = None, ""
+        if calls.get("response_format") is not None:
+            constraint, hint = response_format_constraint(calls["response_format"])
+        return tool_run.start(
+            self.get_engine(),  # type: ignore[attr-defined]
+            request,
+            self._settings(stop, overrides),  # type: ignore[attr-defined]
+            tools=calls.get("tools"),
+            tool_choice=calls.get("tool_choice"),
+            parallel=bool(calls.get("parallel_tool_calls")),
+            constraint=constraint,
+            hint=hint,
+            batcher=self.batcher,  # type: ignore[attr-defined]
+        )

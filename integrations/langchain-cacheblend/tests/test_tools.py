@@ -13,12 +13,12 @@ from langchain_core.exceptions import OutputParserException
 from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, ToolMessage
 from pydantic import BaseModel, Field
 
-from cacheblend_rag.run import RunResult
-from cacheblend_rag.store.disk import KVStore
+from cacheblend_rag.engine import GenerationResult
+from cacheblend_rag.serving import ToolRun
 from cacheblend_rag.testing import make_engine
 from cacheblend_rag.tools import ToolsUnsupported
 from langchain_cacheblend import ChatCacheBlend, rag_message
-from langchain_cacheblend.tools import ToolRun, chunk_fields, message_fields
+from langchain_cacheblend.tools import chunk_fields, message_fields
 
 pytest.importorskip("llguidance")
 
@@ -107,19 +107,23 @@ def test_chunks_are_reused_with_tools_bound_and_in_a_tool_history(tool_engine, d
 
 
 def test_a_tool_history_without_chunks_is_a_plain_chat_with_the_tools(tool_engine):
-    history = [HumanMessage("Forecast for Paris?"),
-               AIMessage("", tool_calls=[{"name": "Forecast", "args": {"city": "Paris", "unit": "C", "rain": False}, "id": "c1"}]),
-               ToolMessage("21 degrees", tool_call_id="c1")]
+    history = [
+        HumanMessage("Forecast for Paris?"),
+        AIMessage("", tool_calls=[{"name": "Forecast", "args": {"city": "Paris", "unit": "C", "rain": False}, "id": "c1"}]),
+        ToolMessage("21 degrees", tool_call_id="c1"),
+    ]
     answer = _chat(tool_engine, max_tokens=3).bind_tools([Forecast]).invoke(history)
     assert answer.response_metadata["mode"] == "plain_chat"
     # The list-content form (text and tool-use blocks) is read as its text and its tool_calls.
-    history[1] = AIMessage([{"type": "text", "text": "Checking."}, {"type": "tool_use", "id": "c1", "name": "Forecast", "input": {}}],
-                           tool_calls=history[1].tool_calls)
+    history[1] = AIMessage(
+        [{"type": "text", "text": "Checking."}, {"type": "tool_use", "id": "c1", "name": "Forecast", "input": {}}],
+        tool_calls=history[1].tool_calls,
+    )
     assert _chat(tool_engine, max_tokens=3).bind_tools([Forecast]).invoke(history).response_metadata["mode"] == "plain_chat"
 
 
 def test_tool_choice_none_keeps_the_tools_prefix_and_answers_without_a_call(tool_engine, documents):
-    """"none" renders the tools as every other choice does (same prefix, same chunk caches) and
+    """ "none" renders the tools as every other choice does (same prefix, same chunk caches) and
     constrains the answer to text that is no call."""
     message = rag_message(QUESTION, documents)
     auto = _chat(tool_engine, max_tokens=2).bind_tools([Forecast]).invoke([message])
@@ -148,22 +152,26 @@ class _Answer:
     def __init__(self, text: str, cut: int = 4):
         self.deltas = [text[i : i + cut] for i in range(0, len(text), cut)]
         self.request, self.cancelled = None, None
-        self.result = RunResult(text, [], "stop", {})
+        self.result = GenerationResult(text, [], 0.0, 0.0, "stop", {})
 
     def __iter__(self):
         yield from self.deltas
 
 
 def test_valid_invalid_and_multiple_calls_become_tool_calls_and_invalid_tool_calls():
-    text = ('Two calls.\n<tool_call>\n{"name": "Pick", "arguments": {"unit": "C"}}\n</tool_call>\n'
-            '<tool_call>\n{"name": "Forecast", "arguments": {"city": "Oslo", "unit": "F", "rain": true}}\n</tool_call>\n'
-            '<tool_call>\n{"name": "Pick", "arguments": {"unit": \n</tool_call>')
+    text = (
+        'Two calls.\n<tool_call>\n{"name": "Pick", "arguments": {"unit": "C"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "Forecast", "arguments": {"city": "Oslo", "unit": "F", "rain": true}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "Pick", "arguments": {"unit": \n</tool_call>'
+    )
     run = ToolRun(_Answer(text), parse=True)  # type: ignore[arg-type]
     streamed = "".join(run)
     assert streamed == "Two calls." and run.result.text == "Two calls."
     message = AIMessage(content=run.result.text, **message_fields(run))
-    assert [(c["name"], c["args"]) for c in message.tool_calls] == [("Pick", {"unit": "C"}),
-                                                                     ("Forecast", {"city": "Oslo", "unit": "F", "rain": True})]
+    assert [(c["name"], c["args"]) for c in message.tool_calls] == [
+        ("Pick", {"unit": "C"}),
+        ("Forecast", {"city": "Oslo", "unit": "F", "rain": True}),
+    ]
     assert len(message.invalid_tool_calls) == 1 and message.invalid_tool_calls[0]["name"] == "Pick"
     assert "not valid JSON" in message.invalid_tool_calls[0]["error"]
     chunk = AIMessageChunk(content="Two calls.") + AIMessageChunk(content="", **chunk_fields(run))

@@ -86,11 +86,26 @@ def test_a_tool_history_over_registered_chunks_reuses_their_caches(tool_llm):
     cached behind the tools' prefix; the tool exchange follows the question."""
     engine = tool_llm.engine
     ChunkRegistry.for_engine(engine).add(SAMPLE_CHUNKS[:2])
-    user = ChatMessage(role="user", content="Context:\n" + "\n\n".join(SAMPLE_CHUNKS[:2]) + "\n\nForecast where the Eiffel Tower is?")
-    history = [user,
-               ChatMessage(role="assistant", content="", additional_kwargs={"tool_calls": [
-                   {"id": "c1", "type": "function", "function": {"name": "forecast", "arguments": '{"city": "Paris", "unit": "C", "rain": false}'}}]}),
-               ChatMessage(role="tool", content="Paris: 20 C, dry", additional_kwargs={"tool_call_id": "c1", "name": "forecast"})]
+    user = ChatMessage(
+        role="user", content="Context:\n" + "\n\n".join(SAMPLE_CHUNKS[:2]) + "\n\nForecast where the Eiffel Tower is?"
+    )
+    history = [
+        user,
+        ChatMessage(
+            role="assistant",
+            content="",
+            additional_kwargs={
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "forecast", "arguments": '{"city": "Paris", "unit": "C", "rain": false}'},
+                    }
+                ]
+            },
+        ),
+        ChatMessage(role="tool", content="Paris: 20 C, dry", additional_kwargs={"tool_call_id": "c1", "name": "forecast"}),
+    ]
     tools = [TOOL.metadata.to_openai_tool()]
     first = tool_llm.chat(history, tools=tools, max_new_tokens=2)
     stats = first.message.additional_kwargs["cacheblend"]
@@ -111,4 +126,6 @@ def test_structured_predict_is_constrained_to_the_schema(which, request):
 
 def test_structured_predict_cut_by_the_budget_says_so(plain_llm):
     with pytest.raises(ValueError, match="cut at max_new_tokens"):
-        plain_llm.structured_predict(Forecast, PromptTemplate("Forecast for {city}"), llm_kwargs={"max_new_tokens": 3}, city="Oslo")
+        plain_llm.structured_predict(
+            Forecast, PromptTemplate("Forecast for {city}"), llm_kwargs={"max_new_tokens": 3}, city="Oslo"
+        )
