@@ -16,15 +16,17 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import TYPE_CHECKING, Any, Iterator, List, Optional, Sequence, Type, Union
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from cacheblend_rag.constraints import Grammar, closed_objects
-from cacheblend_rag.engine import GenerationResult, GenerationStream
-from cacheblend_rag.plain import chat_text, plain_stream, sampling_params
-from cacheblend_rag.tools import CallStream, plan_tools, require_tool_support, supports_tools, tool_names
 from llama_index.core.base.llms.types import ChatMessage, ChatResponse, MessageRole, TextBlock
 from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.types import PydanticProgramMode
+
+from cacheblend_rag.constraints import schema_constraint
+from cacheblend_rag.serving import Request, ToolRun
+from cacheblend_rag.serving import tool_run as serving_tool_run
+from cacheblend_rag.tools import require_tool_support, supports_tools
 
 if TYPE_CHECKING:
     from llama_index.core.prompts.base import BasePromptTemplate
@@ -34,7 +36,6 @@ if TYPE_CHECKING:
 
 # The chat() keyword arguments that take the tool path (the rest are generation settings).
 TOOL_KEYS = ("tools", "tool_choice", "constraint", "schema_hint")
-SCHEMA_HINT = "Answer with a JSON object that matches this JSON schema:\n{schema}"
 
 
 def _role(message: ChatMessage) -> str:
@@ -59,8 +60,12 @@ def _calls_of(message: ChatMessage) -> list[dict[str, Any]]:
     for block in message.blocks:
         if getattr(block, "block_type", None) == "tool_call":
             args = block.tool_kwargs
-            out.append({"type": "function", "function": {"name": block.tool_name,
-                                                         "arguments": json.loads(args) if isinstance(args, str) else args}})
+            out.append(
+                {
+                    "type": "function",
+                    "function": {"name": block.tool_name, "arguments": json.loads(args) if isinstance(args, str) else args},
+                }
+            )
     return out
 
 
@@ -82,92 +87,54 @@ def _starts_tool_exchange(message: ChatMessage) -> bool:
     return _role(message) == "tool" or (_role(message) == "assistant" and bool(_calls_of(message)))
 
 
-class ToolStream:
-    """A :class:`~cacheblend_rag.engine.GenerationStream` whose answer may hold tool calls: iterating
-    yields the text outside them; ``result.text`` is that text and ``additional_kwargs`` the calls
-    (OpenAI's format, what ``get_tool_calls_from_response`` reads)."""
-
-    def __init__(self, stream: GenerationStream, parse: bool, chunk_report: dict[str, Any], names: Sequence[str] = ()):
-        self._stream, self._parse, self._names = stream, parse, tuple(names)
-        self.chunk_report = chunk_report
-        self.result: Optional[GenerationResult] = None
-        self.additional_kwargs: dict[str, Any] = {}
-
-    def __iter__(self) -> Iterator[str]:
-        calls = CallStream(self._names)
-        for delta in self._stream:
-            ready = calls.feed(delta) if self._parse else delta
-            if ready:
-                yield ready
-        res = self._stream.result
-        assert res is not None
-        if not self._parse:
-            self.result = res
-            return
-        rest = calls.finish(res.text)
-        if rest:
-            yield rest
-        parsed = calls.parsed
-        self.additional_kwargs = {"tool_calls": [
+def call_kwargs(run: Any) -> dict[str, Any]:
+    """A finished run's tool calls as a response's ``additional_kwargs`` (OpenAI's format, what
+    ``get_tool_calls_from_response`` reads); none for an answer not read for calls."""
+    if not isinstance(run, ToolRun) or not run.parse:
+        return {}
+    parsed = run.parsed
+    out: dict[str, Any] = {
+        "tool_calls": [
             {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
             for c in parsed.calls
-        ]}
-        if parsed.invalid:
-            self.additional_kwargs["invalid_tool_calls"] = [
-                {"id": c.id, "name": c.name, "arguments": c.arguments, "error": c.error} for c in parsed.invalid]
-        stats = dict(res.stats, tool_calls=len(parsed.calls), invalid_tool_calls=len(parsed.invalid))
-        self.result = GenerationResult(parsed.content, res.token_ids, res.ttft_s, res.total_s, res.finish_reason, stats,
-                                       res.token_times_s)
+        ]
+    }
+    if parsed.invalid:
+        out["invalid_tool_calls"] = [
+            {"id": c.id, "name": c.name, "arguments": c.arguments, "error": c.error} for c in parsed.invalid
+        ]
+    return out
 
 
 def wants_tools(overrides: dict[str, Any]) -> bool:
     return any(overrides.get(k) for k in TOOL_KEYS)
 
 
-def tool_stream(llm: "CacheBlendLLM", messages: Sequence[ChatMessage], overrides: dict[str, Any]) -> ToolStream:
-    """Answer ``messages`` with tools and/or a constraint (``chat``'s keyword arguments
-    ``tools``, ``tool_choice``, ``constraint``, ``schema_hint``)."""
-    engine = llm.engine
-    plan = plan_tools(overrides.get("tools"), overrides.get("tool_choice"), engine.tokenizer, bool(overrides.get("parallel_tool_calls")))
-    constraint = overrides.get("constraint")
-    if constraint is not None and plan.parse and plan.constraint is not None:
-        raise ValueError("a forced tool call and a constraint cannot be combined: choose one")
-    constraint = constraint if constraint is not None else plan.constraint  # a given one is the answer's grammar
-    extra: dict[str, Any] = {"tools": plan.tools} if plan.tools else {}
-    stops = plan.stops
+def tool_run(llm: CacheBlendLLM, messages: Sequence[ChatMessage], overrides: dict[str, Any]) -> ToolRun:
+    """Answer ``messages`` with tools and/or a constraint (``chat``'s keyword arguments ``tools``,
+    ``tool_choice``, ``parallel_tool_calls``, ``constraint``, ``schema_hint``): over the registered
+    chunks found in the conversation before its first tool call, else as a plain chat."""
     start = next((i for i, m in enumerate(messages) if _starts_tool_exchange(m)), len(messages))
     head, turns = list(messages[:start]), [turn(m) for m in messages[start:]]
     if not head:
         raise ValueError("the conversation starts with a tool call: put the user's message before it")
-    hint = overrides.get("schema_hint") or ""
-    gen = llm.generation_kwargs(**overrides)
-    if stops:
-        given = gen.get("stop") or []
-        gen["stop"] = [*([given] if isinstance(given, str) else given), *stops]
     joined = "\n\n".join(m.content or "" for m in head if _role(m) != "assistant")
-    match = llm.chunk_registry.match(joined) if llm.match_chunks else None
-    question = match.remainder() if match is not None else ""
-    if match is not None and match.spans and question.strip():
-        question = f"{question}\n\n{hint}" if hint else question
-        stream = engine.stream(question, match.chunks, **gen, constraint=constraint, turns=turns, **extra)
-        report = {"chunk_source": "matched", "chunks_matched": len(match.spans)}
-    else:
-        if match is not None and not match.spans:
-            llm._warn_no_match(len(llm.chunk_registry))
-        dicts = [turn(m) for m in head]
-        if hint:
-            last = max((i for i, d in enumerate(dicts) if d["role"] == "user"), default=None)
-            if last is None:
-                dicts.append({"role": "user", "content": hint})
-            else:
-                dicts[last]["content"] = f"{dicts[last]['content']}\n\n{hint}"
-        text = chat_text(engine.tokenizer, dicts + turns, extra.get("tools"))
-        stream = plain_stream(engine, text, sampling_params(dict(gen, constraint=constraint)))
-        report = {"chunk_source": "none", "chunks_matched": 0}
-    return ToolStream(stream, plan.parse, report, tool_names(plan.tools))
+    request = llm._match(joined) or Request.plain_chat([turn(m) for m in head], joined)
+    return serving_tool_run.start(
+        llm.engine,
+        request,
+        llm._settings(overrides),
+        tools=overrides.get("tools"),
+        tool_choice=overrides.get("tool_choice"),
+        parallel=bool(overrides.get("parallel_tool_calls")),
+        constraint=overrides.get("constraint"),
+        hint=overrides.get("schema_hint") or "",
+        turns=turns,
+        batcher=llm.batcher,
+    )
 
 
-def _messages(user_msg: Union[str, ChatMessage, None], chat_history: Optional[List[ChatMessage]]) -> list[ChatMessage]:
+def _messages(user_msg: str | ChatMessage | None, chat_history: list[ChatMessage] | None) -> list[ChatMessage]:
     messages = list(chat_history or [])
     if isinstance(user_msg, str):
         user_msg = ChatMessage(role=MessageRole.USER, content=user_msg)
@@ -176,7 +143,7 @@ def _messages(user_msg: Union[str, ChatMessage, None], chat_history: Optional[Li
     return messages
 
 
-def _output_schema(output_cls: Type[Any]) -> dict[str, Any]:
+def _output_schema(output_cls: type[Any]) -> dict[str, Any]:
     return output_cls.model_json_schema() if hasattr(output_cls, "model_json_schema") else output_cls.schema()
 
 
@@ -191,23 +158,28 @@ class FunctionCallingMixin:
 
     def _prepare_chat_with_tools(
         self,
-        tools: Sequence["BaseTool"],
-        user_msg: Union[str, ChatMessage, None] = None,
-        chat_history: Optional[List[ChatMessage]] = None,
+        tools: Sequence[BaseTool],
+        user_msg: str | ChatMessage | None = None,
+        chat_history: list[ChatMessage] | None = None,
         verbose: bool = False,
         allow_parallel_tool_calls: bool = False,
         tool_required: bool = False,
-        tool_choice: Union[str, dict, None] = None,
+        tool_choice: str | dict | None = None,
         **kwargs: Any,
     ) -> dict[str, Any]:
         require_tool_support(self.engine.tokenizer, "function calling")  # type: ignore[attr-defined]
         specs = [t.metadata.to_openai_tool() for t in tools]
         choice = tool_choice if tool_choice is not None else ("any" if tool_required else "auto")
-        return {"messages": _messages(user_msg, chat_history), "tools": specs, "tool_choice": choice,
-                "parallel_tool_calls": allow_parallel_tool_calls, **kwargs}
+        return {
+            "messages": _messages(user_msg, chat_history),
+            "tools": specs,
+            "tool_choice": choice,
+            "parallel_tool_calls": allow_parallel_tool_calls,
+            **kwargs,
+        }
 
     def _validate_chat_with_tools_response(
-        self, response: ChatResponse, tools: Sequence["BaseTool"], allow_parallel_tool_calls: bool = False, **kwargs: Any
+        self, response: ChatResponse, tools: Sequence[BaseTool], allow_parallel_tool_calls: bool = False, **kwargs: Any
     ) -> ChatResponse:
         if not allow_parallel_tool_calls:
             calls = response.message.additional_kwargs.get("tool_calls") or []
@@ -217,24 +189,28 @@ class FunctionCallingMixin:
 
     def get_tool_calls_from_response(
         self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any
-    ) -> List[ToolSelection]:
+    ) -> list[ToolSelection]:
         calls = response.message.additional_kwargs.get("tool_calls") or []
         if not calls and error_on_no_tool_call:
             invalid = response.message.additional_kwargs.get("invalid_tool_calls") or []
             why = f" ({len(invalid)} unparseable: {invalid[0]['error']})" if invalid else ""
             raise ValueError(f"expected at least one tool call, got none{why}")
-        return [ToolSelection(tool_id=c.get("id") or uuid.uuid4().hex, tool_name=c["function"]["name"],
-                              tool_kwargs=json.loads(c["function"]["arguments"] or "{}")) for c in calls]
+        return [
+            ToolSelection(
+                tool_id=c.get("id") or uuid.uuid4().hex,
+                tool_name=c["function"]["name"],
+                tool_kwargs=json.loads(c["function"]["arguments"] or "{}"),
+            )
+            for c in calls
+        ]
 
     # ------------------------------------------------------------------ structured prediction
-    def _structured_kwargs(self, output_cls: Type[Any], llm_kwargs: Optional[dict[str, Any]]) -> dict[str, Any]:
-        schema = _output_schema(output_cls)
-        shown = {k: v for k, v in schema.items() if k != "title"}
-        return {**(llm_kwargs or {}), "constraint": Grammar.json_schema(closed_objects(schema)),
-                "schema_hint": SCHEMA_HINT.format(schema=json.dumps(shown))}
+    def _structured_kwargs(self, output_cls: type[Any], llm_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+        constraint, hint = schema_constraint(_output_schema(output_cls))
+        return {**(llm_kwargs or {}), "constraint": constraint, "schema_hint": hint}
 
     def structured_predict(
-        self, output_cls: Type[Any], prompt: "BasePromptTemplate", llm_kwargs: Optional[dict[str, Any]] = None, **prompt_args: Any
+        self, output_cls: type[Any], prompt: BasePromptTemplate, llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any
     ) -> Any:
         """An ``output_cls`` instance: the answer is constrained to its JSON schema (shown after the
         prompt), so it parses unless ``max_new_tokens`` cuts it. Another ``pydantic_program_mode``
@@ -246,7 +222,7 @@ class FunctionCallingMixin:
         return _parse(output_cls, response)
 
     async def astructured_predict(
-        self, output_cls: Type[Any], prompt: "BasePromptTemplate", llm_kwargs: Optional[dict[str, Any]] = None, **prompt_args: Any
+        self, output_cls: type[Any], prompt: BasePromptTemplate, llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any
     ) -> Any:
         if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:  # type: ignore[attr-defined]
             return await super().astructured_predict(output_cls, prompt, llm_kwargs, **prompt_args)  # type: ignore[misc]
@@ -255,10 +231,15 @@ class FunctionCallingMixin:
         return _parse(output_cls, response)
 
 
-def _parse(output_cls: Type[Any], response: ChatResponse) -> Any:
+def _parse(output_cls: type[Any], response: ChatResponse) -> Any:
     text = response.message.content or ""
-    if response.additional_kwargs.get("finish_reason") == "length" or response.message.additional_kwargs.get("finish_reason") == "length":
-        raise ValueError(f"the answer was cut at max_new_tokens before its JSON was complete: raise max_new_tokens ({text[:80]!r}...)")
+    if (
+        response.additional_kwargs.get("finish_reason") == "length"
+        or response.message.additional_kwargs.get("finish_reason") == "length"
+    ):
+        raise ValueError(
+            f"the answer was cut at max_new_tokens before its JSON was complete: raise max_new_tokens ({text[:80]!r}...)"
+        )
     if hasattr(output_cls, "model_validate_json"):
         return output_cls.model_validate_json(text)
     return output_cls.parse_raw(text)
