@@ -225,6 +225,39 @@ def test_chunks_are_cached_behind_the_tools_prefix_and_reused_there(engine):
     assert engine.generate(SAMPLE_QUESTION, other, tools=TOOLS, max_new_tokens=2).stats["chunk_hits"] == len(other)
 
 
+def test_neighbour_caches_are_keyed_behind_the_tools_prefix(tmp_path):
+    """Learned and embedding neighbour caches of a tool set's requests are prefilled behind its own
+    prefix and indexed under the chunks' keys behind it: full reuse of a learned prompt then equals
+    full prefill, the plain prefix's chunks get none of them, and the cache-read count sees them."""
+    from cacheblend_rag.learned_neighbours import LearnConfig
+
+    eng = make_engine("llama", store_dir=tmp_path / "kv", tools=True, pipelined=False)
+    try:
+        chunks = [c + " (learned)" for c in SAMPLE_CHUNKS[:3]]
+        learner = eng.learn_neighbours(LearnConfig(neighbours=2))
+        first = eng.generate(SAMPLE_QUESTION, chunks, tools=TOOLS, mode="full_reuse", max_new_tokens=2)
+        learner.wait()
+        assert learner.computed == 2 and first.stats["neighbour_hits"] == 0
+        layout = eng.build_layout(SAMPLE_QUESTION, chunks, tools=TOOLS)
+        keys = [eng.chunk_key(seg, layout.prefix_ids) for seg in layout.segments[1:-1]]
+        assert eng.chunk_cache.neighbours.caches(keys[2])[0].behind == (keys[0], keys[1])
+        assert not eng.chunk_cache.neighbours.caches(eng.chunk_key(layout.segments[3]))  # none behind the plain prefix
+        full = eng.prefill(layout, "full_recompute")
+        reuse = eng.prefill(layout, "full_reuse")
+        assert reuse.stats["neighbour_hits"] == 2
+        torch.testing.assert_close(reuse.logits, full.logits, rtol=1e-4, atol=1e-4)
+        again = eng.stream(SAMPLE_QUESTION, chunks, tools=TOOLS, max_new_tokens=2)
+        assert again.prefill(count_cache_reads=True).stats["cache_read_tokens"] == layout.num_context_tokens
+
+        other = [c + " (embedded)" for c in SAMPLE_CHUNKS[:3]]
+        eng.precompute(other, neighbours=1, tools=TOOLS, embed=lambda texts: torch.eye(len(texts)) + 0.5, progress=False)
+        layout = eng.build_layout(SAMPLE_QUESTION, other, tools=TOOLS)
+        assert all(eng.chunk_cache.neighbours.caches(eng.chunk_key(seg, layout.prefix_ids)) for seg in layout.segments[1:-1])
+        assert eng.prefill(layout, "full_reuse").stats["neighbour_hits"] == 2
+    finally:
+        eng.close()
+
+
 def test_fused_prefill_behind_the_tools_prefix_is_exact_at_ratio_one(engine):
     """Chunk caches, the prefix K/V and the loader's shifts all follow the tools prefix: at ratio
     1.0 the fused prefill gives the full prefill's logits."""
