@@ -64,8 +64,9 @@ class SkipGate:
 
     def why_allowed(self, where: str, node: str = "") -> str | None:
         """Why the skip at ``where`` ("<file>:<line>: <reason>") of the test ``node`` is allowed, or None."""
-        return next((why for pattern, why, nodes in self.allowed
-                     if pattern.search(where) and (nodes is None or nodes.search(node))), None)
+        return next(
+            (why for pattern, why, nodes in self.allowed if pattern.search(where) and (nodes is None or nodes.search(node))), None
+        )
 
     def refused(self) -> list[tuple[str, str]]:
         return [(node, where) for node, where in self.skips if self.why_allowed(where, node) is None]

@@ -9,9 +9,9 @@ import jsonschema
 import pytest
 import torch
 
+from cacheblend_rag.constraints import Grammar
 from cacheblend_rag.plain import chat_text
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_engine, make_tokenizer
-from cacheblend_rag.constraints import Grammar
 from cacheblend_rag.tools import (
     NO_CALL,
     CallStream,
