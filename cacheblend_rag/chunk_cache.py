@@ -3,7 +3,9 @@
 A chunk's cache is its own K/V, prefilled right behind the instruction prefix (or behind its most
 similar chunks, for a cross-chunk-aware cache) and stored with its keys rotated as if the chunk
 sat right after the prefix; the loader moves them to wherever the chunk lands in a prompt. The
-store to read or write is passed to each call, never kept, so one chunk cache serves any store.
+key holds the prefix, so a request whose prefix differs (tools rendered into the system part) has
+chunk caches of its own. The store to read or write is passed to each call, never kept, so one
+chunk cache serves any store.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from concurrent.futures import Future
 from dataclasses import replace
 
 import torch
+from cachetools import LRUCache
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
@@ -32,6 +35,8 @@ from .threads import helper_pool
 __all__ = ["ChunkCache"]
 
 log = logging.getLogger(__name__)
+# Prefixes whose K/V a chunk cache keeps in memory: the instruction's and a few tool sets'.
+MAX_PREFIXES = 8
 
 
 def _report_failure(fut: Future) -> None:
@@ -45,7 +50,9 @@ def _report_failure(fut: Future) -> None:
 class ChunkCache:
     def __init__(self, backbone: Backbone, prompts: PromptBuilder, fingerprint: str, device: torch.device):
         self.backbone, self.prompts, self.fingerprint, self.device = backbone, prompts, fingerprint, device
-        self._prefix_kv: list[KV] | None = None  # [layers](K, V) [1, kv_heads, prefix, head_dim]
+        # Prefix token ids -> its K/V, [layers](K, V) [1, kv_heads, prefix, head_dim]: the engine's
+        # instruction prefix and the few tool-set prefixes in use (least recently used dropped).
+        self._prefix_kv: LRUCache[tuple[int, ...], list[KV]] = LRUCache(MAX_PREFIXES)
         # Plain chunk key -> its cross-chunk-aware caches (precompute(neighbours=n), learned ones).
         # Named by content keys, so a changed chunk text never finds an old cache.
         self.neighbours = NeighbourIndex()
@@ -54,38 +61,44 @@ class ChunkCache:
 
     # ------------------------------------------------------------------ keys
     def key(self, segment: Segment, context_ids: Sequence[int] | None = None) -> str:
-        """The store key of ``segment`` prefilled behind ``context_ids`` (default: the prefix)."""
-        ctx = self.prompts.prefix_ids if context_ids is None else context_ids
-        return chunk_key(self.fingerprint, ctx, segment.token_ids)
+        """The store key of ``segment`` prefilled behind ``context_ids`` (default: the instruction prefix)."""
+        return chunk_key(self.fingerprint, self._prefix(context_ids), segment.token_ids)
 
-    def prefix_key(self) -> str:
-        """The instruction prefix's key: a segment behind an empty context, as prefix caching finds it."""
-        return chunk_key(self.fingerprint, (), self.prompts.prefix_ids)
+    def prefix_key(self, prefix_ids: Sequence[int] | None = None) -> str:
+        """The prefix's key (default: the instruction prefix): a segment behind an empty context,
+        as prefix caching finds it."""
+        return chunk_key(self.fingerprint, (), self._prefix(prefix_ids))
+
+    def _prefix(self, prefix_ids: Sequence[int] | None) -> tuple[int, ...]:
+        return self.prompts.prefix_ids if prefix_ids is None else tuple(prefix_ids)
 
     # ------------------------------------------------------------------ computing
-    def prefix_cache(self) -> DynamicCache:
-        """A fresh cache holding the instruction prefix's K/V (computed once per engine)."""
+    def _prefix_kv_of(self, prefix: tuple[int, ...]) -> list[KV]:
         with self._lock:
-            if self._prefix_kv is None:
-                ids = torch.tensor(self.prompts.prefix_ids, device=self.device)
-                cache, _ = self.backbone.forward(ids)
-                self._prefix_kv = cache_layers(cache)
-            return cache_from(self._prefix_kv)
+            kv = self._prefix_kv.get(prefix)
+            if kv is None:
+                cache, _ = self.backbone.forward(torch.tensor(prefix, device=self.device))
+                kv = self._prefix_kv[prefix] = cache_layers(cache)
+            return kv
 
-    def prefix_layers(self) -> list[KV]:
-        """The instruction prefix's K/V as a store holds them: [layers](K, V) [kv_heads, prefix, head_dim]."""
-        self.prefix_cache()
-        assert self._prefix_kv is not None
-        return [(k[0], v[0]) for k, v in self._prefix_kv]
+    def prefix_cache(self, prefix_ids: Sequence[int] | None = None) -> DynamicCache:
+        """A fresh cache holding the prefix's K/V (default: the instruction prefix; computed once
+        and kept for the last ``MAX_PREFIXES`` prefixes used)."""
+        return cache_from(self._prefix_kv_of(self._prefix(prefix_ids)))
 
-    def compute(self, segment: Segment, behind: Sequence[Segment] = ()) -> list[KV]:
-        """Prefill one chunk behind the instruction prefix (and the ``behind`` segments, for a
-        cross-chunk-aware cache); return its own K/V per layer, ``[layers](K, V) [kv_heads,
-        len(segment), head_dim]``, with keys rotated as if the chunk sat right after the prefix."""
-        plen = len(self.prompts.prefix_ids)
+    def prefix_layers(self, prefix_ids: Sequence[int] | None = None) -> list[KV]:
+        """The prefix's K/V as a store holds them: [layers](K, V) [kv_heads, prefix, head_dim]."""
+        return [(k[0], v[0]) for k, v in self._prefix_kv_of(self._prefix(prefix_ids))]
+
+    def compute(self, segment: Segment, behind: Sequence[Segment] = (), prefix_ids: Sequence[int] | None = None) -> list[KV]:
+        """Prefill one chunk behind the prefix (default: the instruction prefix) and the ``behind``
+        segments (a cross-chunk-aware cache); return its own K/V per layer, ``[layers](K, V)
+        [kv_heads, len(segment), head_dim]``, with keys rotated as if the chunk sat right after the prefix."""
+        prefix = self._prefix(prefix_ids)
+        plen = len(prefix)
         ids = [t for seg in behind for t in seg.token_ids] + list(segment.token_ids)
         start = plen + len(ids) - len(segment)  # where the chunk itself begins
-        cache, _ = self.backbone.forward(torch.tensor(ids, device=self.device), start=plen, cache=self.prefix_cache())
+        cache, _ = self.backbone.forward(torch.tensor(ids, device=self.device), start=plen, cache=self.prefix_cache(prefix))
         rotary = self.backbone.rotary_emb
         return [
             # Loaders shift keys from the position right after the prefix: un-rotate them there.
@@ -94,11 +107,12 @@ class ChunkCache:
         ]
 
     # ------------------------------------------------------------------ storing
-    def store_prefix(self, store: ChunkStore) -> None:
-        """Store the instruction prefix as a segment with an empty context, so prefix caching finds it."""
-        key = self.prefix_key()
+    def store_prefix(self, store: ChunkStore, prefix_ids: Sequence[int] | None = None) -> None:
+        """Store the prefix (default: the instruction prefix) as a segment with an empty context, so
+        prefix caching finds it."""
+        key = self.prefix_key(prefix_ids)
         if not store.contains(key):
-            store.put(key, self.prefix_layers())
+            store.put(key, self.prefix_layers(prefix_ids))
 
     def precompute(
         self,
@@ -109,20 +123,23 @@ class ChunkCache:
         embed: Callable[[list[str]], torch.Tensor] | None = None,
         corpus: Sequence[str] | None = None,
         progress: bool = True,
+        prefix_ids: Sequence[int] | None = None,
     ) -> int:
         """Compute and store every chunk of ``texts`` (distinct, checked) that ``store`` lacks, and
         with ``neighbours`` > 0 each chunk's cache behind its most similar chunks of ``corpus``
-        (distinct, checked; default ``texts``). Returns how many caches were computed."""
+        (distinct, checked; default ``texts``), all behind ``prefix_ids`` (default: the instruction
+        prefix). Returns how many caches were computed."""
+        prefix = self._prefix(prefix_ids)
         segments = [self.prompts.chunk_segment(t) for t in texts]
-        plen = len(self.prompts.prefix_ids)
+        plen = len(prefix)
         computed = 0
-        self.store_prefix(store)
+        self.store_prefix(store, prefix)
         for seg in tqdm(segments, desc="precompute KV", unit="chunk", disable=not progress):
             self.backbone.check_fits(plen + len(seg), f"chunk {seg.text[:40]!r}...")
-            key = self.key(seg)
+            key = self.key(seg, prefix)
             if store.contains(key):
                 continue
-            store.put(key, self.compute(seg))
+            store.put(key, self.compute(seg, prefix_ids=prefix))
             computed += 1
         if neighbours == 0:
             return computed
@@ -139,41 +156,52 @@ class ChunkCache:
                 if j not in pool_segments:
                     pool_segments[j] = self.prompts.chunk_segment(pool[j])
             behind = [pool_segments[j] for j in idx]
-            _, fresh = self.compute_behind(store, seg, behind, learned=False)
+            _, fresh = self.compute_behind(store, seg, behind, learned=False, prefix_ids=prefix)
             computed += fresh
         return computed
 
     def compute_behind(
-        self, store: ChunkStore, segment: Segment, behind: Sequence[Segment], *, learned: bool
+        self,
+        store: ChunkStore,
+        segment: Segment,
+        behind: Sequence[Segment],
+        *,
+        learned: bool,
+        prefix_ids: Sequence[int] | None = None,
     ) -> tuple[str, bool]:
-        """Store ``segment``'s cache prefilled behind ``behind`` (unless stored already) and index it
-        as one of its neighbour-aware caches; returns its key and whether it was computed now."""
-        context = list(self.prompts.prefix_ids) + [t for b in behind for t in b.token_ids]
+        """Store ``segment``'s cache prefilled behind ``prefix_ids`` (default: the instruction
+        prefix) and ``behind`` (unless stored already) and index it as one of its neighbour-aware
+        caches, under its plain key behind that prefix; returns its key and whether it was computed now."""
+        prefix = self._prefix(prefix_ids)
+        context = list(prefix) + [t for b in behind for t in b.token_ids]
         self.backbone.check_fits(
             len(context) + len(segment), f"chunk {segment.text[:40]!r}... behind {len(behind)} neighbours (use fewer neighbours)"
         )
         nb_key = self.key(segment, context_ids=context)
         fresh = not store.contains(nb_key)
         if fresh:
-            store.put(nb_key, self.compute(segment, behind))
-        self.neighbours.add(self.key(segment), NeighbourCache(nb_key, tuple(self.key(b) for b in behind), learned))
+            store.put(nb_key, self.compute(segment, behind, prefix))
+        plain = self.key(segment, prefix)
+        self.neighbours.add(plain, NeighbourCache(nb_key, tuple(self.key(b, prefix) for b in behind), learned))
         return nb_key, fresh
 
-    def fill(self, loads: Sequence[Load], store: ChunkStore) -> tuple[list[LoadSpec], float]:
-        """The loader's specs for a plan's ``loads``: a miss is computed now (and written back), the
-        prefix the store lacks comes from this process's copy. Also returns the seconds spent
-        computing misses."""
+    def fill(
+        self, loads: Sequence[Load], store: ChunkStore, prefix_ids: Sequence[int] | None = None
+    ) -> tuple[list[LoadSpec], float]:
+        """The loader's specs for a plan's ``loads`` over ``prefix_ids`` (default: the instruction
+        prefix): a miss is computed now (and written back), the prefix the store lacks comes from
+        this process's copy. Also returns the seconds spent computing misses."""
         specs: list[LoadSpec] = []
         miss_s = 0.0
         for load in loads:
             if load.source == COMPUTE:
                 t0 = time.perf_counter()
-                kv = self.compute(load.segment)
+                kv = self.compute(load.segment, prefix_ids=prefix_ids)
                 miss_s += time.perf_counter() - t0
                 self.write_back(store, load.spec.key, kv)
                 specs.append(replace(load.spec, kv=kv))
             elif load.source == PREFIX:
-                specs.append(replace(load.spec, kv=self.prefix_layers()))
+                specs.append(replace(load.spec, kv=self.prefix_layers(prefix_ids)))
             else:
                 specs.append(load.spec)
         return specs, miss_s

@@ -7,6 +7,8 @@ import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from .constraints import Grammar
+
 # full_recompute is the model's own forward; full_recompute_saved the same exact prefill with the
 # last-layer saving the fused modes get (only the last position runs attention and the MLP there).
 MODES = ("full_recompute", "full_recompute_saved", "prefix_caching", "full_reuse", "cacheblend")
@@ -203,8 +205,16 @@ class SamplingParams:
     # Decode past end-of-sequence until max_new_tokens or a stop string: answers of equal length,
     # for benchmarks that time a given number of tokens (vLLM's name for it).
     ignore_eos: bool = False
+    # Constrained decoding (constraints.Grammar): each token is chosen among those that keep the
+    # answer inside the grammar, and the answer ends where the grammar does. None: unconstrained.
+    constraint: Grammar | None = None
 
     def __post_init__(self) -> None:
+        if self.constraint is not None and not isinstance(self.constraint, Grammar):
+            raise TypeError(
+                f"constraint must be a cacheblend_rag.constraints.Grammar or None, got {type(self.constraint).__name__}: "
+                "build one with Grammar.json_schema(schema)"
+            )
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be True or False, got {type(self.ignore_eos).__name__} {self.ignore_eos!r}")
         for name in ("max_new_tokens", "top_k"):

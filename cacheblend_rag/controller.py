@@ -239,7 +239,7 @@ class LoadingController:
         for seg in layout.segments:
             if not seg.reusable:
                 continue
-            key = engine.chunk_key(seg)
+            key = engine.chunk_key(seg, layout.prefix_ids)
             tier = locate(key) if locate is not None else (name if store.contains(key) else None)
             if tier is not None:
                 loads[tier] = loads.get(tier, 0) + len(seg)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +23,7 @@ from .attention import APE_KWARG
 from .backbone import Backbone, cache_from
 from .chunk_cache import ChunkCache
 from .config import BlendConfig, SamplingParams, check_mode
+from .constraints import Grammar
 from .decode_step import FastDecodeStep
 from .fusor import FusionStats, fuse, question_pass
 from .generation import DecodeState, decode
@@ -223,10 +224,13 @@ class CacheBlendEngine:
     def chunk_key(self, segment: Segment, context_ids: Sequence[int] | None = None) -> str:
         return self.chunk_cache.key(segment, context_ids)
 
-    def is_cached(self, text: str) -> bool:
+    def is_cached(self, text: str, *, tools: Sequence[Mapping[str, Any]] = ()) -> bool:
+        """Whether the chunk ``text`` is cached behind the instruction prefix (with ``tools``: the
+        prefix those tools are rendered into)."""
         if not isinstance(text, str):
             raise TypeError(f"is_cached takes a chunk's text (str), got {type(text).__name__}")
-        return self.store.contains(self.chunk_key(self.prompts.chunk_segment(text)))
+        prompts = self.prompts.for_tools(tools)
+        return self.store.contains(self.chunk_key(prompts.chunk_segment(text), prompts.prefix_ids))
 
     def compute_chunk(self, segment: Segment, behind: Sequence[Segment] = ()) -> list[KV]:
         """Prefill one chunk behind the instruction prefix (and the ``behind`` segments, for a
@@ -243,6 +247,7 @@ class CacheBlendEngine:
         corpus: Iterable[str] | None = None,
         progress: bool = True,
         store: ChunkStore | None = None,
+        tools: Sequence[Mapping[str, Any]] = (),
     ) -> int:
         """Compute and store the KV of every chunk not cached yet. Returns how many were computed.
 
@@ -256,13 +261,21 @@ class CacheBlendEngine:
             chunks (new ones, or the ones served most) are cached behind their nearest chunks of
             the whole corpus. Only ``texts`` are cached; each corpus text is embedded once per call.
         store: fill this store instead of the engine's.
+        tools: cache the chunks behind the prefix these tools are rendered into (function
+            definitions, as for :meth:`stream`): requests with the same tools then reuse them.
         """
         if not isinstance(neighbours, int) or isinstance(neighbours, bool) or neighbours < 0:
             raise ValueError(f"neighbours={neighbours!r} must be an int >= 0 (0: plain chunk caches only)")
         texts = list(dict.fromkeys(check_texts(texts)))
         pool = None if corpus is None else list(dict.fromkeys(check_texts(corpus, "corpus")))
         return self.chunk_cache.precompute(
-            self._store(store), texts, neighbours=neighbours, embed=embed, corpus=pool, progress=progress
+            self._store(store),
+            texts,
+            neighbours=neighbours,
+            embed=embed,
+            corpus=pool,
+            progress=progress,
+            prefix_ids=self.prompts.for_tools(tools).prefix_ids,
         )
 
     def learn_neighbours(self, config: LearnConfig | None = None) -> NeighbourLearner:
@@ -281,7 +294,9 @@ class CacheBlendEngine:
             directory = getattr(self.store, "directory", None)
             self.learner = NeighbourLearner(
                 self.chunk_cache.neighbours,
-                compute=lambda store, seg, behind: self.chunk_cache.compute_behind(store, seg, behind, learned=True)[0],
+                compute=lambda store, seg, behind, prefix: self.chunk_cache.compute_behind(
+                    store, seg, behind, learned=True, prefix_ids=prefix
+                )[0],
                 key=self.chunk_cache.key,
                 lock=lambda: self.lock,
                 config=config or LearnConfig(),
@@ -297,9 +312,17 @@ class CacheBlendEngine:
         return self.store if store is None else store
 
     # ------------------------------------------------------------------ prefill
-    def build_layout(self, question: str, chunks: Sequence[str]) -> PromptLayout:
+    def build_layout(
+        self,
+        question: str,
+        chunks: Sequence[str],
+        *,
+        tools: Sequence[Mapping[str, Any]] = (),
+        turns: Sequence[Mapping[str, Any]] = (),
+    ) -> PromptLayout:
+        """The prompt's segments; ``tools`` and ``turns`` as for :meth:`stream`."""
         check_unicode([("question", question)] + (list(named_chunks(chunks)) if isinstance(chunks, (list, tuple)) else []))
-        layout = self.prompts.build(question, chunks)
+        layout = self.prompts.for_tools(tools).build(question, chunks, turns=turns)
         self.backbone.check_fits(len(layout), "the prompt (instruction + chunks + question)")
         return layout
 
@@ -410,23 +433,25 @@ class CacheBlendEngine:
     ) -> PrefillResult:
         """``full_reuse`` and ``cacheblend``: load every chunk's cache (computing the misses), then
         recompute the planned tokens layer by layer (``fusor.fuse``)."""
-        self.chunk_cache.store_prefix(store)
+        # The layout's own prefix: the instruction, and the tools when a request has them.
+        prefix = layout.prefix_ids
+        self.chunk_cache.store_prefix(store, prefix)
         neighbours = self.chunk_cache.neighbours
         # Every chunk of the request looked up at once: one round trip to a network tier, not one per chunk.
-        contains = Lookup(store, planner.fusion_keys(layout, self.fingerprint, self.prompts.prefix_ids, neighbours))
+        contains = Lookup(store, planner.fusion_keys(layout, self.fingerprint, prefix, neighbours))
         req = planner.plan_fusion(
             layout,
             mode,
             config,
             fingerprint=self.fingerprint,
-            prefix_ids=self.prompts.prefix_ids,
+            prefix_ids=prefix,
             contains=contains,
             num_layers=self.num_layers,
             neighbours=neighbours,
             avoid=avoid,
             device=self.device,
         )
-        specs, miss_s = self.chunk_cache.fill(req.loads, store)
+        specs, miss_s = self.chunk_cache.fill(req.loads, store, prefix)
         loader = LayerAssembler(
             store,
             specs,
@@ -457,7 +482,7 @@ class CacheBlendEngine:
         stats = self._stats(mode, layout, req.hits, req.misses, out.stats.recomputed_per_layer, out.stats.computed_per_layer)
         stats["neighbour_hits"] = req.neighbour_hits
         if self.learner is not None:
-            self.learner.observe(store, [seg for seg in layout.segments if seg.reusable])
+            self.learner.observe(store, [seg for seg in layout.segments if seg.reusable], prefix)
         stats.update(_load_stats(loader, out.stats, miss_s, scoring_s), prefill_s=time.perf_counter() - t0)
         if mode == "cacheblend":
             stats.update(
@@ -526,6 +551,9 @@ class CacheBlendEngine:
         stop: Sequence[str] | str | None = None,
         seed: int | None = None,
         ignore_eos: bool = False,
+        constraint: Grammar | None = None,
+        tools: Sequence[Mapping[str, Any]] = (),
+        turns: Sequence[Mapping[str, Any]] = (),
         store: ChunkStore | None = None,
         pipelined: bool | None = None,
         controller: LoadingController | None = None,
@@ -534,7 +562,14 @@ class CacheBlendEngine:
 
         ``store``, ``pipelined`` and ``controller`` replace the engine's own for this answer only
         (a benchmark comparing tiers or loading modes on one engine). ``ignore_eos`` decodes past
-        the end-of-sequence token to ``max_new_tokens`` (a benchmark timing fixed lengths)."""
+        the end-of-sequence token to ``max_new_tokens`` (a benchmark timing fixed lengths).
+
+        ``constraint`` (``constraints.Grammar``) keeps the answer inside a grammar (a JSON schema:
+        the answer parses). ``tools`` (function definitions, OpenAI's format) are rendered by the
+        model's chat template into the prompt's prefix, so the chunks are cached behind that prefix
+        (``precompute(..., tools=...)``); ``turns`` are chat messages after the question's turn
+        (the assistant's tool calls, ``role: tool`` results), rendered by the template after it.
+        See docs/engine.md, "Constrained decoding and tools"."""
         from .serving.request import answer_settings  # the one place settings become a SamplingParams
 
         t0 = time.perf_counter()
@@ -549,9 +584,19 @@ class CacheBlendEngine:
             stop=stop,
             seed=seed,
             ignore_eos=ignore_eos,
+            constraint=constraint,
         )
         return self.open_stream(
-            question, chunks, settings.pop("sampling"), **settings, store=store, pipelined=pipelined, controller=controller, t0=t0
+            question,
+            chunks,
+            settings.pop("sampling"),
+            **settings,
+            tools=tools,
+            turns=turns,
+            store=store,
+            pipelined=pipelined,
+            controller=controller,
+            t0=t0,
         )
 
     def open_stream(
@@ -563,6 +608,8 @@ class CacheBlendEngine:
         mode: str = "cacheblend",
         recompute_ratio: float | None = None,
         config: BlendConfig | None = None,
+        tools: Sequence[Mapping[str, Any]] = (),
+        turns: Sequence[Mapping[str, Any]] = (),
         store: ChunkStore | None = None,
         pipelined: bool | None = None,
         controller: LoadingController | None = None,
@@ -575,7 +622,7 @@ class CacheBlendEngine:
         check_mode(mode)
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-        layout = self.build_layout(question, chunks)
+        layout = self.build_layout(question, chunks, tools=tools, turns=turns)
         self.backbone.check_fits(len(layout), "the prompt (instruction + chunks + question)", reserve=sampling.max_new_tokens)
         config = (_check_config(config) or self.config).with_ratio(recompute_ratio)
         controller = self.controller if controller is None else controller
@@ -680,7 +727,8 @@ class GenerationStream:
         eng.flush()
         store = eng.store if self.store is None else self.store
         segments = [seg for seg in self.layout.segments if seg.reusable]
-        found = contains_many(store, [eng.chunk_key(seg) for seg in segments])  # one round trip for all chunks
+        prefix = self.layout.prefix_ids  # the chunks' keys hold the prefix they sit behind (tools change it)
+        found = contains_many(store, [eng.chunk_key(seg, prefix) for seg in segments])  # one round trip for all chunks
         return sum(len(seg) for seg, hit in zip(segments, found) if hit)
 
     def finish(self, state: DecodeState, first_token_s: float | None, **stats: Any) -> GenerationResult:

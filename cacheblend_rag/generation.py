@@ -146,6 +146,8 @@ class Decoder:
         self.text = ""
         self.finish_reason: str | None = None  # set once the answer is complete
         self._emitted = 0
+        # Constrained decoding: this answer's place in the grammar (constraints.Matcher).
+        self.matcher = None if params.constraint is None else params.constraint.start(tokenizer, eos)
 
     @property
     def done(self) -> bool:
@@ -155,14 +157,20 @@ class Decoder:
         """The next token from this answer's next-token ``logits`` ([vocab])."""
         logits = logits.float().reshape(1, -1)
         if self.params.temperature > 0:
+            if self.matcher is not None:
+                logits = self.matcher.mask(logits.clone())
             ids = torch.tensor([self.token_ids], dtype=torch.long, device=logits.device)
             scores = self.warpers(ids, logits)
             return int(torch.multinomial(scores.softmax(-1), 1, generator=self.generator)[0, 0])
+        if self.matcher is not None:
+            return self.matcher.greedy(logits)
         return int(logits.argmax(-1)[0])
 
     def accept(self, token: int) -> str:
         """Add ``token``; return the text that became final (possibly ""). Sets ``finish_reason``
-        on EOS, a stop string or the token budget."""
+        on EOS, a stop string, the token budget or the end of the constraint's grammar."""
+        if self.matcher is not None:
+            self.matcher.advance(token)
         if token in self.eos:
             self.finish_reason = "stop"
             return self._flush()
@@ -178,7 +186,12 @@ class Decoder:
         delta = ""
         if safe > self._emitted:
             delta, self._emitted = text[self._emitted : safe], safe
-        if len(self.token_ids) >= self.params.max_new_tokens:
+        if self.matcher is not None and self.matcher.done:
+            # The grammar allows nothing but end-of-sequence now (even with ignore_eos): the step
+            # that would choose it is not run.
+            self.finish_reason = "stop"
+            delta += self._flush()
+        elif len(self.token_ids) >= self.params.max_new_tokens:
             self.finish_reason = "length"
             delta += self._flush()
         return delta

@@ -77,21 +77,24 @@ class _Job:
     store: ChunkStore
     chunk: Segment
     behind: tuple[Segment, ...]
+    prefix: tuple[int, ...]  # the prompt's prefix the chunks sat behind (the instruction, with tools if any)
 
 
 class NeighbourLearner:
     """Learns each chunk's neighbours from the requests and caches it behind them in the background.
 
-    ``compute(store, chunk, behind)`` computes and stores one neighbour-aware cache and returns its
-    key (``ChunkCache.compute_behind``); ``key(segment)`` is a chunk's plain key; ``lock()`` is the
-    engine's lock (held while computing).
+    ``compute(store, chunk, behind, prefix)`` computes and stores one neighbour-aware cache behind
+    the prompt's ``prefix`` and returns its key (``ChunkCache.compute_behind``); ``key(segment,
+    prefix)`` is a chunk's plain key behind that prefix; ``lock()`` is the engine's lock (held while
+    computing). A chunk's counts and caches are per prefix: a tool set's prompts (tools rendered into
+    the prefix) learn their own.
     """
 
     def __init__(
         self,
         index: NeighbourIndex,
-        compute: Callable[[ChunkStore, Segment, Sequence[Segment]], str | None],
-        key: Callable[[Segment], str],
+        compute: Callable[[ChunkStore, Segment, Sequence[Segment], tuple[int, ...]], str | None],
+        key: Callable[[Segment, Sequence[int]], str],
         lock: Callable[[], ContextManager[object]],
         config: LearnConfig = LearnConfig(),
         directory: str | os.PathLike[str] | None = None,
@@ -112,9 +115,11 @@ class NeighbourLearner:
         self._thread.start()
 
     # ------------------------------------------------------------------ request path (cheap)
-    def observe(self, store: ChunkStore, chunks: Sequence[Segment]) -> None:
-        """One fused request's chunks, in prompt order: count them, queue the caches now missing."""
-        keys = [self._key(seg) for seg in chunks]
+    def observe(self, store: ChunkStore, chunks: Sequence[Segment], prefix: Sequence[int]) -> None:
+        """One fused request's chunks, in prompt order, behind its ``prefix``: count them, queue
+        the caches now missing."""
+        prefix = tuple(prefix)
+        keys = [self._key(seg, prefix) for seg in chunks]
         self.stats.record(keys)
         with self._segments_lock:
             for key, seg in zip(keys, chunks):
@@ -123,12 +128,12 @@ class NeighbourLearner:
                 while len(self._segments) > self.config.max_chunks:
                     self._segments.popitem(last=False)
         for key, seg in list(zip(keys, chunks))[1:]:
-            self._maybe_queue(store, key, seg)
+            self._maybe_queue(store, key, seg, prefix)
         self._observed += 1
         if self.config.save_every and self._observed % self.config.save_every == 0:
             self.save()
 
-    def _maybe_queue(self, store: ChunkStore, key: str, seg: Segment) -> None:
+    def _maybe_queue(self, store: ChunkStore, key: str, seg: Segment, prefix: tuple[int, ...]) -> None:
         preds = [
             p
             for p in self.stats.predecessors(key, self.config.max_predecessors)
@@ -145,7 +150,7 @@ class NeighbourLearner:
         if any(b is None for b in behind):
             return  # a predecessor's text is no longer known: wait until it is retrieved again
         try:
-            self._jobs.put_nowait(_Job(store, seg, behind))  # type: ignore[arg-type]
+            self._jobs.put_nowait(_Job(store, seg, behind, prefix))  # type: ignore[arg-type]
         except queue.Full:
             return
         self._queued.add((key, behind_keys))
@@ -162,12 +167,12 @@ class NeighbourLearner:
                 self._jobs.task_done()
 
     def _refresh(self, job: _Job) -> None:
-        key = self._key(job.chunk)
-        behind_keys = tuple(self._key(b) for b in job.behind)
+        key = self._key(job.chunk, job.prefix)
+        behind_keys = tuple(self._key(b, job.prefix) for b in job.behind)
         try:
             with self._lock():
                 try:
-                    cache_key = self._compute(job.store, job.chunk, job.behind)
+                    cache_key = self._compute(job.store, job.chunk, job.behind, job.prefix)
                 finally:
                     release_team()  # hand the cores back to the thread that answers next
             if cache_key is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from .config import SamplingParams
 from .engine import CacheBlendEngine, GenerationStream
@@ -38,19 +39,23 @@ def _marker(i: int) -> str:
     return f"\x00CACHEBLEND_MESSAGE_{i}\x00"
 
 
-def _render(tokenizer, msgs: list[dict[str, str]]) -> str:
+def _render(tokenizer, msgs: list[dict[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+    kw: dict[str, Any] = {"tools": list(tools)} if tools else {}
     try:
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kw)
     except Exception:  # noqa: BLE001 - a template that rejects the system role raises any type
-        return tokenizer.apply_chat_template(_fold_system(msgs), tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(_fold_system(msgs), tokenize=False, add_generation_prompt=True, **kw)
 
 
-def _split_at_markers(rendered: str, contents: Sequence[str]) -> list[tuple[str, bool]] | None:
-    """The template's text around each marker, with the messages' text in their place; None when
-    the template does not place every message exactly once and in order."""
+def _split_at_markers(rendered: str, contents: Sequence[str | None]) -> list[tuple[str, bool]] | None:
+    """The template's text around each marker, with the messages' text in their place (None: a
+    message rendered without a marker); None when the template does not place every marker
+    exactly once and in order."""
     parts: list[tuple[str, bool]] = []
     rest = rendered
     for i, content in enumerate(contents):
+        if content is None:
+            continue
         head, sep, rest = rest.partition(_marker(i))
         if not sep or _marker(i) in rest:
             return None
@@ -59,23 +64,25 @@ def _split_at_markers(rendered: str, contents: Sequence[str]) -> list[tuple[str,
     return parts
 
 
-def chat_text(tokenizer, messages: Sequence[Mapping[str, str]]) -> str:
-    """``messages`` (role/content dicts) rendered with the tokenizer's chat template, ready for
-    the assistant's turn, as a :class:`ChatPrompt`. Templates without a system role get the system
+def chat_text(tokenizer, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+    """``messages`` (role/content dicts; an assistant's may carry ``tool_calls``, a ``role: tool``
+    result its ``name``) rendered with the tokenizer's chat template and ``tools``, ready for the
+    assistant's turn, as a :class:`ChatPrompt`. Templates without a system role get the system
     text folded into the next user turn; a tokenizer without a template gets the contents joined
     by blank lines."""
-    msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
+    msgs = [dict(m) for m in messages]
     if not getattr(tokenizer, "chat_template", None):
         return ChatPrompt([("\n\n".join(m["content"] for m in msgs) + "\n", True)])
-    rendered = _render(tokenizer, msgs)
+    rendered = _render(tokenizer, msgs, tools)
     # Rendered again with a marker in place of each message's text, to find where the template
     # put it. Templates that change the text (a trim) are rendered with the changed text in place.
-    marked = _render(tokenizer, [{"role": m["role"], "content": _marker(i)} for i, m in enumerate(msgs)])
-    for contents in ([m["content"] for m in msgs], [m["content"].strip() for m in msgs]):
+    # An empty text stays empty (a template may leave out what an empty message would add).
+    marked = _render(tokenizer, [dict(m, content=_marker(i)) if m["content"] else m for i, m in enumerate(msgs)], tools)
+    for contents in ([m["content"] or None for m in msgs], [m["content"].strip() if m["content"] else None for m in msgs]):
         parts = _split_at_markers(marked, contents)
         if parts is not None and "".join(text for text, _ in parts) == rendered:
             return ChatPrompt(parts)
-    parts = _split_at_markers(marked, [m["content"] for m in msgs])
+    parts = _split_at_markers(marked, [m["content"] or None for m in msgs])
     if parts is not None:
         # The template changes the text in a way not undone above: keep its layout, the text as given.
         return ChatPrompt(parts)
@@ -86,8 +93,8 @@ def chat_text(tokenizer, messages: Sequence[Mapping[str, str]]) -> str:
     return rendered
 
 
-def _fold_system(msgs: list[dict[str, str]]) -> list[dict[str, str]]:
-    out: list[dict[str, str]] = []
+def _fold_system(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
     pending: list[str] = []
     for m in msgs:
         if m["role"] == "system":

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 from cachetools import LRUCache
 
+from .tools import ToolsUnsupported, check_turns, normalize_tools, render, require_tool_support, tools_key
+
 DEFAULT_INSTRUCTION = (
     "You are a helpful assistant. Answer the question using the documents the user gives. "
     "Reply with a short answer of a few words, without explanation."
@@ -34,6 +36,11 @@ DEFAULT_INSTRUCTION = (
 SHORT_ANSWER_HINT = "Answer with the answer only, no other words."
 CHUNK_SEPARATOR = "\n\n"
 _SENTINEL = "\x00CACHEBLEND_USER_CONTENT\x00"
+MAX_TOOL_SETS = 16  # tool sets whose prompt builders one engine keeps
+
+
+def _turn_marker(i: int) -> str:
+    return f"\x00CACHEBLEND_TURN_{i}\x00"
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,13 @@ class PromptLayout:
     @property
     def num_context_tokens(self) -> int:
         return sum(len(s) for s in self.segments if s.reusable)
+
+    @property
+    def prefix_ids(self) -> tuple[int, ...]:
+        """The instruction prefix the chunks are cached behind: the first segment's tokens (the
+        template's head, with the tools a request renders into it); none when it is a chunk."""
+        first = self.segments[0] if self.segments else None
+        return () if first is None or first.reusable else first.token_ids
 
 
 def validate_question(question: object) -> str:
@@ -201,6 +215,11 @@ class PromptBuilder:
     Layout: [system + user header] [chunk 1] ... [chunk n] [question + assistant header].
     Chunks are cached behind the exact same header (``prefix_ids``), so the first chunk's cached
     KV equals what a full prefill computes.
+
+    With ``tools`` (:meth:`for_tools`) the template renders them where it puts them (Qwen2.5: in
+    the system turn), so the header, and with it the key of every chunk cached behind it, is that
+    tool set's own. A request's ``turns`` (messages after the question's turn: the assistant's tool
+    calls and the tools' results) are rendered by the template after the question.
     """
 
     def __init__(
@@ -209,6 +228,7 @@ class PromptBuilder:
         instruction: str = DEFAULT_INSTRUCTION,
         separator: str = CHUNK_SEPARATOR,
         answer_hint: str = "",
+        tools: Sequence[Mapping[str, object]] = (),
     ):
         self.tokenizer = tokenizer
         self._text_tokenizer = _text_only(tokenizer)
@@ -217,28 +237,97 @@ class PromptBuilder:
             raise TypeError(f'answer_hint must be a str ("" for none), got {type(answer_hint).__name__}')
         self.answer_hint = answer_hint.strip()
         self.separator = separator
+        self.token_cache = TokenCache()
+        self._variants: LRUCache[str, PromptBuilder] = LRUCache(MAX_TOOL_SETS)  # tool set -> its builder
+        self._variants_lock = threading.Lock()
+        self._set_tools(normalize_tools(tools))
+
+    def _set_tools(self, tools: tuple[dict, ...]) -> None:
+        if tools:
+            require_tool_support(self.tokenizer, "rendering tools")
+        self.tools = tools
         head, tail = self._split_template()
+        self._head = head
         self.prefix_text = head + "Documents:\n"
         self.tail_text = tail
         self.prefix_ids: tuple[int, ...] = self.encode(self.prefix_text)
-        self.token_cache = TokenCache()
+
+    def for_tools(self, tools: Sequence[Mapping[str, object]] | None) -> PromptBuilder:
+        """This builder with ``tools`` rendered into the template (itself when they are its own).
+        Shares the tokenizers and the chunk token cache (a chunk's tokens do not depend on the
+        tools); the last ``MAX_TOOL_SETS`` tool sets' builders are kept."""
+        tools = normalize_tools(tools)
+        if tools == self.tools:
+            return self
+        key = tools_key(tools)
+        with self._variants_lock:
+            builder = self._variants.get(key)
+            if builder is None:
+                builder = copy.copy(self)
+                builder._variants, builder._variants_lock = LRUCache(MAX_TOOL_SETS), threading.Lock()
+                builder._set_tools(tools)
+                self._variants[key] = builder
+            return builder
+
+    def _messages(self, content: str, turns: Sequence[Mapping[str, object]] = ()) -> list[list[dict]]:
+        """The conversations to render, in order of preference: the instruction as a system turn,
+        or inside the user turn for templates without a system role."""
+        return [
+            [{"role": "system", "content": self.instruction}, {"role": "user", "content": content}, *turns],
+            [{"role": "user", "content": self.instruction + "\n\n" + content}, *turns],
+        ]
 
     def _split_template(self) -> tuple[str, str]:
         tok = self.tokenizer
         if getattr(tok, "chat_template", None):
-            for messages in (
-                [{"role": "system", "content": self.instruction}, {"role": "user", "content": _SENTINEL}],
-                # Templates without a system role get the instruction inside the user turn.
-                [{"role": "user", "content": self.instruction + "\n\n" + _SENTINEL}],
-            ):
+            for messages in self._messages(_SENTINEL):
                 try:
-                    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                    text = render(tok, messages, self.tools)
                 except Exception:  # noqa: BLE001 - a template that rejects the system role
                     continue
                 if isinstance(text, str) and text.count(_SENTINEL) == 1:
                     head, tail = text.split(_SENTINEL)
                     return head, tail
+        if self.tools:
+            raise ToolsUnsupported("the chat template did not render the instruction and the tools around the user turn")
         return self.instruction + "\n\n", "\nAnswer:"
+
+    def _turns_tail(self, turns: Sequence[Mapping[str, object]]) -> list[tuple[str, bool]]:
+        """The text after the question for a conversation that goes on with ``turns``, as (text,
+        is_message_text) parts: the template's own text tokenized with its control tokens, the
+        turns' contents (a tool's result is untrusted text) as text."""
+        turns = [dict(t) for t in turns]
+        check_turns(turns, getattr(self.tokenizer, "all_special_tokens", ()))
+        marked = [dict(t, content=_turn_marker(i)) if t.get("content") else t for i, t in enumerate(turns)]
+        for plain, with_markers in zip(self._messages(_SENTINEL, turns), self._messages(_SENTINEL, marked)):
+            try:
+                text = render(self.tokenizer, with_markers, self.tools)
+                real = render(self.tokenizer, plain, self.tools)
+            except Exception:  # noqa: BLE001 - a template that rejects the system role
+                continue
+            if not isinstance(text, str) or text.count(_SENTINEL) != 1:
+                continue
+            head, tail = text.split(_SENTINEL)
+            if head != self._head:
+                raise ValueError(
+                    "the chat template renders the conversation's start differently when turns follow: "
+                    "pass the conversation without chunks (a plain chat)"
+                )
+            parts: list[tuple[str, bool]] = []
+            for i, t in enumerate(turns):
+                if not t.get("content"):
+                    continue
+                before, sep, tail = tail.partition(_turn_marker(i))
+                if not sep or _turn_marker(i) in tail:
+                    break
+                parts += [(before, False), (str(t["content"]), True)]
+            else:
+                parts.append((tail, False))
+                if real.split(_SENTINEL)[1] == "".join(p for p, _ in parts):
+                    return [(p, c) for p, c in parts if p]
+            # The template changes the turns' text: keep its rendering, tokenized as template text.
+            return [(real.split(_SENTINEL)[1], False)]
+        raise ValueError("the chat template cannot render the conversation's later turns")
 
     def encode(self, text: str) -> tuple[int, ...]:
         """Token ids of trusted prompt text (template, instruction): special tokens allowed."""
@@ -265,16 +354,22 @@ class PromptBuilder:
     def question_text(self, question: str) -> str:
         return self._question_body(question) + self.tail_text
 
-    def question_segment(self, question: str) -> Segment:
+    def question_segment(self, question: str, turns: Sequence[Mapping[str, object]] = ()) -> Segment:
         # The user's words as text, the template tail (which closes the turn) with its specials.
         body = self._question_body(question)
-        return Segment(body + self.tail_text, self.encode_text(body) + self.encode(self.tail_text), reusable=False)
+        if not turns:
+            return Segment(body + self.tail_text, self.encode_text(body) + self.encode(self.tail_text), reusable=False)
+        parts = self._turns_tail(turns)
+        ids = self.encode_text(body) + tuple(t for p, text in parts for t in (self.encode_text(p) if text else self.encode(p)))
+        return Segment(body + "".join(p for p, _ in parts), ids, reusable=False)
 
-    def build(self, question: str, chunks: Sequence[str]) -> PromptLayout:
+    def build(self, question: str, chunks: Sequence[str], turns: Sequence[Mapping[str, object]] = ()) -> PromptLayout:
+        """The layout of ``question`` over ``chunks``; ``turns`` (chat messages after the question's
+        turn) are rendered by the template after it."""
         question = validate_question(question)
         chunks = normalize_chunks(chunks)
         return PromptLayout(
             (Segment(self.prefix_text, self.prefix_ids, reusable=False),)
             + tuple(self.chunk_segment(c) for c in chunks)
-            + (self.question_segment(question),)
+            + (self.question_segment(question, turns),)
         )

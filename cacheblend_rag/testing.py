@@ -30,16 +30,23 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# Qwen2.5's chat template (Apache-2.0), which renders tools into the system turn and tool calls as
+# <tool_call>{json}</tool_call>: the tiny tokenizer's with tools=True, so tool calling is tested offline.
+TOOL_CHAT_TEMPLATE = "{%- if tools %}\n    {{- '<|im_start|>system\\n' }}\n    {%- if messages[0]['role'] == 'system' %}\n        {{- messages[0]['content'] }}\n    {%- else %}\n        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}\n    {%- endif %}\n    {{- \"\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>\" }}\n    {%- for tool in tools %}\n        {{- \"\\n\" }}\n        {{- tool | tojson }}\n    {%- endfor %}\n    {{- \"\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\" }}\n{%- else %}\n    {%- if messages[0]['role'] == 'system' %}\n        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n    {%- else %}\n        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}\n    {%- endif %}\n{%- endif %}\n{%- for message in messages %}\n    {%- if (message.role == \"user\") or (message.role == \"system\" and not loop.first) or (message.role == \"assistant\" and not message.tool_calls) %}\n        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n    {%- elif message.role == \"assistant\" %}\n        {{- '<|im_start|>' + message.role }}\n        {%- if message.content %}\n            {{- '\\n' + message.content }}\n        {%- endif %}\n        {%- for tool_call in message.tool_calls %}\n            {%- if tool_call.function is defined %}\n                {%- set tool_call = tool_call.function %}\n            {%- endif %}\n            {{- '\\n<tool_call>\\n{\"name\": \"' }}\n            {{- tool_call.name }}\n            {{- '\", \"arguments\": ' }}\n            {{- tool_call.arguments | tojson }}\n            {{- '}\\n</tool_call>' }}\n        {%- endfor %}\n        {{- '<|im_end|>\\n' }}\n    {%- elif message.role == \"tool\" %}\n        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != \"tool\") %}\n            {{- '<|im_start|>user' }}\n        {%- endif %}\n        {{- '\\n<tool_response>\\n' }}\n        {{- message.content }}\n        {{- '\\n</tool_response>' }}\n        {%- if loop.last or (messages[loop.index0 + 1].role != \"tool\") %}\n            {{- '<|im_end|>\\n' }}\n        {%- endif %}\n    {%- endif %}\n{%- endfor %}\n{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n{%- endif %}\n"
 
-def make_tokenizer():
+
+def make_tokenizer(tools: bool = False):
+    """The tiny byte-level BPE tokenizer. ``tools=True``: with Qwen2.5's tool-calling chat template
+    and ``<tool_call>``/``</tool_call>`` as single added (non-special) tokens, as in Qwen2.5."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    tags = ["<tool_call>", "</tool_call>"] if tools else []
     trainer = trainers.BpeTrainer(
-        vocab_size=400,
+        vocab_size=400 - len(tags),  # the models' vocabulary holds the added tags too
         special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
@@ -47,7 +54,11 @@ def make_tokenizer():
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token="<|endoftext|>"
     )
-    fast.chat_template = CHAT_TEMPLATE
+    if tools:
+        from tokenizers import AddedToken
+
+        fast.add_tokens([AddedToken(t, special=False, normalized=False) for t in tags])
+    fast.chat_template = TOOL_CHAT_TEMPLATE if tools else CHAT_TEMPLATE
     return fast
 
 
@@ -72,12 +83,15 @@ def make_model(arch: str = "llama", seed: int = 0, layers: int = 4, **overrides)
     return model.eval()
 
 
-def make_engine(arch: str = "llama", seed: int = 0, store_dir=None, **engine_kwargs):
-    """A ``CacheBlendEngine`` over a tiny random model (store in ``store_dir`` or a temp dir)."""
+def make_engine(arch: str = "llama", seed: int = 0, store_dir=None, *, tools: bool = False, **engine_kwargs):
+    """A ``CacheBlendEngine`` over a tiny random model (store in ``store_dir`` or a temp dir);
+    ``tools=True``: the tokenizer with a tool-calling chat template (``make_tokenizer``)."""
     from .engine import CacheBlendEngine
     from .store.disk import KVStore
 
-    return CacheBlendEngine(make_model(arch, seed), make_tokenizer(), store=KVStore(store_dir), **engine_kwargs)
+    # The tool template's system turn alone is hundreds of the tiny tokenizer's tokens: room for it.
+    model = make_model(arch, seed, max_position_embeddings=4096) if tools else make_model(arch, seed)
+    return CacheBlendEngine(model, make_tokenizer(tools), store=KVStore(store_dir), **engine_kwargs)
 
 
 def make_store_engine(store, *, memory_bytes: int = 2**26, arch: str = "llama", seed: int = 0, store_dir=None, **engine_kwargs):

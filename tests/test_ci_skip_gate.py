@@ -87,3 +87,28 @@ def test_allowed_skips_none_refuses_every_skip(tmp_path):
     done = run_gate(tmp_path, False, "--allowed-skips=none")
     assert done.returncode == pytest.ExitCode.TESTS_FAILED, done.stdout + done.stderr
     assert "NOT ALLOWED: test_suite.py::test_gpu: " in done.stdout
+
+
+def _gate():
+    sys.path.insert(0, str(CI))
+    try:
+        import skip_gate
+    finally:
+        sys.path.remove(str(CI))
+    return skip_gate.SkipGate(skip_gate.ALLOWED)
+
+
+def test_tool_calling_skips_are_allowed_only_in_the_tiny_engines_suite():
+    """The tiny random engine's standard suite turns tool calling and structured output off (the
+    Qwen suite runs them); the same skips anywhere else, the Qwen suite included, fail the run."""
+    gate = _gate()
+    where = "/site-packages/langchain_tests/integration_tests/chat_models.py:1671: Test requires tool calling."
+    tiny = "integrations/langchain-cacheblend/tests/test_standard.py::TestChatCacheBlendIntegration::test_tool_calling"
+    qwen = "integrations/langchain-cacheblend/tests/test_standard_qwen.py::TestChatCacheBlendQwen::test_tool_calling"
+    assert gate.why_allowed(where, tiny) is not None
+    assert gate.why_allowed(where, qwen) is None
+    json_mode = where.replace("Test requires tool calling.", "Test requires json mode support.")
+    assert gate.why_allowed(json_mode, tiny) is not None and gate.why_allowed(json_mode, qwen) is None
+    # Inputs the model does not take stay allowed in both suites.
+    image = "/site-packages/langchain_tests/integration_tests/chat_models.py:2858: Model does not support image message."
+    assert gate.why_allowed(image, tiny) is not None and gate.why_allowed(image, qwen) is not None

@@ -4,7 +4,10 @@
   chat) and how (mode, ratio, one ``SamplingParams``), with :func:`answer_settings`, the one place
   that turns the settings' user-facing names into those fields;
 * :mod:`.run`: :class:`Run`, one answer: text deltas, then the result with the engine's stats;
-* :mod:`.batcher`: :class:`Batcher`, continuous batching: concurrent answers decoded together.
+* :mod:`.batcher`: :class:`Batcher`, continuous batching: concurrent answers decoded together;
+* :mod:`.tool_run`: :class:`ToolRun`, a run with tools or a constraint: ``tool_choice`` planned
+  (``tools.plan_tools``), the answer's tool calls parsed; both integrations start one with
+  :func:`.tool_run.start`.
 
 The LangChain and LlamaIndex integrations and the HTTP server (``cacheblend_rag.server``) are
 adapters: they turn their framework's input into a ``Request`` and a ``Run``'s output back.
@@ -13,5 +16,6 @@ adapters: they turn their framework's input into a ``Request`` and a ``Run``'s o
 from .batcher import Batcher, DecodeBatch, Ticket
 from .request import SETTINGS, Request, answer_settings
 from .run import Run, open_stream
+from .tool_run import ToolRun
 
-__all__ = ["Batcher", "DecodeBatch", "Request", "Run", "SETTINGS", "Ticket", "answer_settings", "open_stream"]
+__all__ = ["Batcher", "DecodeBatch", "Request", "Run", "SETTINGS", "Ticket", "ToolRun", "answer_settings", "open_stream"]

@@ -13,9 +13,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import BlendConfig, SamplingParams, check_mode
+from ..constraints import Grammar
 
 # The user-facing setting names answer_settings() takes (OpenAI's max_tokens is the adapters' to map).
-SETTINGS = ("mode", "recompute_ratio", "config", "max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed", "ignore_eos")
+SETTINGS = (
+    "mode",
+    "recompute_ratio",
+    "config",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop",
+    "seed",
+    "ignore_eos",
+    "constraint",
+)
 
 
 def answer_settings(
@@ -30,19 +43,23 @@ def answer_settings(
     stop: Sequence[str] | str | None = None,
     seed: int | None = None,
     ignore_eos: bool = False,
+    constraint: Grammar | None = None,
 ) -> dict[str, Any]:
     """A request's ``mode``, ``recompute_ratio``, ``config`` and ``sampling`` (one
     ``SamplingParams``) from the settings' user-facing names, with their documented defaults.
 
     Bad values raise here, naming the setting. ``stop`` may be one string (one stop sequence) or
-    a list of them; None is none.
+    a list of them; None is none. ``constraint`` (a ``constraints.Grammar``) keeps the answer
+    inside a grammar: structured output, a forced tool call (``tools.plan_tools``).
     """
     check_mode(mode)  # recompute_ratio is checked by the BlendConfig it goes into (engine.open_stream)
     if config is not None and not isinstance(config, BlendConfig):
         raise TypeError(
             f"config must be a BlendConfig, got {type(config).__name__}: build one with cacheblend_rag.BlendConfig(**options)"
         )
-    sampling = SamplingParams(max_new_tokens, temperature, top_p, top_k, () if stop is None else stop, seed, ignore_eos)
+    sampling = SamplingParams(
+        max_new_tokens, temperature, top_p, top_k, () if stop is None else stop, seed, ignore_eos, constraint
+    )
     return {"mode": mode, "recompute_ratio": recompute_ratio, "config": config, "sampling": sampling}
 
 
@@ -56,12 +73,12 @@ class Request:
     and either is answered with a full prefill.
 
     Build one with :meth:`over_chunks`, :meth:`plain_chat` or :meth:`plain_prompt`, then set how
-    to answer it with :meth:`with_settings`.
+    to answer it with :meth:`with_settings` (and offer tools with :meth:`with_tools`).
     """
 
     question: str
     chunks: tuple[str, ...] = ()
-    messages: tuple[dict[str, str], ...] = ()
+    messages: tuple[dict[str, Any], ...] = ()
     prompt: str | None = None
     """A plain prompt already formatted for the model (e.g. by a LlamaIndex ``completion_to_prompt``)."""
     mode: str = "cacheblend"
@@ -74,6 +91,12 @@ class Request:
     texts found in the prompt) or "none"."""
     chunks_matched: int = 0
     """How many known chunk texts the registry found in the prompt (0 for explicit inputs)."""
+    tools: tuple[dict[str, Any], ...] = ()
+    """Function definitions (OpenAI's format) the chat template renders into the prompt's prefix:
+    the chunks are cached behind that prefix (``engine.precompute(..., tools=...)``)."""
+    turns: tuple[dict[str, Any], ...] = ()
+    """Chat messages after the question's turn (the assistant's tool calls, the tools' results),
+    rendered by the chat template after the question. A plain chat has them in ``messages``."""
 
     @property
     def plain(self) -> bool:
@@ -104,6 +127,35 @@ class Request:
         if not prompt.strip():
             raise ValueError("the prompt is empty: nothing to answer")
         return cls(prompt, prompt=prompt)
+
+    def with_tools(self, tools: Sequence[dict[str, Any]], turns: Sequence[dict[str, Any]] = ()) -> Request:
+        """This request with ``tools`` in its prompt and the conversation going on with ``turns``
+        (chat-template messages); a plain chat gets the turns after its messages. A prompt already
+        formatted by the caller cannot take either: the template must render them."""
+        if self.prompt is not None and (tools or turns):
+            raise ValueError(
+                "tools and tool turns need the chat template to render them, and this prompt was formatted "
+                "already: pass the conversation as chat messages"
+            )
+        if self.plain:
+            return dataclasses.replace(self, tools=tuple(tools), messages=self.messages + tuple(turns))
+        return dataclasses.replace(self, tools=tuple(tools), turns=self.turns + tuple(turns))
+
+    def with_hint(self, hint: str) -> Request:
+        """This request with ``hint`` (e.g. the JSON schema an answer must match) after its
+        question, or for a plain chat after its last user message; the chunks' caches do not
+        depend on it."""
+        if not hint:
+            return self
+        if not self.plain:
+            return dataclasses.replace(self, question=f"{self.question}\n\n{hint}")
+        messages = [dict(m) for m in self.messages]
+        last = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+        if last is None:
+            messages.append({"role": "user", "content": hint})
+        else:
+            messages[last]["content"] = f"{messages[last]['content']}\n\n{hint}"
+        return dataclasses.replace(self, messages=tuple(messages))
 
     def with_settings(self, **settings: Any) -> Request:
         """This request with the given settings (names and defaults of :func:`answer_settings`;

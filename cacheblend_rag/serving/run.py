@@ -37,9 +37,11 @@ def open_stream(engine: CacheBlendEngine, request: Request) -> GenerationStream:
             mode=request.mode,
             recompute_ratio=request.recompute_ratio,
             config=request.config,
+            tools=request.tools,
+            turns=request.turns,
         )
     # No chunks: one full prefill of the chat in the model's template, or of a prompt as written.
-    text = request.prompt if request.prompt is not None else chat_text(engine.tokenizer, request.messages)
+    text = request.prompt if request.prompt is not None else chat_text(engine.tokenizer, request.messages, request.tools)
     return plain_stream(engine, text, request.sampling)
 
 

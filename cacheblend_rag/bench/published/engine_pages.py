@@ -165,7 +165,35 @@ def _threads_values(res: Results) -> dict[str, Any]:
     return {"slowdown": [c["after_us"] / c["before_us"] for c in slow], "processes": cases[0]["processes"]}
 
 
+GRAMMAR_LIBS = "grammar_libs.jsonl"
+
+
+def _grammar_table(res: Results) -> str:
+    """The grammar libraries side by side (``bench.grammar_libs``): each figure for Qwen2.5's 151k
+    vocabulary, then SmolLM2's 49k."""
+    by: dict[str, dict[str, dict]] = {}
+    for r in res.rows(GRAMMAR_LIBS):
+        by.setdefault(f"{r['library']} {r['version']}", {})[r["tokenizer"].split("-")[0]] = r
+
+    def pair(rows: dict[str, dict], field: str, scale: float, spec: str, unit: str) -> str:
+        qwen, smol = (rows["Qwen2.5"][field] * scale, rows["SmolLM2"][field] * scale)
+        return f"{qwen:{spec}} / {smol:{spec}} {unit}"
+
+    lines = [
+        "| library | installed | tokenizer setup (once), Qwen2.5 151k / SmolLM2 49k | a schema's compile, first use "
+        "| mask + advance per token, median |",
+        "|---|---|---|---|---|",
+    ]
+    for name, rows in by.items():
+        lines.append(
+            f"| {name} | {rows['Qwen2.5']['installed_mb']:.1f} MB | {pair(rows, 'tokenizer_setup_s', 1, '.1f', 's')} "
+            f"| {pair(rows, 'compile_s_first', 1e3, '.0f', 'ms')} | {pair(rows, 'mask_and_advance_us_median', 1, '.0f', 'µs')} |"
+        )
+    return "\n".join(lines)
+
+
 TABLES = {
+    "grammar-libs": Table((GRAMMAR_LIBS,), _grammar_table),
     "sweep-512-criteria": _sweep_table(
         "fidelity_512_criteria_schedules.jsonl",
         CRITERIA,

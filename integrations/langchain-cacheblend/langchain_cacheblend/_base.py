@@ -228,6 +228,4 @@ def _role(msg: BaseMessage) -> str:
         return "assistant"
     if isinstance(msg, HumanMessage):
         return "user"
-    raise ValueError(
-        f"{type(msg).__name__} is not supported: CacheBlend chat models take system, human and AI text messages (no tool calling)"
-    )
+    raise ValueError(f"{type(msg).__name__} is not supported: CacheBlend chat models take system, human, AI and tool messages")

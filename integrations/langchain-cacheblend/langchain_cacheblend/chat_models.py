@@ -17,9 +17,10 @@ from cacheblend_rag.serving import Request, Run
 
 from ._base import CacheBlendParams
 from .inputs import RAGPromptValue
+from .tools import ToolCallingMixin, chunk_fields, message_fields
 
 
-class ChatCacheBlend(CacheBlendParams, BaseChatModel):
+class ChatCacheBlend(ToolCallingMixin, CacheBlendParams, BaseChatModel):
     """Chat model for RAG that reuses each retrieved chunk's cached KV.
 
     Chunks come from, in this order of precedence:
@@ -34,8 +35,12 @@ class ChatCacheBlend(CacheBlendParams, BaseChatModel):
     The text of the messages outside the chunks, in order and joined by blank lines (assistant
     turns prefixed "Assistant: "), becomes that question. Messages without any chunk are answered
     as a plain chat through the model's chat template with a full prefill, unless
-    ``require_chunks=True``. ``response_metadata`` carries the engine's stats; tool calling and
-    non-text content are not supported.
+    ``require_chunks=True``. ``response_metadata`` carries the engine's stats; non-text content is
+    not supported.
+
+    ``bind_tools`` and ``with_structured_output`` work through the model's chat template and
+    constrained decoding (:mod:`langchain_cacheblend.tools`); the chunks still reach the engine as
+    chunks.
     """
 
     @classmethod
@@ -100,7 +105,7 @@ class ChatCacheBlend(CacheBlendParams, BaseChatModel):
     def _result(self, run: Run) -> ChatResult:
         assert run.result is not None
         meta = self._metadata(run)
-        message = AIMessage(content=run.result.text, response_metadata=meta, usage_metadata=_usage(meta))
+        message = AIMessage(content=run.result.text, response_metadata=meta, usage_metadata=_usage(meta), **message_fields(run))
         return ChatResult(generations=[ChatGeneration(message=message)], llm_output={"model_name": self._model_label})
 
     def _stream(
@@ -131,7 +136,9 @@ class ChatCacheBlend(CacheBlendParams, BaseChatModel):
     def _last_chunk(self, run: Run) -> ChatGenerationChunk:
         meta = self._metadata(run)
         return ChatGenerationChunk(
-            message=AIMessageChunk(content="", response_metadata=meta, usage_metadata=_usage(meta), chunk_position="last")
+            message=AIMessageChunk(
+                content="", response_metadata=meta, usage_metadata=_usage(meta), chunk_position="last", **chunk_fields(run)
+            )
         )
 
 

@@ -26,6 +26,7 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import default_completion_to_prompt
 
 from cacheblend_rag import MODES, CacheBlendEngine, GenerationResult
@@ -34,6 +35,8 @@ from cacheblend_rag.config import check_mode
 from cacheblend_rag.matching import ChunkRegistry
 from cacheblend_rag.plain import chat_text
 from cacheblend_rag.serving import Batcher, Request, Run
+
+from .tools import FunctionCallingMixin, call_kwargs, tool_run, wants_tools
 
 NO_MATCH = (
     "the prompt contains none of the {n} chunk texts registered with this engine, so it is answered "
@@ -59,7 +62,7 @@ CHAT_ROLES = {
 GENERATION_FIELDS = tuple(k for k in GENERATION_KEYS if k != "stop") + ("match_chunks", "max_batch")
 
 
-class CacheBlendLLM(CustomLLM):
+class CacheBlendLLM(FunctionCallingMixin, CustomLLM, FunctionCallingLLM):
     """LlamaIndex LLM backed by a :class:`cacheblend_rag.CacheBlendEngine`.
 
     Use it with :class:`~llama_index.cacheblend.CacheBlendSynthesizer` (or
@@ -74,6 +77,10 @@ class CacheBlendLLM(CustomLLM):
       prefilled from scratch (``full_recompute``) and answered like the unmodified model would.
 
     ``engine`` defaults to ``CacheBlendEngine.from_pretrained()`` (the bundled SmolLM2).
+
+    Function calling (``chat(messages, tools=...)``, ``FunctionAgent``) works when the engine's
+    chat template renders tools (``metadata.is_function_calling_model``), and ``structured_predict``
+    constrains the answer to the output class's JSON schema (:mod:`llama_index.cacheblend.tools`).
     """
 
     mode: str = Field(
@@ -145,6 +152,7 @@ class CacheBlendLLM(CustomLLM):
             num_output=self.max_new_tokens,
             model_name=self._engine.model_id,
             is_chat_model=False,
+            is_function_calling_model=self.supports_tools,
         )
 
     # ------------------------------------------------------------------ requests
@@ -246,6 +254,8 @@ class CacheBlendLLM(CustomLLM):
         of the messages in the model's chat template."""
         if not messages:
             raise ValueError("no messages: pass at least one ChatMessage")
+        if wants_tools(overrides):  # tools, tool_choice or a constraint: the template and the grammar
+            return tool_run(self, messages, overrides)  # type: ignore[return-value]
         joined = "\n\n".join(m.content or "" for m in messages if CHAT_ROLES.get(m.role) != "assistant")
         request = self._match(joined) or Request.plain_prompt(self._format_messages(messages))
         return self._run(request, overrides)
@@ -337,7 +347,7 @@ def _completion(run: Run, text: str | None = None, delta: str | None = None) -> 
     return CompletionResponse(
         text=result.text if text is None else text,
         delta=delta,
-        additional_kwargs={"cacheblend": result.stats, "finish_reason": result.finish_reason},
+        additional_kwargs={"cacheblend": result.stats, "finish_reason": result.finish_reason, **call_kwargs(run)},
         raw=raw_response(result),
     )
 
