@@ -464,10 +464,14 @@ TABLE_COLUMNS: dict[str, tuple[str, Any]] = {
     "kl": ("KL", lambda e: _num(e["kl"], 3)),
     "kl_vs_reuse": (
         "KL / full reuse's",
-        lambda e: _reuse_only(e, _num(e["kl_vs_reuse"], 2) + _interval(e.get("kl_vs_reuse_ci"), 2)),
+        # Without full_reuse among the methods there is nothing to divide by: a dash.
+        lambda e: _reuse_only(e, _num(e.get("kl_vs_reuse", math.nan), 2) + _interval(e.get("kl_vs_reuse_ci"), 2)),
     ),
-    "kl_vs_reuse_plain": ("KL / full reuse's", lambda e: _reuse_only(e, _num(e["kl_vs_reuse"], 2))),
-    "kl_worse": ("KL worse than full reuse", lambda e: _reuse_only(e, f"{e['kl_worse_than_reuse']:.0%}", "–")),
+    "kl_vs_reuse_plain": ("KL / full reuse's", lambda e: _reuse_only(e, _num(e.get("kl_vs_reuse", math.nan), 2))),
+    "kl_worse": (
+        "KL worse than full reuse",
+        lambda e: _reuse_only(e, f"{e['kl_worse_than_reuse']:.0%}" if "kl_worse_than_reuse" in e else "–", "–"),
+    ),
     "tf_loglik": ("teacher-forced log-lik (full: {full})", lambda e: _num(e["tf_loglik"], 3)),
     "ttft": (
         "TTFT vs full prefill",
