@@ -11,6 +11,8 @@ from typing import Any
 from .. import provenance
 from ..batch_step import markdown_table as batch_step_table
 from ..format_probe import probe_table
+from ..guard_curve import curve as guard_curve
+from ..guard_curve import table as guard_table
 from ..server_load import markdown_table as server_load_table
 from ..summary import markdown_table, pooled, speedup_over, summarize
 from ..whole_answer import WholeAnswerConfig, decode_step_table
@@ -507,6 +509,14 @@ def _server_load_values(res: Results) -> dict[str, Any]:
     return out
 
 
+# ----------------------------------------------------------------------------- the fidelity guard's trade
+GUARD = "guard_dev_qwen05.jsonl"
+
+
+def _guard_table(res: Results) -> str:
+    return guard_table(guard_curve(res.rows(GUARD), DEFAULT, thresholds=(0.0, 0.25, 0.5, 1.0, 1.5, 2.0, float("inf"))))
+
+
 # ----------------------------------------------------------------------------- the reliability load run
 RELIABILITY = "reliability_load_tiny.txt"
 
@@ -539,6 +549,7 @@ TABLES = {
         ("weight_formats_probe_smollm2.json",), lambda res: probe_table(res.json("weight_formats_probe_smollm2.json"))
     ),
     "load-smollm2": Table((LOAD,), _load_table),
+    "guard-qwen05-dev": Table((GUARD,), _guard_table),
     "batch-step-smollm2": Table((BATCH_STEP,), lambda res: batch_step_table(res.json(BATCH_STEP))),
     "server-load-smollm2": Table((SERVER_LOAD,), lambda res: server_load_table(res.json(SERVER_LOAD)["summary"])),
     "reliability-load-tiny": Table((RELIABILITY,), lambda res: "```\n" + res.text(RELIABILITY).strip() + "\n```"),
