@@ -3,19 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
-
-def _csv(text: str) -> tuple[str, ...]:
-    return tuple(t.strip() for t in text.split(",") if t.strip())
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(t) for t in _csv(text))
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(t) for t in _csv(text))
+from .args import config, run_reporting
+from .args import csv as _csv
+from .args import floats as _floats
+from .args import ints as _ints
 
 
 def register(subparsers) -> None:
@@ -133,144 +125,59 @@ def register(subparsers) -> None:
 
 def _attribution(args: argparse.Namespace) -> int:
     from .attribution import AttributionConfig, markdown_table, run_attribution, summarize
-    from .qwen import QwenPartsMissing
 
-    try:
-        cfg = AttributionConfig(
-            model=args.model,
-            n=args.n,
-            offset=args.offset,
-            top_k=args.top_k[0],
-            chunk_tokens=args.chunk_tokens,
-            k=args.attribution_k,
-            out_dir=args.out,
-            hotpotqa=args.hotpotqa,
-            device=args.device,
-            progress=not args.quiet,
-        )
-        rows = run_attribution(cfg)
-    except (FileNotFoundError, ImportError, QwenPartsMissing, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(markdown_table(summarize(rows, cfg.k)))
-    print(f"\nresults: {args.out}/attribution.jsonl")
-    return 0
+    def run() -> int:
+        cfg = config(AttributionConfig, args, top_k=args.top_k[0], k=args.attribution_k)
+        print(markdown_table(summarize(run_attribution(cfg), cfg.k)))
+        print(f"\nresults: {args.out}/attribution.jsonl")
+        return 0
+
+    return run_reporting(run)
 
 
 def _whole_answer(args: argparse.Namespace) -> int:
-    from .qwen import QwenPartsMissing
-    from .whole_answer import WholeAnswerConfig, markdown_table, run_whole_answer, write_report
+    from pathlib import Path
 
-    cfg = WholeAnswerConfig(
-        model=args.model,
-        datasets=args.datasets,
-        n=args.n,
-        lengths=args.lengths,
-        formats=args.formats,
-        methods=args.methods or WholeAnswerConfig.methods,
-        llama_cpp=args.llama_cpp,
-        top_k=args.top_k[0],
-        chunk_tokens=args.chunk_tokens,
-        out_dir=args.out,
-        musique=args.musique,
-        hotpotqa=args.hotpotqa,
-        device=args.device,
-        answer_hint=args.answer_hint,
-        progress=not args.quiet,
-    )
-    try:
+    from .runner import read_results
+    from .whole_answer import ROWS, WholeAnswerConfig, markdown_table, run_whole_answer, summarize, write_report
+
+    def run() -> int:
+        cfg = config(WholeAnswerConfig, args, methods=args.methods or WholeAnswerConfig.methods, top_k=args.top_k[0])
         if args.report_only:
-            from pathlib import Path
-
-            from .runner import read_results
-            from .whole_answer import ROWS
-
             summary = write_report(read_results(Path(args.out) / ROWS), Path(args.out), cfg, plots=not args.no_plots)
         else:
-            from .whole_answer import summarize
-
             summary = summarize(run_whole_answer(cfg), cfg.lengths)
-    except (FileNotFoundError, ImportError, QwenPartsMissing, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(markdown_table(summary, cfg.lengths))
-    print(
-        f"\nresults: {args.out}/whole_answer.jsonl, whole_answer_summary.json, whole_answer.md, whole_answer.png, decode_step.json"
-    )
-    return 0
-
-
-def _server_load(args: argparse.Namespace) -> int:
-    from .qwen import QwenPartsMissing
-    from .server_load import ROWS, SUMMARY, ServerLoadConfig, markdown_table, run_server_load
-
-    try:
-        cfg = ServerLoadConfig(
-            model=args.model,
-            dataset=args.datasets[0],
-            n=args.n,
-            methods=args.methods or ServerLoadConfig.methods,
-            clients=args.clients,
-            requests=args.requests,
-            max_batches=args.max_batch,
-            max_new_tokens=args.max_new_tokens,
-            top_k=args.top_k[0],
-            chunk_tokens=args.chunk_tokens,
-            out_dir=args.out,
-            musique=args.musique,
-            hotpotqa=args.hotpotqa,
-            device=args.device,
-            progress=not args.quiet,
+        print(markdown_table(summary, cfg.lengths))
+        print(
+            f"\nresults: {args.out}/whole_answer.jsonl, whole_answer_summary.json, whole_answer.md, whole_answer.png, decode_step.json"
         )
-        summary = run_server_load(cfg)
-    except (FileNotFoundError, ImportError, QwenPartsMissing, ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(markdown_table(summary))
-    print(f"\nresults: {args.out}/{ROWS}, {SUMMARY}, server.log")
-    return 0
+        return 0
+
+    return run_reporting(run)
 
 
 def _load(args: argparse.Namespace) -> int:
-    from .load import LoadConfig, markdown_table, run_load
-    from .qwen import QwenPartsMissing
+    from .load import LoadConfig, run_load
+    from .load import markdown_table as load_table
+    from .server_load import ROWS, SUMMARY, ServerLoadConfig, run_server_load
+    from .server_load import markdown_table as server_table
 
-    if args.server:
-        return _server_load(args)
+    def run() -> int:
+        if args.server:
+            cfg = config(ServerLoadConfig, args, methods=args.methods or ServerLoadConfig.methods, top_k=args.top_k[0])
+            print(server_table(run_server_load(cfg)))
+            print(f"\nresults: {args.out}/{ROWS}, {SUMMARY}, server.log")
+        else:
+            cfg = config(LoadConfig, args, methods=args.methods or LoadConfig.methods, top_k=args.top_k[0])
+            print(load_table(run_load(cfg)))
+            print(f"\nresults: {args.out}/load.jsonl, load_summary.json, plots/load.png")
+        return 0
 
-    try:
-        cfg = LoadConfig(
-            model=args.model,
-            dataset=args.datasets[0],
-            n=args.n,
-            methods=args.methods or LoadConfig.methods,
-            clients=args.clients,
-            rates=args.rates,
-            requests=args.requests,
-            max_batches=args.max_batch,
-            max_new_tokens=args.max_new_tokens,
-            top_k=args.top_k[0],
-            chunk_tokens=args.chunk_tokens,
-            seed=args.seed,
-            out_dir=args.out,
-            musique=args.musique,
-            hotpotqa=args.hotpotqa,
-            progress=not args.quiet,
-            plots=not args.no_plots,
-            device=args.device,
-        )
-        summary = run_load(cfg)
-    except (FileNotFoundError, ImportError, QwenPartsMissing, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(markdown_table(summary))
-    print(f"\nresults: {args.out}/load.jsonl, load_summary.json, plots/load.png")
-    return 0
+    return run_reporting(run, errors=(RuntimeError,) if args.server else ())
 
 
 def _bench(args: argparse.Namespace) -> int:
     from .methods import DEFAULT_METHODS
-    from .qwen import QwenPartsMissing
     from .runner import BenchConfig, run_benchmark
     from .summary import markdown_table, summarize
 
@@ -280,40 +187,15 @@ def _bench(args: argparse.Namespace) -> int:
         return _whole_answer(args)
     if args.attribution:
         return _attribution(args)
-    try:
-        cfg = BenchConfig(
-            model=args.model,
-            datasets=args.datasets,
-            n=args.n,
-            chain_n=args.chain_n,
-            methods=args.methods or DEFAULT_METHODS,
-            ratios=args.ratios,
-            top_ks=args.top_k,
-            chunk_tokens=args.chunk_tokens,
-            max_new_tokens=args.max_new_tokens,
-            summary_max_new_tokens=args.summary_max_new_tokens,
-            chain_max_new_tokens=args.chain_max_new_tokens,
-            out_dir=args.out,
-            musique=args.musique,
-            hotpotqa=args.hotpotqa,
-            aclsum=args.aclsum,
-            seed=args.seed,
-            fidelity=not args.no_fidelity,
-            repeats=args.repeats,
-            answer_hint=args.answer_hint,
-            plots=not args.no_plots,
-            report_only=args.report_only,
-            progress=not args.quiet,
-            device=args.device,
-        )
-        rows = run_benchmark(cfg)
-    except (FileNotFoundError, ImportError, QwenPartsMissing, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    summary = summarize(rows)
-    for d in dict.fromkeys(r["dataset"] for r in summary):
-        for k in dict.fromkeys(r["top_k"] for r in summary if r["dataset"] == d):
-            print(f"\n## {d} (top-{k}, {cfg.chunk_tokens}-token chunks)\n")
-            print(markdown_table(summary, d, k))
-    print(f"\nresults: {args.out}/results.jsonl, summary.json, summary.csv, plots/")
-    return 0
+
+    def run() -> int:
+        cfg = config(BenchConfig, args, methods=args.methods or DEFAULT_METHODS, top_ks=args.top_k)
+        summary = summarize(run_benchmark(cfg))
+        for d in dict.fromkeys(r["dataset"] for r in summary):
+            for k in dict.fromkeys(r["top_k"] for r in summary if r["dataset"] == d):
+                print(f"\n## {d} (top-{k}, {cfg.chunk_tokens}-token chunks)\n")
+                print(markdown_table(summary, d, k))
+        print(f"\nresults: {args.out}/results.jsonl, summary.json, summary.csv, plots/")
+        return 0
+
+    return run_reporting(run)

@@ -28,7 +28,6 @@ import argparse
 import csv
 import json
 import math
-import sys
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass
@@ -44,6 +43,8 @@ from ..metrics import next_token_kl, normalize_answer, qa_f1, token_f1
 from ..neighbours import nearest
 from ..weights import WEIGHT_FORMATS
 from . import datasets as ds
+from .args import config, run_reporting
+from .args import csv as _csv
 from .methods import Method, parse_methods, settle
 from .provenance import engine_stamp
 from .runner import BenchConfig, load_engine, read_results
@@ -620,10 +621,6 @@ def plot(summary: list[dict], folder: Path) -> list[Path]:
 
 
 # ----------------------------------------------------------------------------- command line
-def _csv(text: str) -> tuple[str, ...]:
-    return tuple(t.strip() for t in text.split(",") if t.strip())
-
-
 def _offsets(text: str) -> int | dict[str, int]:
     if "=" not in text:
         return int(text)
@@ -703,38 +700,14 @@ def register(subparsers) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from .qwen import QwenPartsMissing
-
-    try:
-        cfg = FidelityConfig(
-            model=args.model,
-            datasets=args.datasets,
-            n=args.n,
-            offset=args.offset,
-            methods=args.methods,
-            top_k=args.top_k,
-            chunk_tokens=args.chunk_tokens,
-            max_new_tokens=args.max_new_tokens,
-            neighbours=args.neighbours,
-            neighbour_pool=args.neighbour_pool,
-            answer_hint=args.answer_hint,
-            weights=args.weights,
-            out_dir=args.out,
-            musique=args.musique,
-            hotpotqa=args.hotpotqa,
-            progress=not args.quiet,
-            plots=not args.no_plots,
-            device=args.device,
-            report_only=args.report_only,
-            ttft_questions=_question_list(args.ttft_questions),
-        )
+    def run() -> int:
+        cfg = config(FidelityConfig, args, ttft_questions=_question_list(args.ttft_questions))
         rows = run_fidelity(cfg)
-    except (FileNotFoundError, ImportError, QwenPartsMissing, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(markdown_table(summarize(rows, cfg.ttft_questions), cfg.model))
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    print("\nPaired (mean of the first method minus the second, 95% interval, questions, sign test):")
-    print(comparison_table(rows, [(a, b) for i, a in enumerate(methods) for b in methods[i + 1 :]]))
-    print(f"\nresults: {args.out}/results.jsonl, summary.json, summary.csv, plots/")
-    return 0
+        print(markdown_table(summarize(rows, cfg.ttft_questions), cfg.model))
+        methods = list(dict.fromkeys(r["method"] for r in rows))
+        print("\nPaired (mean of the first method minus the second, 95% interval, questions, sign test):")
+        print(comparison_table(rows, [(a, b) for i, a in enumerate(methods) for b in methods[i + 1 :]]))
+        print(f"\nresults: {args.out}/results.jsonl, summary.json, summary.csv, plots/")
+        return 0
+
+    return run_reporting(run)
