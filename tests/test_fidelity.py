@@ -71,6 +71,7 @@ def test_method_specs_with_strategies_and_options():
     cfg = m.blend_config(BlendConfig())
     assert (cfg.strategy, cfg.question_layers, cfg.selection_window, cfg.neighbour_caches) == ("question", "last", 2, True)
     assert parse_methods(["full_reuse"])[0].blend_config(BlendConfig()).neighbour_caches is False
+    assert parse_methods(["question@0.15/b16/nb"])[0].blend_config(BlendConfig()).boundary_tokens == 16
     with pytest.raises(ValueError, match="unknown option 'deep'"):
         parse_methods(["question@0.15/deep"])
     with pytest.raises(ValueError, match="need neighbour-aware caches: pass --neighbours"):

@@ -233,6 +233,18 @@ def test_guide_forces_what_the_question_reads_most_within_the_budget(strategy):
     assert torch.equal(guided.candidate, plan.candidate) and torch.equal(guided.always, plan.always)
 
 
+def test_guide_keeps_each_chunks_first_tokens_within_the_budget():
+    # EPIC's boundary tokens under question guidance: forced on every layer, and paid for out of
+    # the same recompute budget, so the question's picks shrink by as many.
+    layout = _layout()
+    config = BlendConfig(strategy="question", recompute_ratio=0.25, boundary_tokens=1)  # 3 of 12 context tokens
+    plan = _fusion(layout, set(), mode="cacheblend", config=config).plan
+    scores = torch.zeros(len(layout))
+    scores[[8, 9, 12]] = torch.tensor([0.5, 0.4, 0.8])
+    picked = guide(plan, layout, config, scores, num_layers=4).forced.nonzero().flatten().tolist()
+    assert picked == [7, 10, 12]  # the non-exact chunks' first tokens, then the hottest token
+
+
 @pytest.mark.parametrize("num_layers", [4, 1])
 def test_hybrid_seeds_the_check_with_the_most_read_tokens(num_layers):
     layout = _layout()

@@ -81,8 +81,13 @@ def _options(spec: str, parts: list[str]) -> tuple[tuple[str, Any], ...]:
             out.update(OPTIONS[p])
         elif p.startswith("w") and p[1:].isdigit():
             out["selection_window"] = int(p[1:])
+        elif p.startswith("b") and p[1:].isdigit():
+            out["boundary_tokens"] = int(p[1:])
         else:
-            raise ValueError(f"method {spec!r}: unknown option {p!r}; choose from {', '.join(OPTIONS)}, w<N> (selection window)")
+            raise ValueError(
+                f"method {spec!r}: unknown option {p!r}; choose from {', '.join(OPTIONS)}, w<N> (selection window), "
+                "b<N> (each chunk's first N tokens)"
+            )
     return tuple(sorted(out.items()))
 
 
@@ -91,7 +96,7 @@ def parse_method(spec: str, ratios: Sequence[float] = DEFAULT_RATIOS) -> list[Me
     (question-guided tokens / chunks), ``hybrid@0.15`` (a question-guided seed narrowed by
     deviation), each optionally with ``:CRITERION`` (hkvd, hybrid) and "/" options: ``last``
     (question attention of the last layer), ``max`` (max over head groups), ``w<N>`` (selection
-    window), ``nb`` (neighbour-aware chunk caches), ``ape`` (APE's attention temperature and
+    window), ``b<N>`` (every chunk's first N tokens recomputed too, within the ratio: EPIC), ``nb`` (neighbour-aware chunk caches), ``ape`` (APE's attention temperature and
     scale, 0.9 each); ``nb`` and ``ape`` apply to full_reuse too."""
     spec = spec.strip()
     if spec in CHAINS or spec == "generate":
