@@ -44,7 +44,10 @@ class ReplayConfig:
     """model: as ``cacheblend-rag bench --model``. pool: distinct questions (HotpotQA dev from
     ``offset``, not the held-out questions the quality pages report on). queries: stream length.
     zipf: popularity exponent (query i draws question rank r with weight r**-zipf). top_k chunks
-    of at most chunk_tokens each per query; neighbours: caches behind this many chunks."""
+    of at most chunk_tokens each per query; neighbours: caches behind this many chunks.
+    store_gib: the chunk store's size; it must hold every cache of the run (the default pool's
+    corpus on SmolLM2 takes ~3.4 GB per kind of cache), since an evicted neighbour-aware cache
+    silently becomes a plain one and the comparison would no longer be what it says."""
 
     model: str = "smollm2"
     pool: int = 40
@@ -59,6 +62,7 @@ class ReplayConfig:
     seed: int = 0
     out: str = "bench-results/neighbour-replay"
     hotpotqa: str | None = None
+    store_gib: float = 32.0
 
 
 def stream(cfg: ReplayConfig) -> list[int]:
@@ -83,7 +87,7 @@ def run(cfg: ReplayConfig) -> Path:
     done = {json.loads(line)["query"] for line in rows_path.open()} if rows_path.exists() else set()
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1), encoding="utf-8")
 
-    base = load_engine(BenchConfig(model=cfg.model, out_dir=str(out)))
+    base = load_engine(BenchConfig(model=cfg.model, out_dir=str(out)), store_size_limit=int(cfg.store_gib * 2**30))
     count = ds.token_counter(base.tokenizer)
     examples = ds.load_hotpotqa(cfg.hotpotqa, cfg.pool, distractor_questions=0, offset=cfg.offset)
     corpus = list(dict.fromkeys(c for ex in examples for c in ds.chunk_documents(ex.documents, count, cfg.chunk_tokens)))

@@ -106,9 +106,10 @@ def tiny_engine(store_dir: str | None = None, weights: str = "fp32"):
     return CacheBlendEngine(model, make_tokenizer(), store=KVStore(store_dir))
 
 
-def load_engine(cfg: BenchConfig, weights: str = "fp32"):
+def load_engine(cfg: BenchConfig, weights: str = "fp32", store_size_limit: int = 2 * 2**30):
     """The engine for ``cfg.model`` with ``weights`` (``weights.WEIGHT_FORMATS``); its KV store
-    lives in ``<out_dir>/kv`` (2 GiB cap; formats have their own fingerprints, so they never mix)."""
+    lives in ``<out_dir>/kv`` (``store_size_limit`` bytes; formats have their own fingerprints, so
+    they never mix)."""
     from ..engine import CacheBlendEngine
 
     store = str(Path(cfg.out_dir) / "kv")
@@ -120,7 +121,7 @@ def load_engine(cfg: BenchConfig, weights: str = "fp32"):
     if model in MODELS:
         model = str(qwen_gguf_path(model=MODELS[model]))
     return CacheBlendEngine.from_pretrained(
-        model, device=cfg.device, weights=weights, store_dir=store, store_size_limit=2 * 2**30, answer_hint=cfg.answer_hint
+        model, device=cfg.device, weights=weights, store_dir=store, store_size_limit=store_size_limit, answer_hint=cfg.answer_hint
     )
 
 
