@@ -9,7 +9,7 @@ baseline. Per question both ran:
 * **each method against its own format's full prefill**: the share of questions where it gives
   its full prefill's answer in each format, and the paired difference in agreement F1.
 
-    python -m cacheblend_rag.bench.format_fidelity FORMAT_ROWS FLOAT32_ROWS [--json]
+    python -m cacheblend_rag.bench.format_fidelity FORMAT_ROWS FLOAT32_ROWS [FLOAT32_ROWS ...] [--json]
 """
 
 from __future__ import annotations
@@ -101,10 +101,13 @@ def markdown(c: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Compare a weight format's fidelity rows with float32's on the same questions.")
     parser.add_argument("rows", help="the format's results.jsonl (cacheblend-rag fidelity --weights FORMAT)")
-    parser.add_argument("reference", help="float32's results.jsonl over the same questions and methods")
+    parser.add_argument(
+        "reference", nargs="+", help="float32's results.jsonl over the same questions and methods (several files: their rows together)"
+    )
     parser.add_argument("--json", action="store_true", help="print the comparison as JSON")
     args = parser.parse_args(argv)
-    fmt_rows, ref_rows = read_results(Path(args.rows)), read_results(Path(args.reference))
+    fmt_rows = read_results(Path(args.rows))
+    ref_rows = [r for path in args.reference for r in read_results(Path(path))]
     comparison = compare_formats(fmt_rows, ref_rows)
     if not comparison["questions"]:
         print("error: the two files share no question and method: run the same command in both formats", file=sys.stderr)
