@@ -45,42 +45,31 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+def _over_limit(what: str, limit: int, setting: str, param: str, fix: str) -> APIError:
+    return APIError(
+        400,
+        f"invalid request: {what}, more than this server's limit of {limit} ({setting}, --{setting.replace('_', '-')}): {fix}",
+        param=param,
+        code="limit_exceeded",
+    )
+
+
 def check_limits(config: ServerConfig, stops: list[str], documents: tuple[str, ...]) -> None:
     """Refuse (400, naming the limit and its setting) what would make one request expensive."""
     if len(stops) > config.max_stop_strings:
-        raise APIError(
-            400,
-            f"invalid request: stop has {len(stops)} strings, more than this server's limit of "
-            f"{config.max_stop_strings} (max_stop_strings, --max-stop-strings): send fewer",
-            param="stop",
-            code="limit_exceeded",
-        )
+        raise _over_limit(f"stop has {len(stops)} strings", config.max_stop_strings, "max_stop_strings", "stop", "send fewer")
     for i, s in enumerate(stops):
         if len(s) > config.max_stop_chars:
-            raise APIError(
-                400,
-                f"invalid request: stop string {i} is {len(s)} characters, more than this server's limit "
-                f"of {config.max_stop_chars} (max_stop_chars, --max-stop-chars): shorten it",
-                param="stop",
-                code="limit_exceeded",
+            raise _over_limit(
+                f"stop string {i} is {len(s)} characters", config.max_stop_chars, "max_stop_chars", "stop", "shorten it"
             )
     if len(documents) > config.max_documents:
-        raise APIError(
-            400,
-            f"invalid request: {len(documents)} documents, more than this server's limit of "
-            f"{config.max_documents} (max_documents, --max-documents): retrieve fewer",
-            param="documents",
-            code="limit_exceeded",
-        )
+        raise _over_limit(f"{len(documents)} documents", config.max_documents, "max_documents", "documents", "retrieve fewer")
     for i, d in enumerate(documents):
         if len(d) > config.max_document_chars:
-            raise APIError(
-                400,
-                f"invalid request: document {i} is {len(d)} characters, more than this server's limit of "
-                f"{config.max_document_chars} (max_document_chars, --max-document-chars): split it into "
-                "shorter chunks",
-                param="documents",
-                code="limit_exceeded",
+            fix = "split it into shorter chunks"
+            raise _over_limit(
+                f"document {i} is {len(d)} characters", config.max_document_chars, "max_document_chars", "documents", fix
             )
 
 
