@@ -4,6 +4,7 @@ LangChain's ChatOpenAI, answers token for token as the in-process engine does.""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 import time
@@ -18,6 +19,7 @@ httpx = pytest.importorskip("httpx")
 
 from cacheblend_rag import cli  # noqa: E402
 from cacheblend_rag.config import SamplingParams  # noqa: E402
+from cacheblend_rag.constraints import Grammar, schema_constraint  # noqa: E402
 from cacheblend_rag.engine import CacheBlendEngine  # noqa: E402
 from cacheblend_rag.messages import chunk_part  # noqa: E402
 from cacheblend_rag.plain import chat_text, plain_stream  # noqa: E402
@@ -247,6 +249,12 @@ def test_langchain_chat_openai_against_the_server(live, expected):
         ({"model": MODEL, "messages": _user(), "temperature": -1}, 400, "temperature"),
         ({"model": MODEL, "messages": _user(), "tools": [{"type": "function"}]}, 400, "tools is not supported"),
         ({"model": MODEL, "messages": _user(), "cacheblend": {"mode": "fast"}}, 400, "cacheblend.mode"),
+        ({"model": MODEL, "messages": _user(), "response_format": {"type": "yaml"}}, 400, "response_format="),
+        (
+            {"model": MODEL, "messages": _user(), "response_format": {"type": "json_schema", "json_schema": {"schema": 3}}},
+            400,
+            "json_schema needs",
+        ),
         ({"model": MODEL, "messages": _user(), "documents": [" "]}, 400, "document 0 is empty"),
     ],
 )
@@ -257,8 +265,54 @@ def test_bad_requests_get_a_4xx_with_a_clear_message(live, body, status, message
     assert message in r.json()["error"]["message"]
 
 
+# Every value bounded, so even the tiny random model's answer ends inside the token budget.
+SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "maxLength": 12}, "sure": {"type": "boolean"}},
+    "required": ["answer", "sure"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_format_json_schema_is_the_engines_constrained_answer(client, engine, stream):
+    pytest.importorskip("llguidance")
+    jsonschema = pytest.importorskip("jsonschema")
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    res = _chat(
+        client, messages=_user(), max_tokens=60, stream=stream, response_format=fmt, extra_body={"documents": SAMPLE_CHUNKS}
+    )
+    text = _stream_text(res)[0] if stream else res.choices[0].message.content
+    jsonschema.validate(json.loads(text), SCHEMA)
+    grammar, hint = schema_constraint(SCHEMA)  # the schema is shown after the question, as the integrations do
+    assert text == engine.generate(f"{SAMPLE_QUESTION}\n\n{hint}", SAMPLE_CHUNKS, max_new_tokens=60, constraint=grammar).text
+
+
+def test_response_format_json_object_is_the_engines_constrained_answer_on_both_endpoints(client, live, engine, expected):
+    pytest.importorskip("llguidance")
+    # An object's strings are unbounded, so the random model's answer may be cut: compare with
+    # the engine's answer under the same grammar (which no unconstrained answer matches).
+    want = engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, max_new_tokens=N, constraint=Grammar.json_object()).text
+    assert want.startswith("{") and want != expected.text
+    fmt = {"type": "json_object"}
+    res = _chat(client, messages=_user(), response_format=fmt, extra_body={"documents": SAMPLE_CHUNKS})
+    assert res.choices[0].message.content == want
+    body = {"model": MODEL, "prompt": SAMPLE_QUESTION, "max_tokens": N, "documents": SAMPLE_CHUNKS, "response_format": fmt}
+    r = httpx.post(f"{live.url}/v1/completions", json=body, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want
+
+
 def test_unsupported_fields_at_their_off_values_are_accepted(client, expected):
-    off = {"logprobs": False, "frequency_penalty": 0, "presence_penalty": 0.0, "tools": [], "user": "u1", "n": 1}
+    off = {
+        "logprobs": False,
+        "frequency_penalty": 0,
+        "presence_penalty": 0.0,
+        "tools": [],
+        "user": "u1",
+        "n": 1,
+        "response_format": {"type": "text"},
+    }
     res = _chat(client, messages=_user(), extra_body={"documents": SAMPLE_CHUNKS, **off})
     assert res.choices[0].message.content == expected.text
 

@@ -10,8 +10,8 @@ from .schemas import ChatCompletionRequest, CompletionRequest
 def chat_request(body: ChatCompletionRequest) -> Request:
     """Documents from the ``documents`` field or from flagged content parts (not both); the rest
     of the messages is the question. No documents: the messages as a plain chat. The request
-    carries the body's settings."""
-    return _chat(body).with_settings(**body.settings())
+    carries the body's settings, and a ``response_format`` schema's hint after the question."""
+    return _chat(body).with_hint(body.structured()[1]).with_settings(**body.settings())
 
 
 def completion_request(body: CompletionRequest) -> Request:
@@ -21,7 +21,7 @@ def completion_request(body: CompletionRequest) -> Request:
         request = Request.over_chunks(body.text, body.documents)
     else:
         request = Request.plain_chat([{"role": "user", "content": body.text}], body.text)
-    return request.with_settings(**body.settings())
+    return request.with_hint(body.structured()[1]).with_settings(**body.settings())
 
 
 def _chat(body: ChatCompletionRequest) -> Request:

@@ -2,7 +2,8 @@
 
 Unknown fields are ignored, as OpenAI clients add new optional ones over time; fields whose
 non-default value would change the answer in a way the engine cannot do (``n`` > 1, tools,
-logprobs, penalties, ...) are refused with a 400 rather than silently dropped.
+logprobs, penalties, ...) are refused with a 400 rather than silently dropped. ``response_format``
+(a JSON schema or any JSON object) is honoured by constrained decoding (``constraints.py``).
 
 Our own pydantic models rather than the ``openai`` package's types: its request parameters are
 TypedDicts (no validation, nothing to refuse with), and its response models are the client's
@@ -16,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from ..config import MODES
+from ..constraints import Grammar, response_format_constraint
 
 DEFAULT_MAX_TOKENS = 128  # the engine's default; OpenAI's "until the context is full" is rarely wanted
 
@@ -56,7 +58,6 @@ _UNSUPPORTED = (
     "presence_penalty",
     "tools",
     "functions",
-    "response_format",
     "best_of",
     "echo",
     "suffix",
@@ -88,6 +89,10 @@ class GenerationRequest(BaseModel):
     user: str | None = None  # accepted and ignored, as a single-tenant server has no use for it
     documents: list[str] | None = None
     """The retrieved chunks, one string each (extension field; each one's KV is cached)."""
+    response_format: dict[str, Any] | None = None
+    """OpenAI's structured output: ``{"type": "json_schema", "json_schema": {"schema": {...}}}``
+    (the answer matches the schema, which is also shown after the question), ``{"type":
+    "json_object"}`` (any JSON object) or ``{"type": "text"}`` (no constraint, the default)."""
     cacheblend: CacheBlendOptions = Field(default_factory=CacheBlendOptions)
 
     @field_validator("temperature", "top_p", "stream", mode="before")
@@ -102,6 +107,18 @@ class GenerationRequest(BaseModel):
         if n not in (None, 1):
             raise ValueError(f"n={n} is not supported: this server returns one choice per request (n=1)")
         return n
+
+    @field_validator("response_format")
+    @classmethod
+    def _honoured_format(cls, fmt: dict[str, Any] | None) -> dict[str, Any] | None:
+        if fmt is None or fmt.get("type") == "text":
+            return fmt
+        grammar, _ = response_format_constraint(fmt)  # a malformed response_format: ValueError, a 400
+        try:
+            grammar.llguidance_grammar()  # a schema llguidance cannot take: ValueError, a 400 naming it
+        except ImportError as exc:
+            raise ValueError(f"response_format needs constrained decoding, which this server lacks: {exc}") from None
+        return fmt
 
     @field_validator("documents")
     @classmethod
@@ -131,9 +148,16 @@ class GenerationRequest(BaseModel):
     def max_new_tokens(self) -> int:
         return self.max_tokens or DEFAULT_MAX_TOKENS
 
+    def structured(self) -> tuple[Grammar | None, str]:
+        """The answer's constraint and the hint shown after the question ("" for none)."""
+        if self.response_format is None or self.response_format.get("type") == "text":
+            return None, ""
+        return response_format_constraint(self.response_format)
+
     def settings(self) -> dict[str, Any]:
         """The request's settings by their engine names (``Request.with_settings``)."""
         return {
+            "constraint": self.structured()[0],
             "mode": self.cacheblend.mode,
             "recompute_ratio": self.cacheblend.recompute_ratio,
             "max_new_tokens": self.max_new_tokens,
