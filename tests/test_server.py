@@ -233,7 +233,9 @@ def test_langchain_chat_openai_against_the_server(live, expected):
         ({"model": MODEL, "messages": []}, 400, "messages is empty"),
         ({"model": MODEL, "messages": _user(), "n": 2}, 400, "n=2 is not supported"),
         ({"model": "gpt-4o", "messages": _user()}, 404, "'gpt-4o' does not exist"),
-        ({"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages.0.role"),
+        ({"model": MODEL, "messages": [{"role": "function", "content": "x"}]}, 400, "messages.0.role"),
+        ({"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, 400, "a tool message needs the tool_call_id"),
+        ({"model": MODEL, "messages": [{"role": "user"}]}, 400, "a user message needs content"),
         (
             {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
             400,
@@ -247,7 +249,8 @@ def test_langchain_chat_openai_against_the_server(live, expected):
         ),
         ({"model": MODEL, "messages": _user(), "max_tokens": 5000, "documents": ["a doc"]}, 400, "context window"),
         ({"model": MODEL, "messages": _user(), "temperature": -1}, 400, "temperature"),
-        ({"model": MODEL, "messages": _user(), "tools": [{"type": "function"}]}, 400, "tools is not supported"),
+        ({"model": MODEL, "messages": _user(), "tools": [{"type": "function"}]}, 400, "tool 0 is not a function definition"),
+        ({"model": MODEL, "messages": _user(), "functions": [{"name": "f"}]}, 400, "functions is not supported"),
         ({"model": MODEL, "messages": _user(), "cacheblend": {"mode": "fast"}}, 400, "cacheblend.mode"),
         ({"model": MODEL, "messages": _user(), "response_format": {"type": "yaml"}}, 400, "response_format="),
         (

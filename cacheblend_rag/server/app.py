@@ -24,9 +24,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from ..serving import Request, Run
+from ..serving import Request
 from .config import ServerConfig
-from .inputs import chat_request, completion_request
+from .inputs import chat_request, completion_request, start_run
 from .limits import BodyLimit
 from .outputs import DONE, ChatFormat, CompletionFormat, sse
 from .schemas import (
@@ -121,12 +121,12 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         check_limits(config, body.stops, request.chunks)
         try:
             # Built on the job's relay thread: tokenizing a large request does not hold the loop.
-            job = worker.submit(lambda: Run(engine, request, batcher=worker.batcher))
+            job = worker.submit(lambda: start_run(engine, body, request, worker.batcher))
         except Overloaded as exc:
             raise APIError(503, str(exc), type="server_error", code="overloaded") from None
         if not body.stream:
             await _while_connected(http, _drain(job))
-            return fmt.whole(job.result)
+            return fmt.whole(job.result, job.parsed)
         return await _event_stream(job, fmt, http)
 
     @app.get("/health", response_model=Health)
@@ -217,7 +217,7 @@ async def _event_stream(job: Job[str], fmt: ChatFormat | CompletionFormat, http:
                 yield sse(fmt.delta(first))
             async for delta in deltas:
                 yield sse(fmt.delta(delta))
-            for chunk in fmt.closing(job.result):
+            for chunk in fmt.closing(job.result, job.parsed):
                 yield sse(chunk)
         except Exception as exc:  # the 200 is sent already: report in the stream, as OpenAI does
             log.exception("request failed while streaming")

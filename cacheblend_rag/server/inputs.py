@@ -1,36 +1,83 @@
-"""API request bodies to engine requests (the question, its documents, or a plain chat)."""
+"""API request bodies to engine requests (the question, its documents, or a plain chat) and the
+run that answers one."""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from ..messages import split_messages
-from ..serving import Request
-from .schemas import ChatCompletionRequest, CompletionRequest
+from ..serving import Request, Run, tool_run
+from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationRequest
 
 
 def chat_request(body: ChatCompletionRequest) -> Request:
     """Documents from the ``documents`` field or from flagged content parts (not both); the rest
-    of the messages is the question. No documents: the messages as a plain chat. The request
-    carries the body's settings, and a ``response_format`` schema's hint after the question."""
-    return _chat(body).with_hint(body.structured()[1]).with_settings(**body.settings())
+    of the messages up to the tool exchange is the question, and the exchange (an assistant's
+    ``tool_calls``, the ``tool`` results, what follows them) the turns after it. No documents:
+    the messages as a plain chat."""
+    start = next((i for i, m in enumerate(body.messages) if m.role == "tool" or m.tool_calls), len(body.messages))
+    head, exchange = body.messages[:start], body.messages[start:]
+    split = split_messages([(m.role, m.content or "") for m in head])
+    if body.documents and split.chunks:
+        raise ValueError(
+            "documents were passed both in the 'documents' field and as cacheblend_chunk content parts: use one of the two"
+        )
+    chunks = body.documents or split.chunks
+    request = Request.over_chunks(split.question, chunks) if chunks else Request.plain_chat(split.messages, split.question)
+    return request.with_tools((), _turns(exchange)) if exchange else request
 
 
 def completion_request(body: CompletionRequest) -> Request:
     """With ``documents``, the prompt is the question over them; without, it is one user turn of
     the model's chat template (as the LangChain and LlamaIndex LLMs answer a plain prompt)."""
     if body.documents:
-        request = Request.over_chunks(body.text, body.documents)
-    else:
-        request = Request.plain_chat([{"role": "user", "content": body.text}], body.text)
-    return request.with_hint(body.structured()[1]).with_settings(**body.settings())
+        return Request.over_chunks(body.text, body.documents)
+    return Request.plain_chat([{"role": "user", "content": body.text}], body.text)
 
 
-def _chat(body: ChatCompletionRequest) -> Request:
-    split = split_messages([(m.role, m.content) for m in body.messages])
-    if body.documents and split.chunks:
-        raise ValueError(
-            "documents were passed both in the 'documents' field and as cacheblend_chunk content parts: use one of the two"
+def start_run(engine: Any, body: GenerationRequest, request: Request, batcher: Any) -> Run | tool_run.ToolRun:
+    """The run answering ``request`` with the body's settings: a schema's hint after the question
+    (``response_format``); with tools or a tool exchange, the integrations' tool path
+    (``serving.tool_run``), whose ``parsed`` calls the response carries."""
+    constraint, hint = body.structured()
+    tools = getattr(body, "tools", None)
+    if tools or request.turns:
+        return tool_run.start(
+            engine,
+            request,
+            body.settings(),
+            tools=tools,
+            tool_choice=getattr(body, "tool_choice", None),
+            parallel=bool(getattr(body, "parallel_tool_calls", False)),
+            constraint=constraint,
+            hint=hint,
+            batcher=batcher,
         )
-    chunks = body.documents or split.chunks
-    if chunks:
-        return Request.over_chunks(split.question, chunks)
-    return Request.plain_chat(split.messages, split.question)
+    return Run(engine, request.with_hint(hint).with_settings(**body.settings()), batcher=batcher)
+
+
+def _turns(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """OpenAI's tool exchange in the chat template's format: a call's arguments as an object (the
+    wire carries JSON text), a tool result named after the call it answers."""
+    names: dict[str, str] = {}
+    turns: list[dict[str, Any]] = []
+    for m in messages:
+        if isinstance(m.content, list):
+            raise ValueError(f"a {m.role} message of the tool exchange must have string content")
+        turn: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+        if m.tool_calls:
+            turn["tool_calls"] = []
+            for call in m.tool_calls:
+                try:
+                    arguments = json.loads(call.function.arguments or "{}")
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"tool call {call.id}: its arguments are not valid JSON ({exc})") from None
+                names[call.id] = call.function.name
+                turn["tool_calls"].append(
+                    {"type": "function", "id": call.id, "function": {"name": call.function.name, "arguments": arguments}}
+                )
+        if m.role == "tool":
+            turn.update(tool_call_id=m.tool_call_id, name=names.get(m.tool_call_id or "", ""))
+        turns.append(turn)
+    return turns

@@ -6,6 +6,7 @@ every chunk of a stream carries the same ones, as OpenAI's do.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -15,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from ..engine import GenerationResult
+from ..tools import ParsedAnswer
 from .schemas import (
     AssistantMessage,
     ChatChoice,
@@ -24,7 +26,10 @@ from .schemas import (
     Completion,
     CompletionChoice,
     Delta,
+    FunctionCall,
     PromptTokensDetails,
+    ToolCall,
+    ToolCallDelta,
     Usage,
 )
 
@@ -38,6 +43,19 @@ def sse(event: BaseModel) -> str:
     response would add what OpenAI clients do not expect (pings, its own disconnect handling,
     which the worker's cancellation already does)."""
     return f"data: {event.model_dump_json()}\n\n"
+
+
+def finish_reason(result: GenerationResult, parsed: ParsedAnswer | None) -> str:
+    """OpenAI's "tool_calls" for an answer that holds calls, else the engine's reason."""
+    return "tool_calls" if parsed is not None and parsed.calls else result.finish_reason
+
+
+def tool_calls(parsed: ParsedAnswer | None) -> list[ToolCall] | None:
+    """The answer's valid calls in OpenAI's format (arguments as JSON text); None without any.
+    A call that did not parse stays out, as its text stays out of the content."""
+    if parsed is None or not parsed.calls:
+        return None
+    return [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=json.dumps(c.arguments))) for c in parsed.calls]
 
 
 def usage(result: GenerationResult) -> Usage:
@@ -88,15 +106,19 @@ class _Format:
     def _final_choice(self, finish_reason: str) -> BaseModel:
         raise NotImplementedError
 
+    def _calls(self, parsed: ParsedAnswer | None) -> list[BaseModel]:
+        """The chunks that carry an answer's tool calls, before its finish reason."""
+        return []
+
     def opening(self) -> BaseModel | None:
         """The stream's first chunk, sent before the first token, if the format has one."""
         return None
 
-    def closing(self, result: GenerationResult) -> list[BaseModel]:
-        """The stream's last chunks: the finish reason with the engine's stats, then the usage
-        (when asked for with ``stream_options.include_usage``)."""
-        last = self._body([self._final_choice(result.finish_reason)], cacheblend=engine_stats(result))
-        return [last] + ([self._body([], usage=usage(result))] if self.include_usage else [])
+    def closing(self, result: GenerationResult, parsed: ParsedAnswer | None = None) -> list[BaseModel]:
+        """The stream's last chunks: the answer's tool calls (if any), the finish reason with the
+        engine's stats, then the usage (when asked for with ``stream_options.include_usage``)."""
+        last = self._body([self._final_choice(finish_reason(result, parsed))], cacheblend=engine_stats(result))
+        return self._calls(parsed) + [last] + ([self._body([], usage=usage(result))] if self.include_usage else [])
 
 
 class ChatFormat(_Format):
@@ -110,8 +132,15 @@ class ChatFormat(_Format):
     def _final_choice(self, finish_reason: str) -> ChatChunkChoice:
         return ChatChunkChoice(delta=Delta(), finish_reason=finish_reason)
 
-    def whole(self, result: GenerationResult) -> ChatCompletion:
-        choice = ChatChoice(message=AssistantMessage(content=result.text), finish_reason=result.finish_reason)
+    def _calls(self, parsed: ParsedAnswer | None) -> list[BaseModel]:
+        calls = tool_calls(parsed) or []
+        deltas = [ToolCallDelta(index=i, **c.model_dump()) for i, c in enumerate(calls)]
+        return [self._body([ChatChunkChoice(delta=Delta(tool_calls=deltas))])] if deltas else []
+
+    def whole(self, result: GenerationResult, parsed: ParsedAnswer | None = None) -> ChatCompletion:
+        calls = tool_calls(parsed)
+        message = AssistantMessage(content=result.text or (None if calls else ""), tool_calls=calls)
+        choice = ChatChoice(message=message, finish_reason=finish_reason(result, parsed))
         return ChatCompletion(
             id=self.id,
             created=self.created,
@@ -139,7 +168,7 @@ class CompletionFormat(_Format):
     def _final_choice(self, finish_reason: str) -> CompletionChoice:
         return CompletionChoice(text="", finish_reason=finish_reason)
 
-    def whole(self, result: GenerationResult) -> Completion:
+    def whole(self, result: GenerationResult, parsed: ParsedAnswer | None = None) -> Completion:
         return self._body(
             [CompletionChoice(text=result.text, finish_reason=result.finish_reason)],
             usage=usage(result),

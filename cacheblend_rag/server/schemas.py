@@ -41,11 +41,36 @@ class StreamOptions(BaseModel):
     """Send a last chunk with ``usage`` (and empty ``choices``) before ``[DONE]``, as OpenAI does."""
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+    """The call's arguments as JSON text, as OpenAI sends and returns them."""
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[Any]
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[Any] | None = None
     """A string or a list of parts; a ``{"type": "text", "text": ..., "extras":
-    {"cacheblend_chunk": true}}`` part is one retrieved document (``cacheblend_rag.messages``)."""
+    {"cacheblend_chunk": true}}`` part is one retrieved document (``cacheblend_rag.messages``).
+    None only for an assistant message with ``tool_calls``."""
+    tool_calls: list[ToolCall] | None = None
+    """An assistant's calls (the answer of a request with ``tools``)."""
+    tool_call_id: str | None = None
+    """A ``tool`` message: the call it answers."""
+
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content (only an assistant message with tool_calls may omit it)")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
 
 
 # Fields OpenAI defines that the engine has no equivalent for. Their "off" values (None, false,
@@ -56,7 +81,7 @@ _UNSUPPORTED = (
     "logit_bias",
     "frequency_penalty",
     "presence_penalty",
-    "tools",
+    "tools",  # declared (and honoured) by chat completions only
     "functions",
     "best_of",
     "echo",
@@ -171,6 +196,14 @@ class GenerationRequest(BaseModel):
 
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage]
+    tools: list[dict[str, Any]] | None = None
+    """Function definitions (OpenAI's format), rendered by the model's chat template; the answer's
+    calls come back in ``message.tool_calls`` (``cacheblend_rag.tools``)."""
+    tool_choice: str | dict[str, Any] | None = None
+    """"auto" (default), "none", "required" or ``{"type": "function", "function": {"name": ...}}``;
+    a forced call is constrained to the tool's parameters."""
+    parallel_tool_calls: bool | None = None
+    """Several calls in one answer (default: one)."""
     max_completion_tokens: int | None = Field(default=None, ge=1, strict=True)
     """OpenAI's newer name for ``max_tokens`` (what LangChain's ChatOpenAI sends); wins if both are set."""
 
@@ -217,13 +250,16 @@ class Usage(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    """The answer's text outside its tool calls (None when it is only calls)."""
+    tool_calls: list[ToolCall] | None = None
 
 
 class _Choice(BaseModel):
     index: int = 0
     finish_reason: str | None = None
-    """"stop" (end of answer or a stop string) or "length" (max_tokens); None until the last chunk."""
+    """"stop" (end of answer or a stop string), "length" (max_tokens) or "tool_calls" (the answer
+    holds calls); None until the last chunk."""
     logprobs: None = None
 
 
@@ -246,9 +282,15 @@ class ChatCompletion(_Response):
     choices: list[ChatChoice]
 
 
+class ToolCallDelta(ToolCall):
+    index: int
+    """The call's place in the answer (OpenAI's stream key); each call comes whole, in one chunk."""
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Choice):

@@ -38,7 +38,8 @@ class _Failed:
 
 class Job(Generic[T]):
     """One request: iterate it (on the event loop) for the produced items; once the iteration
-    ends, ``result`` is the producer's ``result`` attribute (a run's ``GenerationResult``).
+    ends, ``result`` is the producer's ``result`` attribute (a run's ``GenerationResult``) and
+    ``parsed`` its ``parsed`` one (a tool run's calls; None for a plain run).
 
     ``produce()`` (called on the relay thread) returns an iterator of the items; if it has a
     ``cancel()`` method (a :class:`~cacheblend_rag.serving.Run`), leaving the iteration early
@@ -53,6 +54,7 @@ class Job(Generic[T]):
         self._stop = threading.Event()
         self._source: Any = None
         self.result: Any = None
+        self.parsed: Any = None
 
     def run(self) -> None:
         """Relay thread: produce every item, then the end marker (or the failure)."""
@@ -70,6 +72,7 @@ class Job(Generic[T]):
                         item = next(gen)
                     except StopIteration:
                         self.result = getattr(source, "result", None)
+                        self.parsed = getattr(source, "parsed", None)
                         break
                     self._put(item)
             finally:
