@@ -102,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Compare a weight format's fidelity rows with float32's on the same questions.")
     parser.add_argument("rows", help="the format's results.jsonl (cacheblend-rag fidelity --weights FORMAT)")
     parser.add_argument(
-        "reference", nargs="+", help="float32's results.jsonl over the same questions and methods (several files: their rows together)"
+        "reference",
+        nargs="+",
+        help="float32's results.jsonl over the same questions and methods (several files: their rows together)",
     )
     parser.add_argument("--json", action="store_true", help="print the comparison as JSON")
     args = parser.parse_args(argv)
