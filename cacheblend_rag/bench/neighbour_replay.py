@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from ..metrics import next_token_kl
 from ..neighbour_index import NeighbourIndex
 from . import datasets as ds
 from .methods import answer_with_logits
+from .provenance import engine_stamp
 
 SETTINGS = ("plain", "embedding", "learned", "favourable")
 
@@ -135,7 +137,14 @@ def run(cfg: ReplayConfig) -> Path:
                 results = {s: fixed[q][s] for s in ("plain", "embedding", "favourable")}
                 results["learned"] = _answer(learn, ex.question, chunks, "cacheblend", blend, cfg.max_new_tokens)
                 learner.wait()  # the refreshes this query queued finish before the next query
-                row = {"query": i, "question": q, "qid": ex.qid, "learned_caches": learner.computed}
+                row = {
+                    "query": i,
+                    "question": q,
+                    "qid": ex.qid,
+                    "learned_caches": learner.computed,
+                    "engine": engine_stamp(),
+                    "time": time.time(),
+                }
                 for name, (logits, ids, stats) in results.items():
                     row[name] = {
                         "first_same": int(logits.argmax()) == int(ref_logits.argmax()),

@@ -512,7 +512,69 @@ def _attribution(res: Results) -> str:
     return table_from_file(res.folder / "attribution_qwen05.jsonl")
 
 
+# ----------------------------------------------------------------------------- learned neighbours on a replayed stream
+REPLAY = "neighbour_replay_smollm2.jsonl"
+REPLAY_WARMUP = 50  # queries before the learned caches are judged (the first window of the table)
+
+
+def _replay_table(res: Results) -> str:
+    from ..neighbour_replay import markdown_table as replay_table
+    from ..neighbour_replay import summarize as replay_summary
+
+    return replay_table(replay_summary(res.rows(REPLAY), window=REPLAY_WARMUP))
+
+
+def _replay_values(res: Results) -> dict[str, Any]:
+    from ..neighbour_replay import SETTINGS
+
+    rows = sorted(res.rows(REPLAY), key=lambda r: r["query"])
+    late = rows[REPLAY_WARMUP:]
+    v: dict[str, Any] = {"queries": len(rows), "questions": len({r["question"] for r in rows}), "warmup": REPLAY_WARMUP}
+    v["late"] = len(late)
+    v["caches"] = rows[-1]["learned_caches"]
+    for s in SETTINGS:
+        v[f"{s}_same"] = sum(r[s]["answer_same"] for r in rows) / len(rows)
+        v[f"{s}_same_late"] = sum(r[s]["answer_same"] for r in late) / len(late)
+        v[f"{s}_kl_late"] = sum(r[s]["kl"] for r in late) / len(late)
+    v["learned_of_favourable_late"] = v["learned_same_late"] / v["favourable_same_late"]
+    diffs = [int(r["learned"]["answer_same"]) - int(r["embedding"]["answer_same"]) for r in late]
+    v["learned_vs_embedding_better"], v["learned_vs_embedding_worse"] = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
+    v["learned_vs_embedding_p"] = sign_test(v["learned_vs_embedding_better"], v["learned_vs_embedding_worse"])
+    return v
+
+
+# ----------------------------------------------------------------------------- a weight format's answers
+FP16 = "fidelity_qwen05_fp16.jsonl"
+
+
+def _format_table(res: Results) -> str:
+    from ..format_fidelity import compare_formats, markdown
+
+    return markdown(compare_formats(res.rows(FP16), res.rows(*QWEN05[:2])))
+
+
+def _format_values(res: Results) -> dict[str, Any]:
+    from ..format_fidelity import compare_formats
+
+    c = compare_formats(res.rows(FP16), res.rows(*QWEN05[:2]))
+    d = c["full_f1_diff"]
+    m = c["methods"][DEFAULT]
+    return {
+        "n": c["questions"],
+        "full_same": c["full_same_answer"],
+        "full_agree_f1": c["full_agree_f1"],
+        "f1_diff": Stat(d["mean"], tuple(d["ci"])),
+        "f1_p": d["p"],
+        "agree_fp16": m["agree_fmt"],
+        "agree_fp32": m["agree_ref"],
+        "agree_f1_diff": Stat(m["agree_f1_diff"]["mean"], tuple(m["agree_f1_diff"]["ci"])),
+        "agree_f1_p": m["agree_f1_diff"]["p"],
+    }
+
+
 TABLES = {
+    "neighbour-replay-smollm2": Table((REPLAY,), _replay_table),
+    "fidelity-qwen05-fp16": Table((FP16, *QWEN05[:2]), _format_table),
     "attribution-qwen05": Table(("attribution_qwen05.jsonl",), _attribution),
     "fidelity-qwen05": _main_table(_qwen05),
     "fidelity-qwen05-by-dataset": Table(QWEN05, _by_dataset(_qwen05)),
@@ -530,6 +592,8 @@ TABLES = {
 }
 
 VALUES = {
+    "replay": Values((REPLAY,), _replay_values),
+    "fp16": Values((FP16, *QWEN05[:2]), _format_values),
     "q05": Values(QWEN05, _fidelity_values(_qwen05, PAIRS)),
     "q15": Values(QWEN15, _fidelity_values(_qwen15, PAIRS)),
     "corpus": Values((CORPUS, *QWEN05), _corpus_values),
