@@ -1,9 +1,10 @@
 """Request and response bodies of the OpenAI-compatible API (the subset the engine can honour).
 
 Unknown fields are ignored, as OpenAI clients add new optional ones over time; fields whose
-non-default value would change the answer in a way the engine cannot do (``n`` > 1, tools,
+non-default value would change the answer in a way the engine cannot do (``n`` > 1, ``functions``,
 logprobs, penalties, ...) are refused with a 400 rather than silently dropped. ``response_format``
-(a JSON schema or any JSON object) is honoured by constrained decoding (``constraints.py``).
+(a JSON schema or any JSON object) is honoured by constrained decoding (``constraints.py``), and a
+chat's ``tools`` by the integrations' tool path (``serving.tool_run``).
 
 Our own pydantic models rather than the ``openai`` package's types: its request parameters are
 TypedDicts (no validation, nothing to refuse with), and its response models are the client's
