@@ -89,30 +89,46 @@ class AttentionProbe:
     ``[kv_heads, kv_len]``, the mean within each K/V head group (query-guided selection can keep a
     token that one group reads hard). ``stop=True`` makes the attention function raise
     ``StopAfterProjection`` after observing: the fusor's capture pass needs a layer's fresh K/V
-    (and this probe), not its output.
+    (and this probe), not its output. ``attend=True``, when the probe reads every query row, makes
+    the attention function return the output of those same probabilities (eager attention in
+    float32) instead of running SDPA again: the question's scoring pass needs both.
     """
 
-    def __init__(self, num_queries: int, stop: bool = False):
-        self.num_queries, self.stop = num_queries, stop
+    def __init__(self, num_queries: int, stop: bool = False, attend: bool = False):
+        self.num_queries, self.stop, self.attend = num_queries, stop, attend
         self.weights: torch.Tensor | None = None  # [kv_len]
         self.group_weights: torch.Tensor | None = None  # [kv_heads, kv_len]
+        self.output: torch.Tensor | None = None  # [b, rows, heads, head_dim], with attend
 
-    def observe(self, module, query, key, attention_mask, scaling) -> None:
+    def observe(self, module, query, key, value, attention_mask, scaling) -> None:
         if self.num_queries == 0:
             return
-        q = query[:, :, -self.num_queries :].float()  # [b, heads, nq, d]
-        k = key.float()  # [b, kv_heads, kv_len, d]
-        kv_heads = k.shape[1]
-        groups = q.shape[1] // kv_heads
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-        scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+        b, heads, rows, d = query.shape
+        nq = min(self.num_queries, rows)
+        kv_heads = key.shape[1]
+        groups = heads // kv_heads
+        # A K/V head's query heads are adjacent: as rows of one product over that head, every key
+        # is read once and never copied per query head (repeat_interleave did, on every layer).
+        q = query[:, :, -nq:].float().reshape(b, kv_heads, groups * nq, d)
+        scale = scaling if scaling is not None else d**-0.5
+        scores = torch.matmul(q, key.float().transpose(-1, -2)).mul_(scale)  # [b, kv_heads, groups*nq, keys]
+        scores = scores.view(b, kv_heads, groups, nq, -1)
         if attention_mask is not None:
-            scores = scores + attention_mask[:, :, -self.num_queries :, : k.shape[-2]].float()
-        per_head = scores.softmax(dim=-1).mean(dim=(0, 2))  # [heads, kv_len]
-        self.group_weights = per_head.view(kv_heads, groups, -1).mean(dim=1)
+            scores += attention_mask[:, :, None, -nq:, : scores.shape[-1]].float()
+        probs = scores.softmax(dim=-1)
+        self.group_weights = probs.mean(dim=(0, 2, 3))  # [kv_heads, keys]
         self.weights = self.group_weights.mean(dim=0)
+        if self.attend and nq == rows:
+            out = torch.matmul(probs.view(b, kv_heads, groups * nq, -1), value.float())  # [b, kv_heads, groups*nq, d]
+            self.output = out.view(b, heads, nq, -1).transpose(1, 2).to(query.dtype)
+
+
+def _plain_softmax(kwargs) -> bool:
+    """No dropout, soft-capping, bias, sliding window or attention sinks: attention is the plain
+    softmax over the mask, which a probe or ``enable_gqa`` SDPA computes alike."""
+    return not kwargs.get("dropout", 0.0) and all(
+        kwargs.get(k) is None for k in ("softcap", "position_bias", "sliding_window", "s_aux")
+    )
 
 
 def _masked_sdpa(module, query, key, value, attention_mask, **kwargs):
@@ -121,12 +137,7 @@ def _masked_sdpa(module, query, key, value, attention_mask, **kwargs):
     attention itself for the few question rows of a fused prefill. CPU SDPA takes the mask with
     ``enable_gqa`` directly, with the same result."""
     groups = query.shape[1] // key.shape[1]
-    if (
-        query.device.type != "cpu"
-        or groups == 1
-        or kwargs.get("dropout", 0.0)
-        or any(kwargs.get(k) is not None for k in ("softcap", "position_bias", "sliding_window", "s_aux"))
-    ):
+    if query.device.type != "cpu" or groups == 1 or not _plain_softmax(kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if query.shape[2] == 1 and (attention_mask is None or attention_mask.shape[1] == 1):
         return _decode_sdpa(query, key, value, attention_mask, kwargs.get("scaling"))
@@ -166,9 +177,11 @@ def blend_attention_forward(module, query, key, value, attention_mask, **kwargs)
     pad = kwargs.pop(PAD_KWARG, 0)
     context: ContextAttention | None = kwargs.pop(APE_KWARG, None)
     if probe is not None:
-        probe.observe(module, query, key, attention_mask, kwargs.get("scaling"))
+        probe.observe(module, query, key, value, attention_mask, kwargs.get("scaling"))
         if probe.stop:
             raise StopAfterProjection
+        if probe.output is not None and _plain_softmax(kwargs):
+            return probe.output, None
     if context is not None:
         n = query.shape[2] if context.rows is None else min(context.rows, query.shape[2])
         mask = attention_mask[:, :, -n:] if attention_mask is not None else None

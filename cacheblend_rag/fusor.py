@@ -203,7 +203,9 @@ def question_pass(
         k_full, v_full = load(i)
         t1 = time.perf_counter()
         kv = ScatterKV(k_full, v_full, sel, None)
-        probe = AttentionProbe(plan.num_query, stop=i == last)  # the last layer's output feeds nothing
+        # The last layer's output feeds nothing; on the others the probe's probabilities give the
+        # question rows' attention output too, when they are all the rows (no second attention).
+        probe = AttentionProbe(plan.num_query, stop=i == last, attend=True)
         try:
             hidden = _run_layer(layer, hidden, sel, kv, cache_kw, rope, mask, {}, probe)
         except StopAfterProjection:

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from cacheblend_rag import BlendConfig, CacheBlendEngine
+from cacheblend_rag.attention import PROBE_KWARG, AttentionProbe, blend_attention_forward
+from cacheblend_rag.fusor import causal_mask
 from cacheblend_rag.selector import pick_chunks, pick_tokens
 from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_model
@@ -104,6 +106,25 @@ def test_question_selects_the_tokens_with_most_question_attention(qengine, layer
     assert picked.tolist() == sorted(expected.tolist())
     # Selected once, recomputed on every layer.
     assert all(torch.equal(s, res.selected[0]) for s in res.selected[:-1])
+
+
+@pytest.mark.parametrize("probed", [5, 2])
+def test_probe_scores_and_output_are_masked_grouped_attention(probed):
+    """The scoring pass's probe: its weights are the softmax over the mask averaged over heads and
+    probed rows; with ``attend`` and every row probed, the layer's attention output comes from
+    those probabilities, otherwise SDPA runs; either way it is SDPA's output."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 6, 5, 8), torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8)  # 3 query heads per K/V head
+    mask = causal_mask(torch.tensor([3, 5, 8, 10, 11]), 12, torch.float32)  # [1, 1, 5, 12]
+    probe = AttentionProbe(probed, attend=True)
+    out, _ = blend_attention_forward(None, q, k, v, mask, scaling=None, dropout=0.0, **{PROBE_KWARG: probe})
+    k3, v3 = k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k3, v3, attn_mask=mask).transpose(1, 2)
+    torch.testing.assert_close(out, expected)
+    assert (probe.output is not None) == (probed == 5)
+    probs = (q @ k3.transpose(-1, -2) / 8**0.5 + mask).softmax(-1)[:, :, -probed:]  # [1, heads, probed, keys]
+    torch.testing.assert_close(probe.weights, probs.mean(dim=(0, 1, 2)))
+    torch.testing.assert_close(probe.group_weights, probs[0].mean(dim=1).view(2, 3, -1).mean(dim=1))
 
 
 @pytest.mark.parametrize("strategy,layers", [("question", "all"), ("question", "last"), ("chunk", "all"), ("hybrid", "all")])
