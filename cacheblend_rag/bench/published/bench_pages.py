@@ -18,7 +18,7 @@ from ..summary import markdown_table, pooled, speedup_over, summarize
 from ..whole_answer import WholeAnswerConfig, decode_step_table
 from ..whole_answer import markdown_table as whole_table
 from ..whole_answer import summarize as whole_summarize
-from .fmt import Stat, x_ci
+from .fmt import Stat, pct, x_ci
 from .results import Results, Table, Values
 
 HEADLINE = "bench_smollm2.jsonl"
@@ -361,6 +361,34 @@ def _mixed_values(res: Results) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- whole answers
+TTFT_FORMATS = "ttft_formats_smollm2.jsonl"  # bench --whole-answer --lengths 32 --llama-cpp "": the prefills alone
+
+
+def _ttft_formats(res: Results) -> list[dict]:
+    return res.memo("ttft-formats", lambda: whole_summarize(res.rows(TTFT_FORMATS), (32,)))
+
+
+def _ttft_formats_table(res: Results) -> str:
+    lines = [
+        "| method | n | TTFT s | TTFT vs full prefill (same format) | 32 tokens vs full prefill | same 32 tokens as fp32 full prefill |",
+        "|---|---|---|---|---|---|",
+    ]
+    for e in _ttft_formats(res):
+        ratios = [x_ci(e.get(f"{f}_vs_full_prefill"), e.get(f"{f}_vs_full_prefill_ci")) for f in ("ttft", "t32")]
+        same = pct(e["same_32_tokens_as_fp32_full_prefill"]) if "same_32_tokens_as_fp32_full_prefill" in e else "–"
+        lines.append(f"| {e['method']} | {e['n']} | {e['ttft_s']:.2f} | {ratios[0]} | {ratios[1]} | {same} |")
+    return "\n".join(lines)
+
+
+def _ttft_formats_values(res: Results) -> dict[str, Any]:
+    s = {e["method"]: e for e in _ttft_formats(res)}
+    v: dict[str, Any] = {"n": s["question@0.15/fp16"]["n"]}
+    for fmt in ("fp16", "fp32"):
+        e = s[f"question@0.15/{fmt}"]
+        v[f"ttft_vs_full_{fmt}"] = Stat(e["ttft_vs_full_prefill"], e["ttft_vs_full_prefill_ci"])
+    return v
+
+
 def _whole(res: Results, file: str, reference: str = "llama_cpp:q8_0") -> list[dict]:
     return res.memo(f"whole:{file}:{reference}", lambda: whole_summarize(res.rows(file), LENGTHS, reference))
 
@@ -577,6 +605,7 @@ TABLES = {
     "bench-mixed-process": Table((MIXED,), _process_table(MIXED, with_commits=False)),
     "whole-answer-smollm2": Table(("whole_answer_smollm2.jsonl",), _whole_table("whole_answer_smollm2.jsonl")),
     "whole-answer-qwen05": Table(("whole_answer_qwen05.jsonl",), _whole_table("whole_answer_qwen05.jsonl")),
+    "ttft-formats-smollm2": Table((TTFT_FORMATS,), _ttft_formats_table),
     "decode-step-smollm2": Table(
         ("decode_step_smollm2.json",), lambda res: decode_step_table(res.json("decode_step_smollm2.json"))
     ),
@@ -604,6 +633,7 @@ VALUES = {
         ("whole_answer_qwen05.jsonl", "decode_step_qwen05.json"),
         _whole_values("whole_answer_qwen05.jsonl", "decode_step_qwen05.json"),
     ),
+    "ttft": Values((TTFT_FORMATS,), _ttft_formats_values),
     "load": Values((LOAD, "load_smollm2.jsonl"), _load_values),
     "reliability": Values((RELIABILITY,), _reliability_values),
     "batchstep": Values((BATCH_STEP,), _batch_step_values),
