@@ -128,11 +128,15 @@ class CacheBlendRetriever(BaseRetriever):
             self._pending.append(self._pool.submit(_precompute_logged, engine, texts, self.neighbours))
 
     def wait(self) -> None:
-        """Block until background precomputation has finished (re-raises its first error)."""
+        """Block until background precomputation has finished, every job of it; then re-raise
+        the first error. A failed job must not leave later ones running unwatched: a caller that
+        closes the engine after ``wait()`` would close it under them."""
         with self._pending_lock:
             pending, self._pending = self._pending, []
-        for fut in pending:
-            fut.result()
+        errors = [fut.exception() for fut in pending]  # waits for each job
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
 
 
 def _precompute(engine: CacheBlendEngine, texts: list[str], neighbours: int = 0) -> int:

@@ -116,7 +116,10 @@ def test_background_precompute_error_is_kept_for_wait(tiny_engine, vectorstore, 
         calls.append(1)
         if len(calls) == 1:
             raise OSError("disk full")
-        return precompute(*args, **kwargs)
+        time.sleep(0.3)  # still running when wait() meets the first job's error
+        out = precompute(*args, **kwargs)
+        calls.append("done")
+        return out
 
     monkeypatch.setattr(tiny_engine, "precompute", fails_first)
     bg = CacheBlendRetriever(
@@ -130,6 +133,7 @@ def test_background_precompute_error_is_kept_for_wait(tiny_engine, vectorstore, 
     bg.invoke("Thames")
     with pytest.raises(OSError, match="disk full"):
         bg.wait()
+    assert calls[-1] == "done"  # the later job finished before wait() raised: nothing runs on unwatched
     bg.wait()  # reported once
 
 
