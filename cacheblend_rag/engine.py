@@ -653,14 +653,29 @@ class CacheBlendEngine:
         assert stream.result is not None
         return stream.result
 
-    def close(self, *, close_store: bool = True) -> None:
+    def close(self, *, close_store: bool = True, timeout: float = 60.0) -> None:
         """Finish the background write-backs and close the store (``close_store=False``: an
-        engine sharing another's store leaves it open)."""
+        engine sharing another's store leaves it open).
+
+        Model work in flight on another thread (an answer, a retriever's background precompute:
+        whoever holds ``engine.lock``) finishes first, so it never meets a closed store; after
+        ``timeout`` seconds of waiting ``close`` raises ``RuntimeError`` and leaves the store open
+        (call it again once that work ends). Holding the lock while closing keeps new work out.
+        """
         if self.learner is not None:
-            self.learner.close()
-        self.chunk_cache.close()
-        if close_store:
-            self.store.close()
+            self.learner.close()  # its queued refreshes take the lock themselves
+        if not self.lock.acquire(timeout=timeout):
+            raise RuntimeError(
+                f"engine.close() waited {timeout:g} s for model work still running on this engine "
+                "(an answer being generated or a background precompute holds engine.lock); finish "
+                "or cancel it, then call close() again (or pass a longer timeout)"
+            )
+        try:
+            self.chunk_cache.close()
+            if close_store:
+                self.store.close()
+        finally:
+            self.lock.release()
 
 
 class GenerationStream:

@@ -707,6 +707,55 @@ def test_engine_close_closes_every_store_file(tmp_path):
         gc.enable()
 
 
+def test_engine_close_waits_for_model_work_in_flight_and_then_closes(tmp_path):
+    """close() on one thread while another computes on the engine (holding engine.lock, as an
+    answer or a retriever's background precompute does) must not pull the store from under it:
+    the work writes its chunk cache after close() was called, and close() returns only after."""
+    import threading
+    import time as _time
+
+    eng = make_engine("llama", seed=0, store_dir=tmp_path / "kv", pipelined=False)
+    holding, done = threading.Event(), []
+
+    def work():
+        with eng.lock:
+            holding.set()
+            _time.sleep(0.3)  # close() is called meanwhile
+            eng.precompute(SAMPLE_CHUNKS[:1], progress=False)
+            eng.flush()
+            done.append(eng.is_cached(SAMPLE_CHUNKS[0]))
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    assert holding.wait(10)
+    eng.close()
+    assert done == [True]  # the work ran to the end on an open store, before close() returned
+    worker.join()
+    assert _open_files_under(tmp_path / "kv") == []
+
+
+def test_engine_close_refuses_after_its_timeout_and_keeps_the_store_open(tmp_path):
+    import threading
+
+    eng = make_engine("llama", seed=0, store_dir=tmp_path / "kv", pipelined=False)
+    release = threading.Event()
+    holder = threading.Thread(target=lambda: (eng.lock.acquire(), release.wait(10), eng.lock.release()))
+    holder.start()
+    while not eng.lock.locked():
+        pass
+    try:
+        with pytest.raises(RuntimeError, match=r"waited 0\.2 s for model work.*engine\.lock.*call close\(\) again"):
+            eng.close(timeout=0.2)
+    finally:
+        release.set()
+        holder.join()
+    eng.precompute(SAMPLE_CHUNKS[:1], progress=False)  # still usable: nothing was closed
+    eng.flush()
+    assert eng.is_cached(SAMPLE_CHUNKS[0])
+    eng.close()
+    assert _open_files_under(tmp_path / "kv") == []
+
+
 def test_a_settings_row_planted_while_the_store_is_open_does_not_reach_new_connections(tmp_path):
     """Attack 4, later: diskcache ran every sqlite_* Settings row as a PRAGMA on each new thread's
     connection, so a row planted while the store was open made later threads read-only."""
