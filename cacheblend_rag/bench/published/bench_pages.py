@@ -435,6 +435,7 @@ def _whole_values(file: str, steps: str):
             v[f"ms_{key}"] = s[method]["decode_ms_per_token"]
             v[f"t256_{key}"] = s[method]["t256_s"]
         v["decode_vs_q8_fp16"], v["decode_vs_q8_fp32"] = cb16["decode_vs_llama_cpp:q8_0"], cb32["decode_vs_llama_cpp:q8_0"]
+        v["decode_fp16_vs_f16"] = v["ms_fp16"] / v["ms_f16"]  # the engine's float16 step over llama.cpp F16's
         for n in LENGTHS:
             v[f"t{n}_vs_q8"] = Stat(cb16[f"t{n}_vs_llama_cpp:q8_0"], cb16[f"t{n}_vs_llama_cpp:q8_0_ci"])
             v[f"t{n}_vs_q4"] = Stat(
