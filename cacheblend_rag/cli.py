@@ -12,7 +12,7 @@ from pathlib import Path
 from . import __version__
 from .config import FUSED_MODES, MODES, BlendConfig
 from .paths import DataFileError
-from .weights import WEIGHT_FORMATS
+from .weights import AUTO, WEIGHT_FORMATS
 
 # Commands beyond ask and serve come from entry points of this group (pyproject.toml: the
 # benchmarks' sweep, bench, fidelity, calibrate, profile, pipeline-bench), so the core does not
@@ -114,7 +114,10 @@ def _ask(args: argparse.Namespace) -> int:
 
 # How many chunks ask caches each retrieved chunk behind (the engine's precompute(neighbours=n)).
 ASK_NEIGHBOURS = 2
-WEIGHTS_HELP = "linear layers' format: fp32 (default) or fp16 (CPU only: half the weight bytes per decoded token)"
+WEIGHTS_HELP = (
+    "linear layers' format: fp32, fp16 (CPU only: half the weight bytes per decoded token) or auto "
+    "(default: fp16 for a float32 model on the CPU, else fp32)"
+)
 # ServerConfig's request limits and connection timeouts as `serve` flags (docs/server.md). The
 # defaults are ServerConfig's (this module must not import the server extra to build its parser);
 # tests/test_reliability_round3.py checks that the help text states them.
@@ -238,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--temperature", type=float, default=0.0)
     ask.add_argument("--device", default="cpu")
     ask.add_argument("--dtype", default="float32")
-    ask.add_argument("--weights", default="fp32", choices=list(WEIGHT_FORMATS), help=WEIGHTS_HELP)
+    ask.add_argument("--weights", default=AUTO, choices=[AUTO, *WEIGHT_FORMATS], help=WEIGHTS_HELP)
     ask.add_argument(
         "--precompute",
         action="store_true",
@@ -287,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="the name clients pass as model (default: the model's id)")
     serve.add_argument("--device", default="cpu")
     serve.add_argument("--dtype", default="float32")
-    serve.add_argument("--weights", default="fp32", choices=list(WEIGHT_FORMATS), help=WEIGHTS_HELP)
+    serve.add_argument("--weights", default=AUTO, choices=[AUTO, *WEIGHT_FORMATS], help=WEIGHTS_HELP)
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.set_defaults(func=_serve)
     for entry in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):

@@ -40,10 +40,11 @@ def _fused(linears: list[nn.Module]) -> nn.Module:
     them (a fused fp16 linear adds its half-size packed matrix)."""
     weight = torch.cat([m.weight for m in linears])
     biases = [m.bias for m in linears]
+    present = [b for b in biases if b is not None]  # in the biases' dtype (fp16 weights keep float32 biases)
     bias = (
         None
-        if all(b is None for b in biases)
-        else torch.cat([b if b is not None else weight.new_zeros(m.weight.shape[0]) for m, b in zip(linears, biases)])
+        if not present
+        else torch.cat([b if b is not None else present[0].new_zeros(m.weight.shape[0]) for m, b in zip(linears, biases)])
     )
     fused: nn.Module = nn.Linear(
         weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype

@@ -139,7 +139,7 @@ class CacheBlendEngine:
         *,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | str = torch.float32,
-        weights: str = "fp32",
+        weights: str = "auto",
         cache_dir: str | None = None,
         store_dir: str | None = None,
         store_size_limit: int = 8 * 2**30,
@@ -170,9 +170,10 @@ class CacheBlendEngine:
         the chunk comes from the next tier or is recomputed. A Redis that refuses the URL's
         password raises ``store.redis_tier.RedisAuthError`` here. See docs/sharing.md.
 
-        ``weights`` is the linear layers' format (``weights.WEIGHT_FORMATS``): "fp32", or on a CPU
-        "fp16", whose decode steps read half the weight bytes (docs/engine.md, "Weight formats").
-        Every mode runs the same format, and chunk caches are kept apart per format.
+        ``weights`` is the linear layers' format: "fp32", or on a CPU "fp16", whose decode steps
+        read half the weight bytes (docs/engine.md, "Weight formats"); the default "auto" is "fp16"
+        for a float32 model on the CPU and "fp32" elsewhere. Every mode runs the same format, and
+        chunk caches are kept apart per format.
 
         Without a ``config``, a quality profile saved by ``cacheblend-rag calibrate`` for this
         model sets the strategy and recompute ratio; otherwise ``BlendConfig()``'s defaults hold.

@@ -162,15 +162,15 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | str = torch.float32,
     cache_dir: str | os.PathLike[str] | None = None,
-    weights: str = "fp32",
+    weights: str = "auto",
 ) -> LoadedModel:
     """Load a RoPE decoder and its tokenizer, ready for CacheBlend.
 
     ``model`` is None (the bundled SmolLM2 GGUF), a local HF model directory, a ``.gguf`` file, or a
     Hugging Face Hub id. GGUF files are converted once into ``<cache_dir>/models/``. The returned
     model is in eval mode on ``device`` with ``dtype``, uses SDPA attention, and has passed
-    :func:`check_rope_support`. ``weights`` is the linear layers' format (``weights.WEIGHT_FORMATS``:
-    "fp32", or "fp16" for half the bytes per decode step on a CPU).
+    :func:`check_rope_support`. ``weights`` is the linear layers' format: "fp32", "fp16" (half
+    the bytes per decode step, CPU only) or "auto", fp16 where it runs (``weights.resolve_weight_format``).
     """
     from .weights import apply_weight_format, check_weight_format
 

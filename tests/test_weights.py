@@ -6,6 +6,7 @@ attention gives the plain path's tokens."""
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.models import ModelLoadError, model_fingerprint
 from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_model, make_tokenizer
-from cacheblend_rag.weights import FP16_GEMM_MAX_ROWS, Fp16Linear, apply_weight_format, weight_format
+from cacheblend_rag.weights import FP16_GEMM_MAX_ROWS, Fp16Linear, apply_weight_format, resolve_weight_format, weight_format
 
 ARCHS = {
     "llama": dict(),
@@ -64,7 +65,8 @@ def test_fp16_format_computes_in_float32_with_the_rounded_weights_on_both_paths(
     linear = nn.Linear(96, 40)
     fp16 = Fp16Linear(linear)
     rounded = linear.weight.detach().half().float()
-    assert torch.equal(fp16.weight, rounded) and not torch.equal(rounded, linear.weight)
+    assert fp16.weight.dtype == torch.float16  # half the bytes of a float32 copy
+    assert torch.equal(fp16.weight.float(), rounded) and not torch.equal(rounded, linear.weight)
     for rows in (1, 3, FP16_GEMM_MAX_ROWS, FP16_GEMM_MAX_ROWS + 1, 200):
         x = torch.randn(rows, 96) * 3
         want = x.double() @ rounded.double().T + linear.bias.double()
@@ -101,7 +103,7 @@ def test_fingerprint_separates_formats_and_rotary_buffers():
 @pytest.mark.parametrize(
     "weights, setup, message",
     [
-        ("int4", None, r"weights='int4' is not a weight format; choose one of fp32, fp16"),
+        ("int4", None, r"weights='int4' is not a weight format; choose one of auto, fp32, fp16"),
         ("fp16", lambda m: m.to(torch.bfloat16), r'needs a float32 model, not torch.bfloat16: load with dtype="float32"'),
         ("fp32", lambda m: apply_weight_format(m, "fp16"), r"already fp16; load it again to change the format"),
     ],
@@ -112,6 +114,36 @@ def test_weight_formats_that_cannot_run_are_refused_by_name(weights, setup, mess
         setup(model)
     with pytest.raises(ModelLoadError, match=message):
         apply_weight_format(model, weights)
+
+
+def test_auto_is_fp16_where_it_runs_and_the_models_own_weights_elsewhere(monkeypatch):
+    model = _model("llama")
+    assert resolve_weight_format(model, "auto") == "fp16"
+    assert weight_format(apply_weight_format(copy.deepcopy(model), "auto")) == "fp16"
+    assert resolve_weight_format(apply_weight_format(copy.deepcopy(model), "fp16"), "auto") == "fp16"
+    # Where an explicit "fp16" is refused, "auto" leaves the model as it is instead.
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    assert weight_format(apply_weight_format(bf16, "auto")) == "fp32"
+    assert next(bf16.parameters()).dtype == torch.bfloat16
+    monkeypatch.setattr(torch.backends, "quantized", SimpleNamespace(supported_engines=["qnnpack", "none"]))
+    assert resolve_weight_format(model, "auto") == "fp32"
+    with pytest.raises(ModelLoadError, match=r'needs a torch build with fbgemm \(x86-64\); use weights="fp32"'):
+        apply_weight_format(model, "fp16")
+
+
+def test_from_pretrained_loads_fp16_weights_on_the_cpu_by_default(tmp_path):
+    model = _model("llama")
+    model.save_pretrained(tmp_path / "m")
+    make_tokenizer().save_pretrained(tmp_path / "m")
+    engine = CacheBlendEngine.from_pretrained(str(tmp_path / "m"), store_dir=str(tmp_path / "kv"))
+    explicit = CacheBlendEngine.from_pretrained(str(tmp_path / "m"), weights="fp16", store_dir=str(tmp_path / "kv"))
+    plain = CacheBlendEngine.from_pretrained(str(tmp_path / "m"), weights="fp32", store_dir=str(tmp_path / "kv2"))
+    try:
+        assert weight_format(engine.model) == "fp16"
+        assert engine.fingerprint == explicit.fingerprint != plain.fingerprint  # caches of formats never mix
+    finally:
+        for e in (engine, explicit, plain):
+            e.close()
 
 
 def test_from_pretrained_refuses_an_unknown_format_before_loading(tmp_path):

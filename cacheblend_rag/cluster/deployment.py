@@ -54,7 +54,7 @@ class EngineSpec:
     memory_bytes: int = 2 * 2**30
     device: str = "cpu"
     dtype: str = "float32"
-    weights: str = "fp32"
+    weights: str = "auto"
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     factory: str | None = None
     factory_kwargs: dict[str, Any] = field(default_factory=dict)

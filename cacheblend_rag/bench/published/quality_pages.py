@@ -544,37 +544,42 @@ def _replay_values(res: Results) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- a weight format's answers
-FP16 = "fidelity_qwen05_fp16.jsonl"
+FP16 = "fidelity_qwen05_fp16.jsonl"  # held-out questions, against QWEN05's float32 rows
+FP16_DEV = "fidelity_qwen05_dev_fp16.jsonl"  # dev questions, against DEV's float32 rows
 
 
-def _format_table(res: Results) -> str:
+def _format_table(fmt: str, refs: tuple[str, ...]) -> Table:
     from ..format_fidelity import compare_formats, markdown
 
-    return markdown(compare_formats(res.rows(FP16), res.rows(*QWEN05[:2])))
+    return Table((fmt, *refs), lambda res: markdown(compare_formats(res.rows(fmt), res.rows(*refs))))
 
 
-def _format_values(res: Results) -> dict[str, Any]:
+def _format_values(fmt: str, refs: tuple[str, ...]) -> Values:
     from ..format_fidelity import compare_formats
 
-    c = compare_formats(res.rows(FP16), res.rows(*QWEN05[:2]))
-    d = c["full_f1_diff"]
-    m = c["methods"][DEFAULT]
-    return {
-        "n": c["questions"],
-        "full_same": c["full_same_answer"],
-        "full_agree_f1": c["full_agree_f1"],
-        "f1_diff": Stat(d["mean"], tuple(d["ci"])),
-        "f1_p": d["p"],
-        "agree_fp16": m["agree_fmt"],
-        "agree_fp32": m["agree_ref"],
-        "agree_f1_diff": Stat(m["agree_f1_diff"]["mean"], tuple(m["agree_f1_diff"]["ci"])),
-        "agree_f1_p": m["agree_f1_diff"]["p"],
-    }
+    def compute(res: Results) -> dict[str, Any]:
+        c = compare_formats(res.rows(fmt), res.rows(*refs))
+        d = c["full_f1_diff"]
+        m = c["methods"][DEFAULT]
+        return {
+            "n": c["questions"],
+            "full_same": c["full_same_answer"],
+            "full_agree_f1": c["full_agree_f1"],
+            "f1_diff": Stat(d["mean"], tuple(d["ci"])),
+            "f1_p": d["p"],
+            "agree_fp16": m["agree_fmt"],
+            "agree_fp32": m["agree_ref"],
+            "agree_f1_diff": Stat(m["agree_f1_diff"]["mean"], tuple(m["agree_f1_diff"]["ci"])),
+            "agree_f1_p": m["agree_f1_diff"]["p"],
+        }
+
+    return Values((fmt, *refs), compute)
 
 
 TABLES = {
     "neighbour-replay-smollm2": Table((REPLAY,), _replay_table),
-    "fidelity-qwen05-fp16": Table((FP16, *QWEN05[:2]), _format_table),
+    "fidelity-qwen05-fp16": _format_table(FP16, QWEN05[:2]),
+    "fidelity-qwen05-dev-fp16": _format_table(FP16_DEV, DEV[:1]),
     "attribution-qwen05": Table(("attribution_qwen05.jsonl",), _attribution),
     "fidelity-qwen05": _main_table(_qwen05),
     "fidelity-qwen05-by-dataset": Table(QWEN05, _by_dataset(_qwen05)),
@@ -593,7 +598,8 @@ TABLES = {
 
 VALUES = {
     "replay": Values((REPLAY,), _replay_values),
-    "fp16": Values((FP16, *QWEN05[:2]), _format_values),
+    "fp16": _format_values(FP16, QWEN05[:2]),
+    "fp16dev": _format_values(FP16_DEV, DEV[:1]),
     "q05": Values(QWEN05, _fidelity_values(_qwen05, PAIRS)),
     "q15": Values(QWEN15, _fidelity_values(_qwen15, PAIRS)),
     "corpus": Values((CORPUS, *QWEN05), _corpus_values),
