@@ -12,7 +12,7 @@ from pathlib import Path
 from . import __version__
 from .config import FUSED_MODES, MODES, BlendConfig
 from .paths import DataFileError
-from .weights import AUTO, WEIGHT_FORMATS
+from .weights import AUTO, WEIGHT_CHOICES
 
 # Commands beyond ask and serve come from entry points of this group (pyproject.toml: the
 # benchmarks' sweep, bench, fidelity, calibrate, profile, pipeline-bench), so the core does not
@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--temperature", type=float, default=0.0)
     ask.add_argument("--device", default="cpu")
     ask.add_argument("--dtype", default="float32")
-    ask.add_argument("--weights", default=AUTO, choices=[AUTO, *WEIGHT_FORMATS], help=WEIGHTS_HELP)
+    ask.add_argument("--weights", default=AUTO, choices=WEIGHT_CHOICES, help=WEIGHTS_HELP)
     ask.add_argument(
         "--precompute",
         action="store_true",
@@ -290,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="the name clients pass as model (default: the model's id)")
     serve.add_argument("--device", default="cpu")
     serve.add_argument("--dtype", default="float32")
-    serve.add_argument("--weights", default=AUTO, choices=[AUTO, *WEIGHT_FORMATS], help=WEIGHTS_HELP)
+    serve.add_argument("--weights", default=AUTO, choices=WEIGHT_CHOICES, help=WEIGHTS_HELP)
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.set_defaults(func=_serve)
     for entry in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):

@@ -74,11 +74,12 @@ class Fp16Linear(nn.Module):
 
 
 AUTO = "auto"
+WEIGHT_CHOICES = (AUTO, *WEIGHT_FORMATS)  # what a caller may ask for
 
 
 def check_weight_format(weights: object) -> str:
-    if weights != AUTO and weights not in WEIGHT_FORMATS:
-        raise ModelLoadError(f"weights={weights!r} is not a weight format; choose one of {', '.join((AUTO, *WEIGHT_FORMATS))}")
+    if weights not in WEIGHT_CHOICES:
+        raise ModelLoadError(f"weights={weights!r} is not a weight format; choose one of {', '.join(WEIGHT_CHOICES)}")
     return str(weights)
 
 
