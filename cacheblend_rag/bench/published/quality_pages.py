@@ -19,6 +19,7 @@ from ..fidelity import (
     summarize,
     ttft_speedup,
 )
+from ..format_fidelity import compare_formats, markdown
 from ..stats import sign_test
 from .fmt import Stat
 from .results import Results, Table, Values
@@ -549,14 +550,10 @@ FP16_DEV = "fidelity_qwen05_dev_fp16.jsonl"  # dev questions, against DEV's floa
 
 
 def _format_table(fmt: str, refs: tuple[str, ...]) -> Table:
-    from ..format_fidelity import compare_formats, markdown
-
     return Table((fmt, *refs), lambda res: markdown(compare_formats(res.rows(fmt), res.rows(*refs))))
 
 
 def _format_values(fmt: str, refs: tuple[str, ...]) -> Values:
-    from ..format_fidelity import compare_formats
-
     def compute(res: Results) -> dict[str, Any]:
         c = compare_formats(res.rows(fmt), res.rows(*refs))
         d = c["full_f1_diff"]
