@@ -14,6 +14,9 @@ from .constraints import Grammar
 MODES = ("full_recompute", "full_recompute_saved", "prefix_caching", "full_reuse", "cacheblend")
 # The modes that fuse each chunk's own cache (neighbour-aware ones included) and read a BlendConfig.
 FUSED_MODES = ("full_reuse", "cacheblend")
+# Adaptive recompute's steps after the first pass, ((margin, ratio), ...) (BlendConfig.escalation),
+# chosen on dev data: docs/quality.md, "Adaptive recompute".
+ADAPTIVE_ESCALATION: tuple[tuple[float, float], ...] = ((0.1, 0.6),)
 # How the cacheblend mode picks the context tokens it recomputes (BlendConfig.strategy).
 STRATEGIES = ("hkvd", "question", "chunk", "hybrid")
 
@@ -82,7 +85,20 @@ class BlendConfig:
         prefill reports ``stats["first_token_margin"]`` and ``stats["escalated"]``. Pick the
         threshold from ``python -m cacheblend_rag.bench.guard_curve`` (share escalated, agreement
         and TTFT per threshold, from ``cacheblend-rag fidelity`` rows); ``float("inf")`` always
-        escalates.
+        escalates. When set, it is ``escalation``'s full-prefill step: ``(guard_margin, 1.0)``.
+    escalation: adaptive recompute, ``((margin, ratio), ...)``: after the blended prefill at
+        ``recompute_ratio``, while the latest pass's first-token margin is below the next step's
+        ``margin``, the prompt is blended again at that step's larger ``ratio``; ``ratio`` 1.0 is
+        an exact full prefill (``full_recompute_saved``), as the guard's. A blended answer differs
+        from full prefill's mostly where the reader hesitates between two first tokens (the
+        guard's reasoning), so recompute is spent on those prompts and not on every prompt alike.
+        A step re-selects from the first pass's question scores over the K/V it already loaded
+        (a selection at a larger ratio contains the smaller one's), so it costs its fused pass
+        only, and its answer is exactly the fixed-ratio answer at that ratio. Partial steps need a
+        question-guided ``strategy`` to reuse the first pass ("hkvd" runs each step afresh) and
+        mode ``cacheblend``; ``full_reuse`` takes only a 1.0 step. Ratios grow strictly and stay
+        in (0, 1]; steps at or below ``recompute_ratio`` are skipped. ``()``: fixed ratio.
+        Stats: ``recompute_steps`` (the ratios run, 1.0 for a full prefill) and ``step_margins``.
     attention_groups: speed only, never the result: the recomputed tokens' attention runs in this
         many blocks of rows, each reading the keys up to its last position instead of the whole
         prompt (a causal prefill skips the masked half; scattered rows cannot). A minimum: a
@@ -106,8 +122,10 @@ class BlendConfig:
     context_temperature: float = 1.0
     context_scale: float = 1.0
     guard_margin: float | None = None
+    escalation: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
+        self._check_escalation()
         if self.guard_margin is not None and (
             isinstance(self.guard_margin, bool)
             or not isinstance(self.guard_margin, numbers.Real)
@@ -170,12 +188,43 @@ class BlendConfig:
             if any(not 0.0 <= f <= 1.0 for f in fracs) or fracs != sorted(fracs, reverse=True):
                 raise ValueError(f"schedule={self.schedule!r}: fractions must lie in [0, 1] and never grow")
 
+    def _check_escalation(self) -> None:
+        steps = self.escalation
+        if isinstance(steps, list):
+            object.__setattr__(
+                self, "escalation", steps := tuple(tuple(step) if isinstance(step, list) else step for step in steps)
+            )
+        hint = "pass ((margin, ratio), ...), e.g. ((1.0, 0.3), (0.5, 1.0)): below margin 1.0 blend again at 0.3, then full prefill below 0.5"
+        if not isinstance(steps, tuple) or not all(isinstance(step, tuple) and len(step) == 2 for step in steps):
+            raise ValueError(f"escalation={steps!r}: {hint}")
+        previous = 0.0
+        for margin, ratio in steps:
+            for name, value in (("margin", margin), ("ratio", ratio)):
+                if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) or value < 0:
+                    raise ValueError(f"escalation step ({margin!r}, {ratio!r}): the {name} must be a number >= 0; {hint}")
+            if not previous < ratio <= 1.0:
+                raise ValueError(
+                    f"escalation step ({margin!r}, {ratio!r}): each ratio must be larger than the one before "
+                    f"and at most 1.0 (a full prefill); {hint}"
+                )
+            previous = ratio
+
+    def escalation_steps(self) -> tuple[tuple[float, float], ...]:
+        """The steps after the first pass that can run: those above ``recompute_ratio``, and
+        ``guard_margin`` as a last full-prefill step."""
+        steps = [step for step in self.escalation if step[1] > self.recompute_ratio]
+        if self.guard_margin is not None:
+            steps = [step for step in steps if step[1] < 1.0] + [(self.guard_margin, 1.0)]
+        return tuple(steps)
+
     @property
     def reweights_context(self) -> bool:
         return self.context_temperature != 1.0 or self.context_scale != 1.0
 
     def with_ratio(self, ratio: float | None) -> BlendConfig:
-        return self if ratio is None else replace(self, recompute_ratio=ratio, schedule=None)
+        if ratio is None:
+            return self
+        return replace(self, recompute_ratio=ratio, schedule=None)
 
     def check_points(self) -> list[tuple[int, float]]:
         """The (layer, fraction of context kept after it) pairs of this schedule."""

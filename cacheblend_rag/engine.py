@@ -25,7 +25,7 @@ from .chunk_cache import ChunkCache
 from .config import BlendConfig, SamplingParams, check_mode
 from .constraints import Grammar
 from .decode_step import FastDecodeStep
-from .fusor import FusionStats, fuse, question_pass
+from .fusor import FusionOutput, FusionPlan, FusionStats, fuse, question_pass
 from .generation import DecodeState, decode
 from .guard import ESCALATED, MARGIN, escalates, first_token_margin
 from .learned_neighbours import LearnConfig, NeighbourLearner
@@ -371,15 +371,24 @@ class CacheBlendEngine:
         raise RuntimeError("chunk caches kept disappearing during load; is another process clearing the store?")
 
     def _guarded(self, fused: PrefillResult, config: BlendConfig, store: ChunkStore, t0: float) -> PrefillResult:
-        """The fidelity guard (``guard.py``): ``fused``, or a full prefill of the same prompt when
-        ``fused``'s first-token margin is below ``config.guard_margin``. Both report the margin."""
+        """The fidelity guard (``guard.py``), escalation's full-prefill step: ``fused``, or a full
+        prefill of the same prompt when ``fused``'s first-token margin is below the step's. Both
+        report the margin of the last blended pass."""
         margin = first_token_margin(fused.logits)
         fused.stats.update({MARGIN: margin, ESCALATED: False})
-        if not escalates(margin, config.guard_margin):
+        steps = config.escalation_steps()
+        partial = len(steps) - 1 if fused.stats["mode"] == "cacheblend" else 0
+        # A cascade that stopped at a partial step (its margin cleared that step's) ends there.
+        ran = len(fused.stats.get("recompute_steps", [None])) - 1
+        if not steps or steps[-1][1] < 1.0 or ran < partial or not escalates(margin, steps[-1][0]):
             return fused
         layout = fused.layout
         full = self._causal_prefill(layout, "full_recompute_saved", planner.plan_full(layout, self.device), store, t0)
         full.stats.update({MARGIN: margin, ESCALATED: True, "blended_prefill_s": fused.stats["prefill_s"]})
+        full.stats.update(
+            recompute_steps=[*fused.stats.get("recompute_steps", []), 1.0],
+            step_margins=[*fused.stats.get("step_margins", [margin]), first_token_margin(full.logits)],
+        )
         if SOURCES_KEY in fused.stats:  # the question's attention per chunk, from the blended pass
             full.stats[SOURCES_KEY] = fused.stats[SOURCES_KEY]
         return full
@@ -465,20 +474,48 @@ class CacheBlendEngine:
             pipelined=self.pipelined if pipelined is None else pipelined,
         )
         plan, scoring_s, sources = req.plan, 0.0, None
+        criterion = resolve_criterion(config.criterion)
+        # Adaptive recompute (BlendConfig.escalation): the partial steps run here, over this pass's
+        # scores and loaded K/V; a full-prefill step runs in _guarded.
+        steps = [step for step in config.escalation_steps() if step[1] < 1.0] if mode == "cacheblend" else []
+        ratios, margins = [config.recompute_ratio], []
         try:
             if mode == "cacheblend" and not req.hkvd:
                 # Question-guided selection: score the context by the question's attention over the
                 # reused cache, then recompute the chosen tokens (or chunks) on every layer, over the
                 # K/V the scoring pass already read.
                 qp = question_pass(self.backbone, plan, loader, layers=config.question_layers, heads=config.question_heads)
-                plan, scoring_s = planner.guide(plan, layout, config, qp.scores, self.num_layers), qp.compute_s
+                scoring_s = qp.compute_s
                 sources = chunk_attention(qp.scores, layout)  # the same scores, summed per chunk
-                load = list(zip(qp.keys, qp.values)).__getitem__
+                loaded = list(zip(qp.keys, qp.values))  # [layers](K, V) [1, kv_heads, prompt, head_dim]
+
+                def blend(ratio: float, last: bool) -> tuple[FusionOutput, FusionPlan]:
+                    guided = planner.guide(req.plan, layout, config.with_ratio(ratio), qp.scores, self.num_layers)
+                    # fuse writes the recomputed rows into the K/V it reads: a pass that a later step
+                    # may follow works on a copy, so that step starts from the loaded K/V, as a
+                    # fixed-ratio prefill at its ratio would.
+                    kv = loaded if last else [(k.clone(), v.clone()) for k, v in loaded]
+                    return fuse(self.backbone, guided, kv.__getitem__, criterion), guided
+
+                out, plan = blend(config.recompute_ratio, last=not steps)
+                margins.append(first_token_margin(out.logits))
+                for i, (below, ratio) in enumerate(steps):
+                    if not escalates(margins[-1], below):
+                        break
+                    out, plan = blend(ratio, last=i == len(steps) - 1)
+                    ratios.append(ratio)
+                    margins.append(first_token_margin(out.logits))
             else:
-                load = loader
-            out = fuse(self.backbone, plan, load, resolve_criterion(config.criterion))
+                out = fuse(self.backbone, plan, loader, criterion)
+                margins.append(first_token_margin(out.logits))
         finally:
             loader.close()
+        if req.hkvd and steps and escalates(margins[-1], steps[0][0]):
+            # HKVD's selection depends on the ratio from layer 1 on: its step is a fresh prefill.
+            again = self._fused_prefill(layout, mode, config.with_ratio(steps[0][1]), store, pipelined, t0, avoid)
+            again.stats["recompute_steps"] = [config.recompute_ratio, *again.stats["recompute_steps"]]
+            again.stats["step_margins"] = [*margins, *again.stats["step_margins"]]
+            return again
         cache = cache_from(list(zip(out.keys, out.values)), adopt=True)
         stats = self._stats(mode, layout, req.hits, req.misses, out.stats.recomputed_per_layer, out.stats.computed_per_layer)
         stats["neighbour_hits"] = req.neighbour_hits
@@ -488,8 +525,10 @@ class CacheBlendEngine:
         if mode == "cacheblend":
             stats.update(
                 criterion=getattr(config.criterion, "__name__", config.criterion),
-                recompute_ratio=config.recompute_ratio,
+                recompute_ratio=ratios[-1],
                 strategy=config.strategy,
+                recompute_steps=ratios,
+                step_margins=margins,
             )
         if sources is not None:
             stats[SOURCES_KEY] = sources

@@ -122,3 +122,64 @@ def test_command_prints_the_table(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| `question@0.15` | 1 | 50% | 100% | 1.000 | 350 ms | 600 ms | 1.43x |" in out
     assert "full_recompute_saved`" not in out  # the escalation is not a method of its own curve
+
+
+# ---------------------------------------------------------------------- adaptive cascades from rows
+def _cascade_rows() -> list[dict]:
+    """Three questions over 0.15 -> 0.3 -> full: q0 is fixed at 0.3, q1 only by full prefill, q2
+    agrees from the start (its margin is high)."""
+    spec = {  # qid: [(margin, agree) at 0.15, at 0.3]
+        "0": [(0.1, False), (0.2, True)],
+        "1": [(0.1, False), (0.1, False)],
+        "2": [(2.0, True), (2.0, True)],
+    }
+    rows = []
+    for qid, steps in spec.items():
+        base = {"model": "m", "dataset": "musique", "qid": qid, "f1": 0.5}
+        for (margin, agree), (method, ttft) in zip(steps, (("question@0.15", 1.0), ("question@0.3", 2.0))):
+            rows.append(dict(base, method=method, margin=margin, agree=agree, agree_f1=1.0 if agree else 0.0, ttft_s=ttft))
+        rows.append(dict(base, method="full_recompute_saved", margin=3.0, agree=True, agree_f1=1.0, ttft_s=6.0))
+    return rows
+
+
+CHAIN = ["question@0.15", "question@0.3", "full_recompute_saved"]
+
+
+def test_a_cascade_walks_the_steps_below_their_margins_and_pays_every_pass():
+    qs = guard_curve._questions(_cascade_rows(), CHAIN)
+    none = guard_curve.cascade(qs, CHAIN, (0.0, 0.0))
+    assert none["agree"] == pytest.approx(1 / 3) and none["ttft_mean_s"] == pytest.approx(1.0) and none["reached"] == [0, 0]
+    assert none["speedup_vs_saved"] == pytest.approx(6.0)
+    # q0 and q1 move to 0.3 (margin 0.1 < 0.5); there q1 (0.1 < 0.15) moves on to full, q0 (0.2) stops.
+    two = guard_curve.cascade(qs, CHAIN, (0.5, 0.15))
+    assert two["reached"] == [pytest.approx(2 / 3), pytest.approx(1 / 3)] and two["agree"] == 1.0
+    assert two["ttft_mean_s"] == pytest.approx(((1 + 2) + (1 + 2 + 6) + 1) / 3)
+    # A step that does not fire ends the cascade: the full step is never reached.
+    assert guard_curve.cascade(qs, CHAIN, (0.0, math.inf))["reached"] == [0, 0]
+    with pytest.raises(ValueError, match="takes 2 margins, got 1"):
+        guard_curve.cascade(qs, CHAIN, (0.5,))
+
+
+def test_the_frontier_keeps_only_cascades_no_other_beats_on_both_agreement_and_speed():
+    qs = guard_curve._questions(_cascade_rows(), CHAIN)
+    front = guard_curve.frontier(qs, CHAIN)
+    speeds = [e["speedup_vs_saved"] for e in front]
+    agrees = [e["agree"] for e in front]
+    assert speeds == sorted(speeds, reverse=True) and agrees == sorted(agrees) and len(set(agrees)) == len(agrees)
+    assert front[0]["methods"] == ["question@0.15"] and front[-1]["agree"] == 1.0
+    # Full agreement costs least through 0.3 (q0 stops there): 13/3 s mean, not 0.15 -> full's 5.
+    assert front[-1]["methods"] == CHAIN and front[-1]["ttft_mean_s"] == pytest.approx(13 / 3)
+    assert guard_curve.best_within(front, 6.0)["methods"] == ["question@0.15"]
+    assert guard_curve.best_within(front, 7.0) is None
+
+
+def test_cascade_command_prints_the_frontier(tmp_path, capsys):
+    path = tmp_path / "results.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in _cascade_rows()), encoding="utf-8")
+    assert guard_curve.main([str(path), "--cascade", ",".join(CHAIN), "--margins", "0.5,0.15"]) == 0
+    assert (
+        "| `question@0.15` -> `question@0.3` -> `full_recompute_saved` | 0.5, 0.15 | 67%, 33% | 100% |" in capsys.readouterr().out
+    )
+    with pytest.raises(SystemExit):
+        guard_curve.main([str(path), "--cascade", ",".join(CHAIN)])
+    assert "--margins (one cascade) or --search" in capsys.readouterr().err

@@ -299,6 +299,7 @@ def _run(
                     ttft_s=res.ttft_s,
                     margin=first_token_margin(pre.logits),
                     recompute_fraction=s.get("recompute_fraction"),
+                    recompute_steps=s.get("recompute_steps"),
                     neighbour_hits=s.get("neighbour_hits", 0),
                     time=time.time(),
                     engine=engine_stamp(),

@@ -12,6 +12,17 @@ speed-up over the saved full prefill.
 
     cacheblend-rag fidelity --methods question@0.15/nb,full_recompute_saved --out OUT ...
     python -m cacheblend_rag.bench.guard_curve OUT/results.jsonl
+
+Adaptive recompute (``BlendConfig.escalation``) is the same trade with intermediate steps, and
+``--cascade`` computes it the same way: with rows of the method at each step's fixed ratio (a
+step's answer is exactly that fixed-ratio answer, tests/test_escalation.py), a question walks the
+steps while the latest row's margin is below the next step's, and is charged every row it passed
+through. Each step is charged its whole fixed-ratio TTFT, though the engine reuses the first
+pass's loads and question scores: the mean TTFT is an upper bound. ``--search`` lists the cascades
+on the agreement/speed frontier (``frontier``).
+
+    cacheblend-rag fidelity --methods question@0.15/nb,question@0.3/nb,question@0.6/nb,full_recompute_saved ...
+    python -m cacheblend_rag.bench.guard_curve OUT/results.jsonl --cascade question@{}/nb --search
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ import argparse
 import json
 import math
 from collections.abc import Sequence
+from itertools import combinations, product
 from pathlib import Path
 
 import numpy as np
@@ -40,40 +52,88 @@ def curve(
 ) -> list[dict]:
     """One entry per threshold for ``method``'s rows (of ``dataset``, or "all"), over the questions
     that have both a ``method`` row with a ``margin`` and an ``escalation`` row."""
+    questions = _questions(rows, [method, escalation], dataset)
+    return [dict(cascade(questions, [method, escalation], (t,)), method=method, threshold=t, dataset=dataset) for t in thresholds]
+
+
+def _questions(rows: Sequence[dict], methods: Sequence[str], dataset: str = "all") -> list[dict[str, dict]]:
+    """Per question (of ``dataset``, or "all") that has a row of every method and margins on all but
+    the last: ``{method: row}``."""
     by_q: dict[tuple, dict[str, dict]] = {}
     for r in rows:
-        if dataset in ("all", r["dataset"]) and r["method"] in (method, escalation):
+        if dataset in ("all", r["dataset"]) and r["method"] in methods:
             by_q.setdefault((r.get("model"), r["dataset"], r["qid"]), {})[r["method"]] = r
-    pairs = [
-        (ms[method], ms[escalation]) for ms in by_q.values() if ms.get(method, {}).get("margin") is not None and escalation in ms
+    out = [
+        ms for ms in by_q.values() if all(m in ms for m in methods) and all(ms[m].get("margin") is not None for m in methods[:-1])
     ]
-    if not pairs:
+    if not out:
+        listed = ",".join(methods)
         raise ValueError(
-            f"no question has both a {method!r} row with its margin and a {escalation!r} row: run `cacheblend-rag "
-            f"fidelity --methods {method},{escalation}` (rows from before margins were recorded have none)"
-        )
-    saved_mean = float(np.mean([e["ttft_s"] for _, e in pairs]))
-    out = []
-    for t in thresholds:
-        up = [m["margin"] < t for m, _ in pairs]
-        served = [e if esc else m for esc, (m, e) in zip(up, pairs)]
-        ttft = [m["ttft_s"] + (e["ttft_s"] if esc else 0.0) for esc, (m, e) in zip(up, pairs)]
-        mean = float(np.mean(ttft))
-        out.append(
-            {
-                "method": method,
-                "dataset": dataset,
-                "threshold": t,
-                "n": len(pairs),
-                "escalated": sum(up) / len(pairs),
-                "agree": sum(bool(r["agree"]) for r in served) / len(pairs),
-                "agree_f1": float(np.mean([r["agree_f1"] for r in served])),
-                "ttft_mean_s": mean,
-                "ttft_p95_s": float(np.percentile(ttft, 95)),
-                "speedup_vs_saved": saved_mean / mean if mean > 0 else math.nan,
-            }
+            f"no question has rows of every method of {listed} with their margins: run `cacheblend-rag "
+            f"fidelity --methods {listed}` (rows from before margins were recorded have none)"
         )
     return out
+
+
+def cascade(questions: Sequence[dict[str, dict]], methods: Sequence[str], margins: Sequence[float]) -> dict:
+    """The trade of the cascade ``methods[0] -> methods[1] -> ...``, where a question moves on from
+    ``methods[i]`` when that row's margin is below ``margins[i]`` (one margin per step after the
+    first), over ``questions`` (from ``_questions``); each question is charged the TTFT of every
+    row it passed through. ``escalation_s`` holds the share of questions that reached each step."""
+    if len(margins) != len(methods) - 1:
+        raise ValueError(f"a cascade of {len(methods)} methods takes {len(methods) - 1} margins, got {len(margins)}")
+    served, ttft, reached = [], [], [0] * len(margins)
+    for ms in questions:
+        row, spent = ms[methods[0]], ms[methods[0]]["ttft_s"]
+        for i, (below, nxt) in enumerate(zip(margins, methods[1:])):
+            if not row["margin"] < below:
+                break
+            reached[i] += 1
+            row = ms[nxt]
+            spent += row["ttft_s"]
+        served.append(row)
+        ttft.append(spent)
+    n = len(questions)
+    saved = [ms[ESCALATION]["ttft_s"] for ms in questions if ESCALATION in ms]
+    mean = float(np.mean(ttft))
+    return {
+        "methods": list(methods),
+        "margins": list(margins),
+        "dataset": "all" if len({ms[methods[0]]["dataset"] for ms in questions}) > 1 else questions[0][methods[0]]["dataset"],
+        "n": n,
+        "escalated": reached[0] / n if reached else 0.0,
+        "reached": [k / n for k in reached],
+        "agree": sum(bool(r["agree"]) for r in served) / n,
+        "agree_f1": float(np.mean([r["agree_f1"] for r in served])),
+        "f1": float(np.mean([r["f1"] for r in served])) if all("f1" in r for r in served) else math.nan,
+        "ttft_mean_s": mean,
+        "ttft_p95_s": float(np.percentile(ttft, 95)),
+        "speedup_vs_saved": float(np.mean(saved)) / mean if saved and mean > 0 else math.nan,
+    }
+
+
+# Margins tried for each step by frontier(): none (the step never runs) to always.
+SEARCH_MARGINS = (0.0, 0.1, 0.2, 0.3, 0.5, math.log(2), 1.0, 1.5, 2.0, math.inf)
+
+
+def frontier(questions: Sequence[dict[str, dict]], methods: Sequence[str], grid: Sequence[float] = SEARCH_MARGINS) -> list[dict]:
+    """Every cascade from ``methods[0]`` through any of the later ``methods`` in order, with margins
+    from ``grid``, kept where no other is both as fast and agrees more: the frontier, fastest first."""
+    first, later = methods[0], list(methods[1:])
+    chains = [[first, *c] for k in range(len(later) + 1) for c in combinations(later, k)]
+    entries = [cascade(questions, chain, ms) for chain in chains for ms in product(grid, repeat=len(chain) - 1)]
+    entries.sort(key=lambda e: (-e["speedup_vs_saved"], -e["agree"]))
+    out: list[dict] = []
+    for e in entries:
+        if not out or e["agree"] > out[-1]["agree"]:
+            out.append(e)
+    return out
+
+
+def best_within(entries: Sequence[dict], min_speedup: float) -> dict | None:
+    """The entry that agrees most among those at least ``min_speedup`` times the saved full prefill."""
+    fast = [e for e in entries if e["speedup_vs_saved"] >= min_speedup]
+    return max(fast, key=lambda e: (e["agree"], e["speedup_vs_saved"])) if fast else None
 
 
 def table(entries: Sequence[dict]) -> str:
@@ -105,6 +165,23 @@ def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(t) for t in text.split(",") if t.strip())
 
 
+def cascade_table(entries: Sequence[dict]) -> str:
+    """Cascades as a markdown table, one row each."""
+    lines = [
+        "| cascade | margins | moved on at each step | answer = full prefill's | agreement F1 | F1 vs gold | mean TTFT | vs saved full prefill |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for e in entries:
+        steps = " -> ".join(f"`{m}`" for m in e["methods"])
+        margins = ", ".join(f"{m:.3g}" for m in e["margins"])
+        reached = ", ".join(f"{r:.0%}" for r in e["reached"])
+        lines.append(
+            f"| {steps} | {margins} | {reached} | {e['agree']:.0%} | {e['agree_f1']:.3f} | {e['f1']:.3f} "
+            f"| {1000 * e['ttft_mean_s']:.0f} ms | {e['speedup_vs_saved']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m cacheblend_rag.bench.guard_curve", description=__doc__.split("\n\n")[0])
     p.add_argument("rows", help="a fidelity run's results.jsonl")
@@ -112,9 +189,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--thresholds", type=_floats, default=DEFAULT_THRESHOLDS, help="comma list of margins (inf: always)")
     p.add_argument("--escalation", default=ESCALATION, help=f"the method escalated questions get (default {ESCALATION})")
     p.add_argument("--datasets", default="all", help="comma list: all, or dataset names (default all)")
+    p.add_argument(
+        "--cascade",
+        default=None,
+        help="comma list of methods, first pass to last step (e.g. question@0.15/nb,question@0.3/nb,full_recompute_saved): "
+        "with --margins, that cascade's trade; with --search, its frontier",
+    )
+    p.add_argument("--margins", type=_floats, default=None, help="--cascade's margins, one per step after the first")
+    p.add_argument("--search", action="store_true", help="--cascade: print the cascades on the agreement/speed frontier")
     p.add_argument("--json", action="store_true", help="print the entries as JSON instead of tables")
     args = p.parse_args(argv)
     rows = read_rows(args.rows)
+    datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
+    if args.cascade:
+        chain = [m.strip() for m in args.cascade.split(",") if m.strip()]
+        if (args.margins is None) == (not args.search):
+            p.exit(2, "error: --cascade takes --margins (one cascade) or --search (its frontier)\n")
+        try:
+            groups = [
+                frontier(_questions(rows, chain, d), chain)
+                if args.search
+                else [cascade(_questions(rows, chain, d), chain, args.margins)]
+                for d in datasets
+            ]
+        except ValueError as exc:
+            p.exit(2, f"error: {exc}\n")
+        if args.json:
+            print(json.dumps([e for es in groups for e in es], indent=1))
+        else:
+            print("\n\n".join(f"{es[0]['dataset']}:\n\n{cascade_table(es)}" for es in groups if es))
+        return 0
     methods = (
         [m.strip() for m in args.methods.split(",") if m.strip()]
         if args.methods
@@ -123,11 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     if not methods:
         p.exit(2, f"error: no row of {args.rows} holds a method's margin: rerun `cacheblend-rag fidelity` on this version\n")
     try:
-        entries = [
-            curve(rows, m, args.thresholds, escalation=args.escalation, dataset=d.strip())
-            for d in args.datasets.split(",")
-            for m in methods
-        ]
+        entries = [curve(rows, m, args.thresholds, escalation=args.escalation, dataset=d) for d in datasets for m in methods]
     except ValueError as exc:
         p.exit(2, f"error: {exc}\n")
     if args.json:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from ..config import MODES, BlendConfig
+from ..config import ADAPTIVE_ESCALATION, MODES, BlendConfig
 from .baselines import QUANTS
 
 if TYPE_CHECKING:
@@ -35,6 +35,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "max": {"question_heads": "max"},
     "nb": {"neighbour_caches": True},
     "ape": {"context_temperature": 0.9, "context_scale": 0.9},  # the APE paper's T = S = 0.9
+    "adaptive": {"escalation": ADAPTIVE_ESCALATION},  # the engine's adaptive recompute (BlendConfig.escalation)
 }
 
 
@@ -58,11 +59,12 @@ class Method:
 
     def blend_config(self, base: BlendConfig) -> BlendConfig | None:
         """The config of this method's prefill. Benchmarks compare chunk caches explicitly:
-        neighbour-aware caches are used only by methods named with "/nb", and the fidelity guard
-        never runs (its trade is computed from the rows: ``bench.guard_curve``)."""
+        neighbour-aware caches are used only by methods named with "/nb", escalation only by
+        methods named with "/adaptive", and the fidelity guard never runs (the trade of either is
+        computed from fixed-ratio rows too: ``bench.guard_curve``)."""
         if not self.is_kv:
             return None
-        cfg = replace(base, neighbour_caches=False, guard_margin=None)
+        cfg = replace(base, neighbour_caches=False, guard_margin=None, escalation=())
         if self.mode == "cacheblend":
             cfg = cfg.with_ratio(self.ratio)
             if self.criterion:
@@ -97,7 +99,8 @@ def parse_method(spec: str, ratios: Sequence[float] = DEFAULT_RATIOS) -> list[Me
     deviation), each optionally with ``:CRITERION`` (hkvd, hybrid) and "/" options: ``last``
     (question attention of the last layer), ``max`` (max over head groups), ``w<N>`` (selection
     window), ``b<N>`` (every chunk's first N tokens recomputed too, within the ratio: EPIC), ``nb`` (neighbour-aware chunk caches), ``ape`` (APE's attention temperature and
-    scale, 0.9 each); ``nb`` and ``ape`` apply to full_reuse too."""
+    scale, 0.9 each), ``adaptive`` (the engine's default escalation steps after the first pass,
+    ``config.ADAPTIVE_ESCALATION``); ``nb`` and ``ape`` apply to full_reuse too."""
     spec = spec.strip()
     if spec in CHAINS or spec == "generate":
         return [Method(spec, spec)]
