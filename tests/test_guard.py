@@ -183,3 +183,13 @@ def test_cascade_command_prints_the_frontier(tmp_path, capsys):
     with pytest.raises(SystemExit):
         guard_curve.main([str(path), "--cascade", ",".join(CHAIN)])
     assert "--margins (one cascade) or --search" in capsys.readouterr().err
+
+
+def test_cascade_search_draws_the_frontier_and_the_fixed_ratios(tmp_path, capsys):
+    path = tmp_path / "results.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in _cascade_rows()), encoding="utf-8")
+    png = tmp_path / "plot.png"
+    assert guard_curve.main([str(path), "--cascade", ",".join(CHAIN), "--search", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out
+    assert "| `question@0.15` |  |  | 33% |" in out and "| 100% |" in out

@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--margins", type=_floats, default=None, help="--cascade's margins, one per step after the first")
     p.add_argument("--search", action="store_true", help="--cascade: print the cascades on the agreement/speed frontier")
+    p.add_argument("--plot", default=None, help="--search: also draw the frontier and each fixed-ratio method to this PNG")
     p.add_argument("--json", action="store_true", help="print the entries as JSON instead of tables")
     args = p.parse_args(argv)
     rows = read_rows(args.rows)
@@ -206,14 +207,15 @@ def main(argv: list[str] | None = None) -> int:
         if (args.margins is None) == (not args.search):
             p.exit(2, "error: --cascade takes --margins (one cascade) or --search (its frontier)\n")
         try:
-            groups = [
-                frontier(_questions(rows, chain, d), chain)
-                if args.search
-                else [cascade(_questions(rows, chain, d), chain, args.margins)]
-                for d in datasets
-            ]
+            questions = {d: _questions(rows, chain, d) for d in datasets}
         except ValueError as exc:
             p.exit(2, f"error: {exc}\n")
+        groups = [frontier(qs, chain) if args.search else [cascade(qs, chain, args.margins)] for qs in questions.values()]
+        if args.plot and args.search:
+            from .plots import escalation_plot
+
+            fixed = {d: [cascade(qs, [m], ()) for m in chain] for d, qs in questions.items()}
+            escalation_plot({d: (fixed[d], front) for d, front in zip(datasets, groups)}, Path(args.plot))
         if args.json:
             print(json.dumps([e for es in groups for e in es], indent=1))
         else:

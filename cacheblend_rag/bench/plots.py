@@ -127,3 +127,34 @@ def make_plots(summary: list[dict], out: Path, dpi: int = 80) -> list[Path]:
         fig.savefig(paths[-1], dpi=dpi)
         plt.close(fig)
     return paths
+
+
+def escalation_plot(groups: dict[str, tuple[list[dict], list[dict]]], path: Path, dpi: int = 80) -> Path:
+    """Agreement with full prefill against the mean TTFT's speed-up over the saved full prefill,
+    one panel per dataset: ``groups[dataset] = (fixed, frontier)``, the fixed-ratio methods as
+    points and the adaptive cascades on the frontier (``bench.guard_curve.frontier``) as a line."""
+    fig, axes = _grid(len(groups))
+    for ax, (dataset, (fixed, front)) in zip(axes[0], groups.items()):
+        ax.plot(
+            [e["speedup_vs_saved"] for e in front],
+            [100 * e["agree"] for e in front],
+            "-o",
+            color="tab:blue",
+            markersize=3,
+            label="adaptive (frontier)",
+        )
+        for e in fixed:
+            ax.plot(e["speedup_vs_saved"], 100 * e["agree"], "s", color="tab:orange")
+            ax.annotate(
+                e["methods"][0], (e["speedup_vs_saved"], 100 * e["agree"]), fontsize=6, xytext=(3, -8), textcoords="offset points"
+            )
+        ax.set_xlabel("mean TTFT: speed-up vs saved full prefill")
+        ax.set_ylabel("answer = full prefill's (%)")
+        ax.set_title(f"{dataset} ({front[0]['n']} questions)" if front else dataset, fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
