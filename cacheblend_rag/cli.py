@@ -11,6 +11,7 @@ from pathlib import Path
 
 from . import __version__
 from .config import FUSED_MODES, MODES, BlendConfig
+from .errors import ModelLoadError
 from .paths import DataFileError
 from .weights import AUTO, WEIGHT_CHOICES
 
@@ -61,6 +62,7 @@ def _ask(args: argparse.Namespace) -> int:
     if args.top_k < 0:
         raise SystemExit(f"error: --top-k {args.top_k}: pass a number of chunks >= 1, or 0 to send every chunk")
     _check_guard(args.guard_margin)
+    _check_weights(args)
     engine = CacheBlendEngine.from_pretrained(
         args.model, device=args.device, dtype=args.dtype, weights=args.weights, store=_store(args.store)
     )
@@ -127,11 +129,17 @@ _SERVER_LIMITS: dict[str, tuple[type, str]] = {
     "max_document_chars": (int, "most characters per document; more gets 400 (default 100000)"),
     "max_stop_strings": (int, "most stop strings per request; more gets 400 (default 16)"),
     "max_stop_chars": (int, "most characters per stop string; more gets 400 (default 256)"),
+    "max_message_chars": (
+        int,
+        "most characters of a request's messages, tool calls and prompt together, documents apart; more gets 400 "
+        "(default 100000)",
+    ),
     "timeout_header_s": (float, "seconds a connection may take to send a request's headers (default 10.0)"),
     "timeout_body_s": (float, "seconds a request body may take to arrive; then 408 (default 30.0)"),
     "timeout_keep_alive_s": (int, "seconds an idle keep-alive connection stays open (default 5)"),
     "max_connections": (int, "most open connections; one more closes the oldest idle one (default 128)"),
     "max_header_bytes": (int, "largest request header block in bytes (default 16384)"),
+    "timeout_drain_s": (float, "seconds a shutdown (SIGTERM) waits for open requests, then cancels them (default 30.0)"),
 }
 
 STORE_HELP = (
@@ -153,6 +161,16 @@ def _check_guard(margin: float | None) -> None:
         BlendConfig(guard_margin=margin)
     except ValueError as exc:
         raise SystemExit(f"error: --guard-margin: {exc}") from None
+
+
+def _check_weights(args: argparse.Namespace) -> None:
+    """Refuse ``--weights fp16`` where it cannot run, before the model loads, in one line (the
+    load would refuse it only after loading, with a traceback)."""
+    if args.weights == "fp16" and (args.dtype not in ("float32", "fp32") or args.device != "cpu"):
+        raise SystemExit(
+            f"error: --weights fp16 keeps activations in float32 on the CPU: it needs --dtype float32 and --device cpu, "
+            f"not --dtype {args.dtype} --device {args.device} (or leave --weights auto)"
+        )
 
 
 def _guarded(engine, margin: float | None) -> None:
@@ -195,6 +213,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:  # checked before the model loads
         raise SystemExit(f"error: {exc}") from None
     _check_guard(args.guard_margin)
+    _check_weights(args)
     engine = CacheBlendEngine.from_pretrained(
         args.model, device=args.device, dtype=args.dtype, weights=args.weights, store_dir=args.store_dir, store=_store(args.store)
     )
@@ -302,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except DataFileError as err:
+    except (DataFileError, ModelLoadError) as err:
+        # A model the flags cannot load (its path, its format): one line, not a traceback.
         print(f"error: {err}", file=sys.stderr)
         return 2
 

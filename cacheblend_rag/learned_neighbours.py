@@ -52,7 +52,15 @@ class LearnConfig:
     max_predecessors: counters per chunk (Space-Saving; see ``coretrieval.py``).
     max_caches_per_chunk: neighbour-aware caches kept per chunk (the embedding one included).
     max_pending: queued refreshes; beyond it new ones are dropped (they come back with the traffic).
+    max_tokens_per_request: tokens one request may queue for prefill (each new cache's chunk and the
+        chunks it is computed behind): the background work a request causes is bounded whatever
+        its chunks (two 64-document requests queued 37.8 CPU-seconds before); caches past it are
+        not queued, and come back with later requests.
     save_every: requests between saves of ``neighbours.json`` (0: only on close).
+
+    A learned cache serves only prompts that hold every chunk it was computed behind
+    (``NeighbourCache.serves``). Learning is off unless ``engine.learn_neighbours()`` is called
+    (the server: ``serve --no-neighbours`` leaves it off).
     """
 
     neighbours: int = 2
@@ -61,10 +69,19 @@ class LearnConfig:
     max_predecessors: int = 8
     max_caches_per_chunk: int = 4
     max_pending: int = 256
+    max_tokens_per_request: int = 4096
     save_every: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("neighbours", "min_count", "max_chunks", "max_predecessors", "max_caches_per_chunk", "max_pending"):
+        for name in (
+            "neighbours",
+            "min_count",
+            "max_chunks",
+            "max_predecessors",
+            "max_caches_per_chunk",
+            "max_pending",
+            "max_tokens_per_request",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"LearnConfig.{name}={value!r} must be an int >= 1")
@@ -127,33 +144,40 @@ class NeighbourLearner:
                 self._segments[key] = seg
                 while len(self._segments) > self.config.max_chunks:
                     self._segments.popitem(last=False)
+        budget = self.config.max_tokens_per_request
         for key, seg in list(zip(keys, chunks))[1:]:
-            self._maybe_queue(store, key, seg, prefix)
+            budget -= self._maybe_queue(store, key, seg, prefix, budget)
         self._observed += 1
         if self.config.save_every and self._observed % self.config.save_every == 0:
             self.save()
 
-    def _maybe_queue(self, store: ChunkStore, key: str, seg: Segment, prefix: tuple[int, ...]) -> None:
+    def _maybe_queue(self, store: ChunkStore, key: str, seg: Segment, prefix: tuple[int, ...], budget: int) -> int:
+        """Queue the cache of ``seg`` behind its learned neighbours if it is missing and its prefill
+        (chunk and neighbours, in tokens) fits in ``budget``; the tokens queued."""
         preds = [
             p
             for p in self.stats.predecessors(key, self.config.max_predecessors)
             if self.stats.count(key, p) >= self.config.min_count
         ][: self.config.neighbours]
         if not preds:
-            return
+            return 0
         # Most frequent right in front of the chunk, as the embedding neighbours are ordered.
         behind_keys = tuple(reversed(preds))
         if self.index.has(key, behind_keys) or (key, behind_keys) in self._queued:
-            return
+            return 0
         with self._segments_lock:
             behind = tuple(self._segments.get(p) for p in behind_keys)
         if any(b is None for b in behind):
-            return  # a predecessor's text is no longer known: wait until it is retrieved again
+            return 0  # a predecessor's text is no longer known: wait until it is retrieved again
+        tokens = len(seg) + sum(len(b) for b in behind)  # type: ignore[arg-type]
+        if tokens > budget:
+            return 0
         try:
             self._jobs.put_nowait(_Job(store, seg, behind, prefix))  # type: ignore[arg-type]
         except queue.Full:
-            return
+            return 0
         self._queued.add((key, behind_keys))
+        return tokens
 
     # ------------------------------------------------------------------ background
     def _work(self) -> None:

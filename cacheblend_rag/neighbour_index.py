@@ -7,6 +7,13 @@ whose prefix holds most of the chunks actually in front of it in the prompt is u
 right in front counting first: a cache prefilled behind exactly the prompt's preceding chunks has
 full prefill's K/V for that chunk.
 
+A learned cache is computed from the traffic: behind chunks that some request carried. It serves
+a chunk only where every chunk it was computed behind is in front of that chunk in the prompt
+(:meth:`NeighbourCache.serves`), so its K/V hold only text the prompt itself carries: one client's
+documents never shape another client's answer, and a request with documents a client may not see
+cannot leave them in a cache that others are served. Caches from ``precompute(neighbours=n)`` are
+computed behind the corpus the application precomputed (its own documents) and serve any prompt.
+
 Every cache is named by plain chunk keys, which hash the texts' tokens: a chunk whose text changed
 has a new key and none of the old caches, and a cache prefilled behind a since-changed chunk no
 longer matches the prompt's key for it.
@@ -31,6 +38,12 @@ class NeighbourCache:
     """Plain keys of the chunks it was prefilled behind, in prefill order."""
     learned: bool
     """Behind the chunks it is retrieved with (True) or behind its most similar chunks (False)."""
+
+    def serves(self, preceding: Sequence[str]) -> bool:
+        """Whether this cache may serve its chunk behind ``preceding`` (plain keys in prompt order):
+        a learned cache only where every chunk it was computed behind precedes the chunk (it holds
+        text from the request that taught it); a precomputed one anywhere."""
+        return not self.learned or set(self.behind) <= set(preceding)
 
     def match(self, preceding: Sequence[str]) -> tuple[int, int]:
         """How well this cache fits behind ``preceding`` (plain keys in prompt order): how many of
@@ -81,12 +94,13 @@ class NeighbourIndex:
 
     def choose(self, chunk: str, preceding: Sequence[str], usable=lambda key: True) -> NeighbourCache | None:
         """The cache for ``chunk`` behind ``preceding`` (plain keys in prompt order), among those
-        ``usable(key)`` accepts (e.g. still stored): best :meth:`NeighbourCache.match`, then learned
-        before embedding, then the newest. None when the chunk has no usable cache."""
+        that :meth:`NeighbourCache.serves` this prompt and ``usable(key)`` accepts (e.g. still
+        stored): best :meth:`NeighbourCache.match`, then learned before embedding, then the newest.
+        None when the chunk has no usable cache."""
         best, best_rank = None, None
         for age, cache in enumerate(self.caches(chunk)):
             rank = (*cache.match(preceding), cache.learned, age)
-            if (best_rank is None or rank > best_rank) and usable(cache.key):
+            if (best_rank is None or rank > best_rank) and cache.serves(preceding) and usable(cache.key):
                 best, best_rank = cache, rank
         return best
 

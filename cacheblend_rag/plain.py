@@ -14,7 +14,8 @@ from typing import Any
 
 from .config import SamplingParams
 from .engine import CacheBlendEngine, GenerationStream
-from .prompt import PromptLayout, Segment
+from .prompt import PromptLayout, Segment, check_unicode
+from .template_text import Marks, control_tokens
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,9 @@ def chat_text(tokenizer, messages: Sequence[Mapping[str, Any]], tools: Sequence[
     if not getattr(tokenizer, "chat_template", None):
         return ChatPrompt([("\n\n".join(m["content"] for m in msgs) + "\n", True)])
     rendered = _render(tokenizer, msgs, tools)
+    marked = _marked(tokenizer, msgs, tools, rendered)
+    if marked is not None:
+        return marked
     # Rendered again with a marker in place of each message's text, to find where the template
     # put it. Templates that change the text (a trim) are rendered with the changed text in place.
     # An empty text stays empty (a template may leave out what an empty message would add).
@@ -91,6 +95,28 @@ def chat_text(tokenizer, messages: Sequence[Mapping[str, Any]], tools: Sequence[
         "so special-token strings inside messages act as control tokens"
     )
     return rendered
+
+
+def _marked(tokenizer, msgs: list[dict[str, Any]], tools: Sequence[Mapping[str, Any]] | None, rendered: str) -> ChatPrompt | None:
+    """The chat as a :class:`ChatPrompt` whose tools' and tool calls' strings holding a
+    control-token string are text too (``template_text.py``); None when none does (the
+    messages' contents alone are placed below, as always)."""
+    marks = Marks(control_tokens(tokenizer))
+    marks.check_keys(list(tools or ()), "the tools")
+    marked_tools = marks.strings(list(tools)) if tools else tools
+    calls = []
+    for i, m in enumerate(msgs):
+        if m.get("tool_calls"):
+            marks.check_keys(m["tool_calls"], f"message {i}'s tool calls")
+            m = dict(m, tool_calls=marks.strings(m["tool_calls"]))
+        calls.append(m)
+    if not marks.structured:
+        return None
+    marked = _render(tokenizer, [dict(m, content=marks.text(m["content"])) if m["content"] else m for m in calls], marked_tools)
+    parts = marks.split(marked, rendered)
+    if parts is None:
+        raise marks.refusal("the tools or tool calls")
+    return ChatPrompt(parts)
 
 
 def _fold_system(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -125,6 +151,7 @@ def plain_stream(engine: CacheBlendEngine, text: str, params: SamplingParams) ->
         ids = tuple(t for part, content in text.parts for t in (prompts.encode_text(part) if content else prompts.encode(part)))
     else:
         # Text formatted by the caller (a LlamaIndex completion_to_prompt): taken as written.
+        check_unicode([("the prompt", text)])
         ids = tuple(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
     if len(ids) + params.max_new_tokens > engine.context_window:
         raise ValueError(

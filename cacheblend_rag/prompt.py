@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from cachetools import LRUCache
 
+from .template_text import Marks, control_tokens
 from .tools import ToolsUnsupported, check_turns, normalize_tools, render, require_tool_support, tools_key
 
 DEFAULT_INSTRUCTION = (
@@ -250,7 +251,25 @@ class PromptBuilder:
         self._head = head
         self.prefix_text = head + "Documents:\n"
         self.tail_text = tail
-        self.prefix_ids: tuple[int, ...] = self.encode(self.prefix_text)
+        self.prefix_ids: tuple[int, ...] = self._prefix_ids(tools)
+
+    def _prefix_ids(self, tools: tuple[dict, ...]) -> tuple[int, ...]:
+        """The prefix's tokens, the tools' strings that hold a control-token string as text
+        (``template_text.py``); without such strings, the prefix tokenized whole, as always."""
+        marks = Marks(control_tokens(self.tokenizer))
+        marks.check_keys(tools, "the tools")
+        marked = marks.strings(tools)
+        if not marks.structured:
+            return self.encode(self.prefix_text)
+        head, tail = self._split_template(marked)
+        parts = marks.split(head + "Documents:\n", self.prefix_text)
+        if parts is None or marks.found(tail):
+            raise marks.refusal("the tools' names, descriptions or parameters")
+        return self._encode_parts(parts)
+
+    def _encode_parts(self, parts: Sequence[tuple[str, bool]]) -> tuple[int, ...]:
+        """(text, is_request_text) parts tokenized: the template's with its control tokens, the request's as text."""
+        return tuple(t for p, is_text in parts for t in (self.encode_text(p) if is_text else self.encode(p)))
 
     def for_tools(self, tools: Sequence[Mapping[str, object]] | None) -> PromptBuilder:
         """This builder with ``tools`` rendered into the template (itself when they are its own).
@@ -277,12 +296,15 @@ class PromptBuilder:
             [{"role": "user", "content": self.instruction + "\n\n" + content}, *turns],
         ]
 
-    def _split_template(self) -> tuple[str, str]:
+    def _split_template(self, tools: Sequence[Mapping[str, object]] | None = None) -> tuple[str, str]:
+        """The template's text before and after the user content, with ``tools`` (default: this
+        builder's) rendered."""
         tok = self.tokenizer
+        tools = self.tools if tools is None else tools
         if getattr(tok, "chat_template", None):
             for messages in self._messages(_SENTINEL):
                 try:
-                    text = render(tok, messages, self.tools)
+                    text = render(tok, messages, tools)
                 except Exception:  # noqa: BLE001 - a template that rejects the system role
                     continue
                 if isinstance(text, str) and text.count(_SENTINEL) == 1:
@@ -297,7 +319,13 @@ class PromptBuilder:
         is_message_text) parts: the template's own text tokenized with its control tokens, the
         turns' contents (a tool's result is untrusted text) as text."""
         turns = [dict(t) for t in turns]
-        check_turns(turns, getattr(self.tokenizer, "all_special_tokens", ()))
+        check_turns(turns)
+        marks = Marks(control_tokens(self.tokenizer))
+        calls = [dict(t, tool_calls=marks.strings(t["tool_calls"])) if t.get("tool_calls") else t for t in turns]
+        for i, t in enumerate(turns):
+            marks.check_keys(t.get("tool_calls") or (), f"turn {i}'s tool calls")
+        if marks.structured:
+            return self._marked_turns_tail(turns, calls, marks)
         marked = [dict(t, content=_turn_marker(i)) if t.get("content") else t for i, t in enumerate(turns)]
         for plain, with_markers in zip(self._messages(_SENTINEL, turns), self._messages(_SENTINEL, marked)):
             try:
@@ -329,12 +357,40 @@ class PromptBuilder:
             return [(real.split(_SENTINEL)[1], False)]
         raise ValueError("the chat template cannot render the conversation's later turns")
 
+    def _marked_turns_tail(self, turns: list[dict], calls: list[dict], marks: Marks) -> list[tuple[str, bool]]:
+        """``_turns_tail`` for turns whose tool calls hold control-token strings: the contents and
+        those strings as text, or refused where the template changes them."""
+        marked = [dict(t, content=marks.text(str(t["content"]))) if t.get("content") else t for t in calls]
+        for plain, with_markers in zip(self._messages(_SENTINEL, turns), self._messages(_SENTINEL, marked)):
+            try:
+                text = render(self.tokenizer, with_markers, self.tools)
+                real = render(self.tokenizer, plain, self.tools)
+            except Exception:  # noqa: BLE001 - a template that rejects the system role
+                continue
+            if not isinstance(text, str) or not isinstance(real, str) or text.count(_SENTINEL) != 1 or real.count(_SENTINEL) != 1:
+                continue
+            head, tail = text.split(_SENTINEL)
+            if head != self._head:
+                raise ValueError(
+                    "the chat template renders the conversation's start differently when turns follow: "
+                    "pass the conversation without chunks (a plain chat)"
+                )
+            parts = marks.split(tail, real.split(_SENTINEL)[1])
+            if parts is None:
+                raise marks.refusal("the tool calls' names or arguments")
+            return parts
+        raise ValueError("the chat template cannot render the conversation's later turns")
+
     def encode(self, text: str) -> tuple[int, ...]:
         """Token ids of trusted prompt text (template, instruction): special tokens allowed."""
+        # The template renders a request's tools and tool calls into this text: check it too.
+        check_unicode([("the prompt (its template text: tools, tool calls)", text)])
         return tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def encode_text(self, text: str) -> tuple[int, ...]:
-        """Token ids of untrusted text (chunks, question): special-token strings stay text."""
+        """Token ids of untrusted text (chunks, question, messages): special-token strings stay text."""
+        # Chunks and questions are checked with their names before; a plain chat's messages are not.
+        check_unicode([("the prompt (a message's text)", text)])
         return tuple(self._text_tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _chunk_ids(self, text: str) -> tuple[int, ...]:

@@ -21,6 +21,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .bounds import check_json
 from .constraints import JSON_FORMAT, Grammar, closed_objects
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -58,6 +59,9 @@ def normalize_tools(tools: Sequence[Mapping[str, Any]] | None) -> tuple[dict[str
         return ()
     if isinstance(tools, Mapping) or isinstance(tools, (str, bytes)):
         raise TypeError("tools must be a list of tool definitions, e.g. [convert_to_openai_tool(fn)]")
+    # Before any other work on them: closing, compiling and rendering schemas grow with their size,
+    # and json.dumps recurses. The limits hold for a request's tools together.
+    check_json(list(tools), "the tools (their names, descriptions and parameters)")
     out = []
     for i, tool in enumerate(tools):
         if not isinstance(tool, Mapping):
@@ -127,31 +131,44 @@ def check_choice(choice: str | None, tools: Sequence[Mapping[str, Any]]) -> str:
     if choice is None or choice is True:
         return "auto" if choice is None else "any"
     if isinstance(choice, Mapping):  # OpenAI's {"type": "function", "function": {"name": ...}}
-        choice = (choice.get("function") or {}).get("name") or choice.get("name")
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, Mapping) else None
+        name = name or choice.get("name")
+        if not isinstance(name, str) or not name:
+            raise ValueError(
+                f"tool_choice={_short(choice)} names no function: give "
+                "{'type': 'function', 'function': {'name': ...}} or one of auto, none, required"
+            )
+        choice = name
     if not isinstance(choice, str):
-        raise TypeError(f"tool_choice must be a str (auto, none, any or a tool name), got {choice!r}")
-    if choice == "required":
-        return "any"
+        raise TypeError(f"tool_choice must be a str (auto, none, any or a tool name), got {_short(choice)}")
+    asked = choice
+    choice = "any" if choice == "required" else choice
     names = tool_names(tools)
     if choice not in CHOICES and choice not in names:
         raise ValueError(
-            f"tool_choice={choice!r} is none of {', '.join(CHOICES)} nor a bound tool ({', '.join(names) or 'none bound'})"
+            f"tool_choice={_short(choice)} is none of {', '.join(CHOICES)} nor a bound tool ({', '.join(names) or 'none bound'})"
         )
-    if choice in ("any",) and not tools:
-        raise ValueError("tool_choice='any' needs at least one tool: bind tools first")
+    if choice == "any" and not tools:
+        raise ValueError(f"tool_choice={asked!r} needs at least one tool: pass tools (bind tools first)")
     return choice
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` cut to 80 characters: an error message names a client's value, not all of it."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 TURN_ROLES = ("user", "assistant", "tool", "system")
 
 
-def check_turns(turns: Sequence[Mapping[str, Any]], special_tokens: Sequence[str] = ()) -> None:
+def check_turns(turns: Sequence[Mapping[str, Any]]) -> None:
     """Chat messages after the question's turn, in the template's format: a ``role`` (user,
     assistant, tool or system), a string ``content``, and on assistant turns optional
-    ``tool_calls`` (``[{"type": "function", "function": {"name", "arguments": {...}}}]``).
-
-    The template writes a call's name and arguments itself (tokenized as template text), so one
-    holding a control-token string (``special_tokens``) is refused: it would act as that token."""
+    ``tool_calls`` (``[{"type": "function", "function": {"name", "arguments": {...}}}]``), the
+    arguments within ``bounds.check_json``'s limits. A control-token string in a call's name or
+    arguments is kept as text where the prompt is built (``template_text.py``)."""
     for i, turn in enumerate(turns):
         role = turn.get("role")
         if role not in TURN_ROLES:
@@ -164,13 +181,7 @@ def check_turns(turns: Sequence[Mapping[str, Any]], special_tokens: Sequence[str
                 raise ValueError(
                     f"turn {i} has a tool call that is not {{'function': {{'name': str, 'arguments': dict}}}}: {call!r}"
                 )
-            text = fn["name"] + json.dumps(fn["arguments"], ensure_ascii=False)
-            bad = [t for t in special_tokens if t and t in text]
-            if bad:
-                raise ValueError(
-                    f"turn {i}: the tool call {fn['name']!r} contains the control token {bad[0]!r}, "
-                    "which the chat template would render as that token; remove it from the call"
-                )
+            check_json(fn["arguments"], f"turn {i}: the arguments of tool call {fn['name'][:64]!r}")
 
 
 # ----------------------------------------------------------------------------- parsing

@@ -179,7 +179,9 @@ def test_fusion_plan_picks_the_cache_whose_prefix_matches_the_chunks_in_front():
     assert _fusion(layout, stored, neighbours=nb).loads[3].spec.key == "learned-01"
     # Gone from the store: the next best match, then any neighbour-aware cache over the plain one.
     assert _fusion(layout, stored - {"learned-01"}, neighbours=nb).loads[3].spec.key == "learned-10"
-    assert _fusion(layout, stored - {"learned-01", "learned-10"}, neighbours=nb).loads[3].spec.key == "learned-1"
+    # "learned-1" was learned behind a chunk this prompt does not hold (another request's text):
+    # never served here (issue 52), however well its last chunk matches.
+    assert _fusion(layout, stored - {"learned-01", "learned-10"}, neighbours=nb).loads[3].spec.key == "similar"
     assert _fusion(layout, {_prefix_key(), *map(_plain_key, CHUNKS), "similar"}, neighbours=nb).loads[3].spec.key == "similar"
 
 

@@ -149,7 +149,7 @@ def test_langchains_chatopenai_binds_tools_against_the_server(live):
                     {"role": "tool", "tool_call_id": "c", "content": "5"},
                 ]
             },
-            "its arguments are not valid JSON",
+            "its arguments: not valid JSON",
         ),
     ],
 )

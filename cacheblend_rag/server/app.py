@@ -26,7 +26,7 @@ from starlette.requests import ClientDisconnect
 
 from ..serving import Request
 from .config import ServerConfig
-from .inputs import chat_request, completion_request, start_run
+from .inputs import chat_request, completion_request, message_chars, start_run
 from .limits import BodyLimit
 from .outputs import DONE, ChatFormat, CompletionFormat, sse
 from .schemas import (
@@ -54,8 +54,19 @@ def _over_limit(what: str, limit: int, setting: str, param: str, fix: str) -> AP
     )
 
 
-def check_limits(config: ServerConfig, stops: list[str], documents: tuple[str, ...]) -> None:
-    """Refuse (400, naming the limit and its setting) what would make one request expensive."""
+def check_limits(config: ServerConfig, stops: list[str], documents: tuple[str, ...], text_chars: int = 0) -> None:
+    """Refuse (400, naming the limit and its setting) what would make one request expensive.
+    ``text_chars``: the request's own text outside its documents (``inputs.message_chars``).
+    Constant work per item, on the event loop; what grows with a value's structure (schemas,
+    tools) is checked off it (``cacheblend_rag.bounds``, when the run is built)."""
+    if text_chars > config.max_message_chars:
+        raise _over_limit(
+            f"the messages, tool calls and prompt hold {text_chars} characters",
+            config.max_message_chars,
+            "max_message_chars",
+            "messages",
+            "send the long texts as documents, or shorten them",
+        )
     if len(stops) > config.max_stop_strings:
         raise _over_limit(f"stop has {len(stops)} strings", config.max_stop_strings, "max_stop_strings", "stop", "send fewer")
     for i, s in enumerate(stops):
@@ -118,7 +129,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
             )
 
     async def answer(body: GenerationRequest, request: Request, fmt: ChatFormat | CompletionFormat, http: HTTPRequest):
-        check_limits(config, body.stops, request.chunks)
+        check_limits(config, body.stops, request.chunks, message_chars(body))
         try:
             # Built on the job's relay thread: tokenizing a large request does not hold the loop.
             job = worker.submit(lambda: start_run(engine, body, request, worker.batcher))
@@ -137,6 +148,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
             model=name,
             running=running,
             waiting=waiting,
+            admitted=worker.admitted,
             max_batch=worker.max_batch,
             max_queue=worker.max_queue,
             decode_steps=worker.batcher.steps,

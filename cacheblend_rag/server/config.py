@@ -30,6 +30,10 @@ class ServerConfig:
     max_document_chars: characters of one document (default 100,000).
     max_stop_strings: stop strings of one request (default 16; OpenAI allows 4).
     max_stop_chars: characters of one stop string (default 256).
+    max_message_chars: characters of a request's own text together, outside its documents: the
+        messages' text, the tool calls' ids, names and arguments, a completion's prompt (default
+        100,000, a document's limit). Tools, schemas and tool-call arguments are bounded besides by
+        ``cacheblend_rag.bounds`` (nesting, values, characters), for the integrations too.
 
     Connections (uvicorn, through :func:`~.limits.uvicorn_config`):
     timeout_header_s: seconds a connection may take to send a request's headers, counted from
@@ -40,6 +44,8 @@ class ServerConfig:
         headers, or itself if every other one is busy (default 128).
     max_header_bytes: bytes of a request's headers (h11's ``max_incomplete_event_size``; default
         16 KiB); more gets 400 from uvicorn.
+    timeout_drain_s: seconds a graceful shutdown (SIGTERM, SIGINT) waits for open requests to
+        finish; then they are cancelled and the server stops (default 30).
     """
 
     model_name: str | None = None
@@ -51,11 +57,13 @@ class ServerConfig:
     max_document_chars: int = 100_000
     max_stop_strings: int = 16
     max_stop_chars: int = 256
+    max_message_chars: int = 100_000
     timeout_header_s: float = 10.0
     timeout_body_s: float = 30.0
     timeout_keep_alive_s: int = 5
     max_connections: int = 128
     max_header_bytes: int = 16 * 1024
+    timeout_drain_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.learn_neighbours, bool):
@@ -67,6 +75,7 @@ class ServerConfig:
             "max_document_chars",
             "max_stop_strings",
             "max_stop_chars",
+            "max_message_chars",
             "max_connections",
             "max_header_bytes",
             "timeout_keep_alive_s",
@@ -74,7 +83,7 @@ class ServerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ServerConfig.{name}={value!r} must be an int >= 1")
-        for name in ("timeout_header_s", "timeout_body_s"):
+        for name in ("timeout_header_s", "timeout_body_s", "timeout_drain_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ValueError(f"ServerConfig.{name}={value!r} must be a number of seconds > 0")

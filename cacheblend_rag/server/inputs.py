@@ -3,11 +3,13 @@ run that answers one."""
 
 from __future__ import annotations
 
-import json
+from collections.abc import Mapping
 from typing import Any
 
-from ..messages import split_messages
+from ..bounds import parse_json
+from ..messages import is_chunk_part, split_messages
 from ..serving import Request, Run, tool_run
+from ..tools import check_choice
 from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationRequest
 
 
@@ -36,25 +38,53 @@ def completion_request(body: CompletionRequest) -> Request:
     return Request.plain_chat([{"role": "user", "content": body.text}], body.text)
 
 
+def message_chars(body: GenerationRequest) -> int:
+    """Characters of ``body``'s own text outside its documents (``max_message_chars``): the
+    messages' text (chunk parts are documents, with their own limits), the tool calls' ids, names
+    and arguments, a completion's prompt. Constant work per message and part."""
+    if isinstance(body, CompletionRequest):
+        return len(body.text)
+    total = 0
+    for m in getattr(body, "messages", ()):
+        if isinstance(m.content, str):
+            total += len(m.content)
+        elif isinstance(m.content, list):
+            for part in m.content:
+                if isinstance(part, str):
+                    total += len(part)
+                elif isinstance(part, Mapping) and not is_chunk_part(part) and isinstance(part.get("text"), str):
+                    total += len(part["text"])
+        for call in m.tool_calls or ():
+            total += len(call.id) + len(call.function.name) + len(call.function.arguments)
+        total += len(m.tool_call_id or "")
+    return total
+
+
 def start_run(engine: Any, body: GenerationRequest, request: Request, batcher: Any) -> Run | tool_run.ToolRun:
     """The run answering ``request`` with the body's settings: a schema's hint after the question
     (``response_format``); with tools or a tool exchange, the integrations' tool path
-    (``serving.tool_run``), whose ``parsed`` calls the response carries."""
+    (``serving.tool_run``), whose ``parsed`` calls the response carries.
+
+    Runs on the job's relay thread, never on the event loop: the schema's and the tools' checks and
+    compilation (bounded by ``cacheblend_rag.bounds``) happen here."""
     constraint, hint = body.structured()
     tools = getattr(body, "tools", None)
+    choice = getattr(body, "tool_choice", None)
     if tools or request.turns:
         return tool_run.start(
             engine,
             request,
             body.settings(),
             tools=tools,
-            tool_choice=getattr(body, "tool_choice", None),
+            tool_choice=choice,
             parallel=bool(getattr(body, "parallel_tool_calls", False)),
             constraint=constraint,
             hint=hint,
             batcher=batcher,
         )
-    return Run(engine, request.with_hint(hint).with_settings(**body.settings()), batcher=batcher)
+    if choice is not None:
+        check_choice(choice, ())  # "required" or a tool's name without tools: a 400, never ignored
+    return Run(engine, request.with_hint(hint).with_settings(**body.settings(), constraint=constraint), batcher=batcher)
 
 
 def _turns(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -69,10 +99,7 @@ def _turns(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if m.tool_calls:
             turn["tool_calls"] = []
             for call in m.tool_calls:
-                try:
-                    arguments = json.loads(call.function.arguments or "{}")
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"tool call {call.id}: its arguments are not valid JSON ({exc})") from None
+                arguments = parse_json(call.function.arguments or "{}", f"tool call {call.id[:64]!r}: its arguments")
                 names[call.id] = call.function.name
                 turn["tool_calls"].append(
                     {"type": "function", "id": call.id, "function": {"name": call.function.name, "arguments": arguments}}

@@ -192,6 +192,8 @@ def uvicorn_settings(config: ServerConfig) -> dict[str, Any]:
         "http": guarded_protocol(config.timeout_header_s, config.max_connections),
         "timeout_keep_alive": config.timeout_keep_alive_s,
         "h11_max_incomplete_event_size": config.max_header_bytes,
+        # uvicorn waits for open requests without end by default: a SIGTERM must stop the server.
+        "timeout_graceful_shutdown": config.timeout_drain_s,
     }
 
 

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from ..config import MODES
-from ..constraints import Grammar, response_format_constraint
+from ..constraints import Grammar, check_response_format, response_format_constraint
 
 DEFAULT_MAX_TOKENS = 128  # the engine's default; OpenAI's "until the context is full" is rarely wanted
 
@@ -137,13 +137,11 @@ class GenerationRequest(BaseModel):
     @field_validator("response_format")
     @classmethod
     def _honoured_format(cls, fmt: dict[str, Any] | None) -> dict[str, Any] | None:
+        # Its shape only: this runs on the event loop, and the schema's own checks and compilation
+        # grow with its size, so they run with the request's other work (structured()).
         if fmt is None or fmt.get("type") == "text":
             return fmt
-        grammar, _ = response_format_constraint(fmt)  # a malformed response_format: ValueError, a 400
-        try:
-            grammar.llguidance_grammar()  # a schema llguidance cannot take: ValueError, a 400 naming it
-        except ImportError as exc:
-            raise ValueError(f"response_format needs constrained decoding, which this server lacks: {exc}") from None
+        check_response_format(fmt)  # a malformed response_format: ValueError, a 400
         return fmt
 
     @field_validator("documents")
@@ -175,15 +173,23 @@ class GenerationRequest(BaseModel):
         return self.max_tokens or DEFAULT_MAX_TOKENS
 
     def structured(self) -> tuple[Grammar | None, str]:
-        """The answer's constraint and the hint shown after the question ("" for none)."""
+        """The answer's constraint, checked and compiled (a schema over a limit of
+        ``cacheblend_rag.bounds`` or one llguidance cannot take: ValueError, a 400 naming it), and
+        the hint shown after the question ("" for none). Its work grows with the schema (bounded by
+        those limits): call it off the event loop."""
         if self.response_format is None or self.response_format.get("type") == "text":
             return None, ""
-        return response_format_constraint(self.response_format)
+        grammar, hint = response_format_constraint(self.response_format)
+        try:
+            grammar.llguidance_grammar()
+        except ImportError as exc:
+            raise ValueError(f"response_format needs constrained decoding, which this server lacks: {exc}") from None
+        return grammar, hint
 
     def settings(self) -> dict[str, Any]:
-        """The request's settings by their engine names (``Request.with_settings``)."""
+        """The request's settings by their engine names (``Request.with_settings``), but for the
+        constraint (:meth:`structured`)."""
         return {
-            "constraint": self.structured()[0],
             "mode": self.cacheblend.mode,
             "recompute_ratio": self.cacheblend.recompute_ratio,
             "max_new_tokens": self.max_new_tokens,
@@ -333,6 +339,9 @@ class Health(BaseModel):
     """Answers being prefilled or decoded."""
     waiting: int
     """Requests waiting for a place in the batch."""
+    admitted: int
+    """Requests holding a place of ``max_batch + max_queue``: running, waiting, and those still being
+    prepared (tokenized, their grammar compiled) or finishing; a client that leaves frees its place."""
     max_batch: int
     max_queue: int
     decode_steps: int

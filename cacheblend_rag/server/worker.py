@@ -134,6 +134,12 @@ class EngineWorker:
         for a place in the batch (the batcher's view; a request still being tokenized is in neither)."""
         return self.batcher.load()
 
+    @property
+    def admitted(self) -> int:
+        """Requests holding a place right now (running, waiting, being prepared or finishing)."""
+        with self._guard:
+            return self._admitted
+
     def submit(self, produce: Callable[[], Iterator[T]]) -> Job[T]:
         """Queue a job (call on the event loop); raises :class:`Overloaded` when the line is full."""
         with self._guard:
