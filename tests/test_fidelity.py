@@ -188,6 +188,51 @@ def test_fidelity_with_corpus_neighbours_records_the_pool_and_keeps_it_apart(tmp
         run_fidelity(replace(cfg, neighbour_pool="retrieved"), engine=None)
 
 
+def test_a_method_added_to_a_finished_run_reuses_full_prefills_answer(tmp_path, monkeypatch):
+    from cacheblend_rag.bench import fidelity
+    from cacheblend_rag.bench.runner import tiny_engine
+
+    cfg = FidelityConfig(
+        model="tiny",
+        datasets=("hotpotqa",),
+        n=2,
+        methods=("full_reuse",),
+        neighbours=0,
+        max_new_tokens=3,
+        out_dir=str(tmp_path / "out"),
+        progress=False,
+        plots=False,
+    )
+    answered: list[str] = []
+    real_answer = fidelity.answer_once
+
+    def spy(engine, method, question, chunks, budget):
+        answered.append(method.name)
+        return real_answer(engine, method, question, chunks, budget)
+
+    monkeypatch.setattr(fidelity, "answer_once", spy)
+    engine = tiny_engine(str(tmp_path / "kv"))
+    try:
+        first = run_fidelity(cfg, engine=engine)
+        assert answered == ["full_recompute", "full_reuse"] * 2
+        answered.clear()
+        rows = run_fidelity(replace(cfg, methods=("full_reuse", "question@0.5/adaptive")), engine=engine)
+        assert answered == ["question@0.5/adaptive"] * 2  # no second full prefill
+        # A reference file cut short (a killed run) is answered again, not read.
+        for path in (tmp_path / "out" / "references").iterdir():
+            path.write_bytes(path.read_bytes()[:10])
+        answered.clear()
+        run_fidelity(replace(cfg, methods=("full_reuse", "question@0.3")), engine=engine)
+        assert answered == ["full_recompute", "question@0.3"] * 2
+    finally:
+        engine.close()
+    added = {r["qid"]: r for r in rows if r["method"] == "question@0.5/adaptive"}
+    for r in first:
+        assert (added[r["qid"]]["answer_full"], added[r["qid"]]["ttft_full_s"]) == (r["answer_full"], r["ttft_full_s"])
+        assert added[r["qid"]]["tf_loglik_full"] == r["tf_loglik_full"]
+    assert all(r["recompute_steps"][0] == 0.5 and r["machine"]["cores"] >= 1 for r in added.values())
+
+
 def test_calibrate_saves_the_cheapest_ratio_that_agrees_and_from_pretrained_uses_it(tmp_path, monkeypatch):
     from cacheblend_rag import CacheBlendEngine
     from cacheblend_rag.bench.calibrate import calibrate, read_sample

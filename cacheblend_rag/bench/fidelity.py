@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import json
 import math
 import time
@@ -46,7 +47,7 @@ from . import datasets as ds
 from .args import config, run_reporting
 from .args import csv as _csv
 from .methods import Method, parse_methods, settle
-from .provenance import engine_stamp
+from .provenance import engine_stamp, machine_stamp
 from .runner import BenchConfig, load_engine, read_results
 from .stats import bootstrap_mean_ci, ratio_ci, sign_test, speedup
 
@@ -160,6 +161,45 @@ def agreement_f1(answer: str, reference: str) -> float:
     return token_f1(answer, reference)
 
 
+@dataclass(frozen=True)
+class Reference:
+    """Full prefill's greedy answer to one question: what every method's row is compared with."""
+
+    text: str
+    token_ids: list[int]
+    logits: torch.Tensor  # [vocab] next-token logits after the prompt
+    ttft_s: float
+    tf_loglik: float
+    prompt_tokens: int
+
+
+def reference(engine, full: Method, ex: ds.Example, chunks: list[str], budget: int, folder: Path) -> Reference:
+    """Full prefill's answer to ``ex``, kept in ``folder`` so that a method added to a finished run
+    (or a resumed question) does not pay for a second full prefill; its TTFT is the first run's."""
+    path = folder / f"{ex.dataset}-{hashlib.sha256(f'{ex.qid}|{budget}|{chr(31).join(chunks)}'.encode()).hexdigest()[:24]}.pt"
+    if path.exists():
+        try:
+            return Reference(**torch.load(path, weights_only=True))
+        except Exception:  # noqa: BLE001 - a file cut short by a kill: answer again
+            path.unlink()
+    got = answer_once(engine, full, ex.question, chunks, budget)
+    res, pre = got["result"], got["prefill"]
+    start = len(pre.layout)
+    ref = Reference(
+        text=res.text,
+        token_ids=list(res.token_ids),
+        logits=pre.logits.float().clone(),
+        ttft_s=res.ttft_s,
+        tf_loglik=teacher_forced_loglik(engine, pre.cache, pre.logits, start, res.token_ids),
+        prompt_tokens=start,
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(asdict(ref), tmp)
+    tmp.replace(path)  # whole or absent, whenever the run is killed
+    return ref
+
+
 def run_fidelity(cfg: FidelityConfig, *, engine=None) -> list[dict]:
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -256,10 +296,8 @@ def _run(
             )
             engine.flush()
             bar.set_postfix_str(f"{ex.dataset} full_recompute")
-            ref = answer_once(engine, full, ex.question, chunks, cfg.max_new_tokens)
-            ref_res, ref_pre = ref["result"], ref["prefill"]
-            start = len(ref_pre.layout)
-            target = ref_res.token_ids
+            ref = reference(engine, full, ex, chunks, cfg.max_new_tokens, results_path.parent / "references")
+            start, target = ref.prompt_tokens, ref.token_ids
             base = {
                 "model": cfg.model,
                 "dataset": ex.dataset,
@@ -270,11 +308,11 @@ def _run(
                 "num_chunks": len(chunks),
                 "answer_hint": engine.prompts.answer_hint,
                 "weights": cfg.weights,
-                "answer_full": ref_res.text.strip(),
-                "f1_full": qa_f1(ref_res.text, ex.answers),
-                "ttft_full_s": ref_res.ttft_s,
-                "tf_loglik_full": teacher_forced_loglik(engine, ref_pre.cache, ref_pre.logits, start, target),
-                "margin_full": first_token_margin(ref_pre.logits),
+                "answer_full": ref.text.strip(),
+                "f1_full": qa_f1(ref.text, ex.answers),
+                "ttft_full_s": ref.ttft_s,
+                "tf_loglik_full": ref.tf_loglik,
+                "margin_full": first_token_margin(ref.logits),
                 "neighbour_pool": cfg.neighbour_pool,
                 "neighbours_in_prompt": None
                 if pool is None
@@ -291,10 +329,10 @@ def _run(
                     base,
                     method=m.name,
                     answer=res.text.strip(),
-                    agree=normalize_answer(res.text) == normalize_answer(ref_res.text),
-                    agree_f1=agreement_f1(res.text, ref_res.text),
+                    agree=normalize_answer(res.text) == normalize_answer(ref.text),
+                    agree_f1=agreement_f1(res.text, ref.text),
                     f1=qa_f1(res.text, ex.answers),
-                    kl=next_token_kl(ref_pre.logits, pre.logits),
+                    kl=next_token_kl(ref.logits, pre.logits),
                     tf_loglik=teacher_forced_loglik(engine, pre.cache, pre.logits, start, target, pre.attention_kwargs),
                     ttft_s=res.ttft_s,
                     margin=first_token_margin(pre.logits),
@@ -303,6 +341,7 @@ def _run(
                     neighbour_hits=s.get("neighbour_hits", 0),
                     time=time.time(),
                     engine=engine_stamp(),
+                    machine=machine_stamp(),
                 )
                 sink.write(json.dumps(row) + "\n")
                 sink.flush()

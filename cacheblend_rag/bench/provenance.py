@@ -119,6 +119,37 @@ def engine_stamp() -> str:
     return f"{__version__}+g{commit}" + (".dirty" if dirty else "")
 
 
+# The CPU features that decide which kernels run (and so the timings): recorded in every row.
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
+
+
+@functools.cache
+def machine_stamp() -> dict[str, Any]:
+    """What ran a row: CPU model and the kernel-deciding flags (``/proc/cpuinfo``), the cores
+    and torch's threads, torch's version. Benchmarks write it into every row."""
+    import os
+
+    import torch
+
+    model, flags = "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "unknown":
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    return {
+        "cpu": model,
+        "cpu_flags": [f for f in CPU_FLAGS if f in flags],
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+
+
 def caption(results: Path, files: tuple[str, ...]) -> str:
     """The line under a generated table: which files its rows are and which engine made them."""
     parts = [f"`docs/results/{name}` ({of(results, name).label()})" for name in files]
