@@ -146,7 +146,7 @@ CHAIN = ["question@0.15", "question@0.3", "full_recompute_saved"]
 
 
 def test_a_cascade_walks_the_steps_below_their_margins_and_pays_every_pass():
-    qs = guard_curve._questions(_cascade_rows(), CHAIN)
+    qs = guard_curve.by_question(_cascade_rows(), CHAIN)
     none = guard_curve.cascade(qs, CHAIN, (0.0, 0.0))
     assert none["agree"] == pytest.approx(1 / 3) and none["ttft_mean_s"] == pytest.approx(1.0) and none["reached"] == [0, 0]
     assert none["speedup_vs_saved"] == pytest.approx(6.0)
@@ -161,7 +161,7 @@ def test_a_cascade_walks_the_steps_below_their_margins_and_pays_every_pass():
 
 
 def test_the_frontier_keeps_only_cascades_no_other_beats_on_both_agreement_and_speed():
-    qs = guard_curve._questions(_cascade_rows(), CHAIN)
+    qs = guard_curve.by_question(_cascade_rows(), CHAIN)
     front = guard_curve.frontier(qs, CHAIN)
     speeds = [e["speedup_vs_saved"] for e in front]
     agrees = [e["agree"] for e in front]
@@ -193,3 +193,10 @@ def test_cascade_search_draws_the_frontier_and_the_fixed_ratios(tmp_path, capsys
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out
     assert "| `question@0.15` |  |  | 33% |" in out and "| 100% |" in out
+
+
+def test_an_engine_escalation_reads_as_a_cascade_over_fixed_ratio_methods():
+    methods, margins = guard_curve.escalation_cascade("question@0.15/nb", ((1.0, 0.3), (0.5, 0.6), (0.2, 1.0)))
+    assert methods == ["question@0.15/nb", "question@0.3/nb", "question@0.6/nb", "full_recompute_saved"]
+    assert margins == [1.0, 0.5, 0.2]
+    assert guard_curve.escalation_cascade("chunk@0.1", ((0.3, 0.25),)) == (["chunk@0.1", "chunk@0.25"], [0.3])

@@ -52,11 +52,11 @@ def curve(
 ) -> list[dict]:
     """One entry per threshold for ``method``'s rows (of ``dataset``, or "all"), over the questions
     that have both a ``method`` row with a ``margin`` and an ``escalation`` row."""
-    questions = _questions(rows, [method, escalation], dataset)
+    questions = by_question(rows, [method, escalation], dataset)
     return [dict(cascade(questions, [method, escalation], (t,)), method=method, threshold=t, dataset=dataset) for t in thresholds]
 
 
-def _questions(rows: Sequence[dict], methods: Sequence[str], dataset: str = "all") -> list[dict[str, dict]]:
+def by_question(rows: Sequence[dict], methods: Sequence[str], dataset: str = "all") -> list[dict[str, dict]]:
     """Per question (of ``dataset``, or "all") that has a row of every method and margins on all but
     the last: ``{method: row}``."""
     by_q: dict[tuple, dict[str, dict]] = {}
@@ -110,6 +110,16 @@ def cascade(questions: Sequence[dict[str, dict]], methods: Sequence[str], margin
         "ttft_p95_s": float(np.percentile(ttft, 95)),
         "speedup_vs_saved": float(np.mean(saved)) / mean if saved and mean > 0 else math.nan,
     }
+
+
+def escalation_cascade(first: str, steps: Sequence[tuple[float, float]]) -> tuple[list[str], list[float]]:
+    """``BlendConfig.escalation`` steps after the method ``first`` (``question@0.15/nb``) as a
+    cascade over fixed-ratio methods: ``(["question@0.15/nb", "question@0.3/nb", ...], margins)``,
+    a 1.0 step being ``full_recompute_saved``."""
+    head, sep, options = first.partition("/")
+    strategy = head.split("@")[0]
+    methods = [first] + [ESCALATION if ratio >= 1.0 else f"{strategy}@{ratio:g}{sep}{options}" for _, ratio in steps]
+    return methods, [margin for margin, _ in steps]
 
 
 # Margins tried for each step by frontier(): none (the step never runs) to always.
@@ -207,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         if (args.margins is None) == (not args.search):
             p.exit(2, "error: --cascade takes --margins (one cascade) or --search (its frontier)\n")
         try:
-            questions = {d: _questions(rows, chain, d) for d in datasets}
+            questions = {d: by_question(rows, chain, d) for d in datasets}
         except ValueError as exc:
             p.exit(2, f"error: {exc}\n")
         groups = [frontier(qs, chain) if args.search else [cascade(qs, chain, args.margins)] for qs in questions.values()]

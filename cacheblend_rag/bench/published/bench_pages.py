@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import re
 import statistics
+from collections.abc import Callable
 from typing import Any
 
+from ...config import ADAPTIVE_ESCALATION
 from .. import provenance
 from ..batch_step import markdown_table as batch_step_table
 from ..format_probe import probe_table
+from ..guard_curve import by_question, cascade, cascade_table, escalation_cascade, frontier
 from ..guard_curve import curve as guard_curve
 from ..guard_curve import table as guard_table
 from ..server_load import markdown_table as server_load_table
@@ -581,6 +584,54 @@ def _guard_table(res: Results) -> str:
     return guard_table(guard_curve(res.rows(GUARD), DEFAULT, thresholds=(0.0, 0.25, 0.5, 1.0, 1.5, 2.0, float("inf"))))
 
 
+# ----------------------------------------------------------------------------- adaptive recompute's trade
+ADAPTIVE_DEV = "adaptive_dev_qwen05.jsonl"
+ADAPTIVE_CHAIN = ["question@0.15/nb", "question@0.3/nb", "question@0.6/nb", "full_recompute_saved"]
+
+
+def _adaptive(res: Results, dataset: str) -> dict[str, Any]:
+    """Fixed ratios, the default cascade (``config.ADAPTIVE_ESCALATION``) and the frontier."""
+    qs = by_question(res.rows(ADAPTIVE_DEV), ADAPTIVE_CHAIN, dataset)
+    methods, margins = escalation_cascade(ADAPTIVE_CHAIN[0], ADAPTIVE_ESCALATION)
+    return {
+        "fixed": [cascade(qs, [m], ()) for m in ADAPTIVE_CHAIN],
+        "default": cascade(qs, methods, margins),
+        "frontier": frontier(qs, ADAPTIVE_CHAIN),
+    }
+
+
+def _adaptive_table(dataset: str) -> Callable[[Results], str]:
+    def render(res: Results) -> str:
+        a = _adaptive(res, dataset)
+        return "\n\n".join(
+            [
+                f"Fixed ratios and the default cascade ({a['default']['n']} questions):\n\n"
+                + cascade_table([*a["fixed"], a["default"]]),
+                "The frontier (no cascade over these ratios both agrees more and is faster):\n\n" + cascade_table(a["frontier"]),
+            ]
+        )
+
+    return render
+
+
+def _adaptive_values(res: Results) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for dataset in ("all", "hotpotqa", "musique"):
+        a = _adaptive(res, dataset)
+        d, fixed = a["default"], a["fixed"][0]
+        out.update(
+            {
+                f"{dataset}_n": d["n"],
+                f"{dataset}_default_agree": d["agree"],
+                f"{dataset}_default_speedup": d["speedup_vs_saved"],
+                f"{dataset}_default_escalated": d["escalated"],
+                f"{dataset}_fixed_agree": fixed["agree"],
+                f"{dataset}_fixed_speedup": fixed["speedup_vs_saved"],
+            }
+        )
+    return out
+
+
 # ----------------------------------------------------------------------------- the reliability load run
 RELIABILITY = "reliability_load_tiny.txt"
 
@@ -616,6 +667,8 @@ TABLES = {
     ),
     "load-smollm2": Table((LOAD,), _load_table),
     "guard-qwen05-dev": Table((GUARD,), _guard_table),
+    "adaptive-qwen05-dev": Table((ADAPTIVE_DEV,), _adaptive_table("all")),
+    "adaptive-qwen05-dev-musique": Table((ADAPTIVE_DEV,), _adaptive_table("musique")),
     "batch-step-smollm2": Table((BATCH_STEP,), lambda res: batch_step_table(res.json(BATCH_STEP))),
     "server-load-smollm2": Table((SERVER_LOAD,), lambda res: server_load_table(res.json(SERVER_LOAD)["summary"])),
     "reliability-load-tiny": Table((RELIABILITY,), lambda res: "```\n" + res.text(RELIABILITY).strip() + "\n```"),
@@ -623,6 +676,7 @@ TABLES = {
 
 VALUES = {
     "bench": Values((HEADLINE,), _headline_values),
+    "adaptive": Values((ADAPTIVE_DEV,), _adaptive_values),
     "quants": Values(("bench_llama_quants_smollm2.jsonl",), _quants_values),
     "ratios": Values(("bench_ratios_smollm2.jsonl",), _ratios_values),
     "chunks": Values(("bench_vs_chunks_smollm2.jsonl",), _chunks_values),
