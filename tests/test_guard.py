@@ -167,8 +167,11 @@ def test_the_frontier_keeps_only_cascades_no_other_beats_on_both_agreement_and_s
     agrees = [e["agree"] for e in front]
     assert speeds == sorted(speeds, reverse=True) and agrees == sorted(agrees) and len(set(agrees)) == len(agrees)
     assert front[0]["methods"] == ["question@0.15"] and front[-1]["agree"] == 1.0
-    # Full agreement costs least through 0.3 (q0 stops there): 13/3 s mean, not 0.15 -> full's 5.
-    assert front[-1]["methods"] == CHAIN and front[-1]["ttft_mean_s"] == pytest.approx(13 / 3)
+    # Full agreement costs least starting at 0.3 (q0 and q2 stop there): 4 s mean, against 13/3
+    # for 0.15 -> 0.3 -> full and 5 for 0.15 -> full.
+    assert front[-1]["methods"] == CHAIN[1:] and front[-1]["ttft_mean_s"] == pytest.approx(4.0)
+    assert guard_curve.cascade(qs, CHAIN, (0.5, 0.15))["ttft_mean_s"] == pytest.approx(13 / 3)
+    assert len(guard_curve.frontier(qs, CHAIN, max_steps=1)) <= len(front)
     assert guard_curve.best_within(front, 6.0)["methods"] == ["question@0.15"]
     assert guard_curve.best_within(front, 7.0) is None
 

@@ -126,11 +126,13 @@ def escalation_cascade(first: str, steps: Sequence[tuple[float, float]]) -> tupl
 SEARCH_MARGINS = (0.0, 0.1, 0.2, 0.3, 0.5, math.log(2), 1.0, 1.5, 2.0, math.inf)
 
 
-def frontier(questions: Sequence[dict[str, dict]], methods: Sequence[str], grid: Sequence[float] = SEARCH_MARGINS) -> list[dict]:
-    """Every cascade from ``methods[0]`` through any of the later ``methods`` in order, with margins
-    from ``grid``, kept where no other is both as fast and agrees more: the frontier, fastest first."""
-    first, later = methods[0], list(methods[1:])
-    chains = [[first, *c] for k in range(len(later) + 1) for c in combinations(later, k)]
+def frontier(
+    questions: Sequence[dict[str, dict]], methods: Sequence[str], grid: Sequence[float] = SEARCH_MARGINS, *, max_steps: int = 3
+) -> list[dict]:
+    """Every cascade through ``methods`` in their order (any first pass, up to ``max_steps`` steps
+    after it) with margins from ``grid``, kept where no other is both as fast and agrees more: the
+    frontier, fastest first."""
+    chains = [list(c) for k in range(1, min(len(methods), max_steps + 1) + 1) for c in combinations(methods, k)]
     entries = [cascade(questions, chain, ms) for chain in chains for ms in product(grid, repeat=len(chain) - 1)]
     entries.sort(key=lambda e: (-e["speedup_vs_saved"], -e["agree"]))
     out: list[dict] = []

@@ -9,7 +9,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from ...config import ADAPTIVE_ESCALATION
+from ...config import ADAPTIVE_ESCALATION, BlendConfig
 from .. import provenance
 from ..batch_step import markdown_table as batch_step_table
 from ..format_probe import probe_table
@@ -586,13 +586,14 @@ def _guard_table(res: Results) -> str:
 
 # ----------------------------------------------------------------------------- adaptive recompute's trade
 ADAPTIVE_DEV = "adaptive_dev_qwen05.jsonl"
-ADAPTIVE_CHAIN = ["question@0.15/nb", "question@0.3/nb", "question@0.6/nb", "full_recompute_saved"]
+ADAPTIVE_CHAIN = [f"question@{r:g}/nb" for r in (0.05, 0.1, 0.15, 0.3, 0.6)] + ["full_recompute_saved"]
 
 
 def _adaptive(res: Results, dataset: str) -> dict[str, Any]:
-    """Fixed ratios, the default cascade (``config.ADAPTIVE_ESCALATION``) and the frontier."""
+    """Fixed ratios, the default cascade (the default ratio, then ``config.ADAPTIVE_ESCALATION``)
+    and the frontier."""
     qs = by_question(res.rows(ADAPTIVE_DEV), ADAPTIVE_CHAIN, dataset)
-    methods, margins = escalation_cascade(ADAPTIVE_CHAIN[0], ADAPTIVE_ESCALATION)
+    methods, margins = escalation_cascade(f"question@{BlendConfig().recompute_ratio:g}/nb", ADAPTIVE_ESCALATION)
     return {
         "fixed": [cascade(qs, [m], ()) for m in ADAPTIVE_CHAIN],
         "default": cascade(qs, methods, margins),
