@@ -33,12 +33,12 @@ CRITERIA = [
     ("cacheblend[key@0.15,f1,b0]", "key (LMCache), pick once"),
     ("cacheblend[key@0.15,f3,b0]", "key (LMCache), gradual"),
     ("cacheblend[query_value@0.15,f1,b0]", "query_value, pick once"),
-    ("cacheblend[query_value@0.15,f3,b0]", "query_value, gradual (default)"),
+    ("cacheblend[query_value@0.15,f3,b0]", "query_value, gradual (HKVD's default)"),
 ]
-TIMING = [("full_recompute", "full recompute"), ("full_reuse", "full reuse"), (QV, "cacheblend 0.15 (default)")]
+TIMING = [("full_recompute", "full recompute"), ("full_reuse", "full reuse"), (QV, "cacheblend 0.15 (HKVD's defaults)")]
 TUNING = [
     ("full_reuse", "full reuse"),
-    ("cacheblend[query_value@0.15,f3,b0]", "cacheblend 0.15, 3 checks (default)"),
+    ("cacheblend[query_value@0.15,f3,b0]", "cacheblend 0.15, 3 checks (HKVD's default)"),
     ("cacheblend[query_value@0.15,f4,b0]", "cacheblend 0.15, 4 checks"),
     ("cacheblend[query_value@0.3,f3,b0]", "cacheblend 0.30, 3 checks"),
     ("cacheblend[query_value@0.3,f4,b0]", "cacheblend 0.30, 4 checks"),
@@ -214,7 +214,23 @@ TABLES = {
     "threads-operators": Table(("threads.txt",), lambda res: threads_table(parse_report(res.text("threads.txt")))),
 }
 
+PROBE = "weight_formats_probe_smollm2.json"
+
+
+def _probe_values(res: Results) -> dict[str, Any]:
+    """What float16 weights move the next-token distribution by, over the example documents' positions."""
+    d = res.json(PROBE)
+    fp16 = d["formats"]["fp16"]
+    return {
+        "positions": d["tokens"],
+        "kl_fp16": fp16["kl_mean"],
+        "kl_fp16_p95": fp16["kl_p95"],
+        "top1_fp16": fp16["top1_agreement"],
+    }
+
+
 VALUES = {
+    "probe": Values((PROBE,), _probe_values),
     "sweep": Values(
         tuple(
             sorted(

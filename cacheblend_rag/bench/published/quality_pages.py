@@ -61,33 +61,37 @@ class Run:
             return ""
         return f"before {self.changes[0].commit}" if i == 0 else f"from {self.changes[i - 1].commit} on"
 
+    def quoted(self) -> tuple[int | None, set[str]]:
+        """The engine era whose timed questions the TTFT figures are over (the latest with at least
+        MIN_TIMED of them; None when the run spans no engine change) and those questions."""
+        if not self.changes or not self.era_ttft:
+            return None, self.timed
+        i = self.era_ttft[-1][0]
+        return i, self.eras[i]
+
     def table(self, columns: tuple[str, ...]) -> str:
-        """The fidelity table, with one TTFT column per engine era when the run spans a change."""
-        if not self.changes:
+        """The fidelity table; its TTFT column over the quiet questions of one engine (``quoted``)."""
+        if "ttft" not in columns:
             return markdown_table(self.summary, columns=columns, labels=LABELS)
         base = markdown_table(self.summary, columns=tuple(c for c in columns if c != "ttft"), labels=LABELS).splitlines()
         methods = [e["method"] for e in self.summary if e["dataset"] == "all"]
-        head = [f"TTFT vs full prefill, {len(self.eras[i])} questions {self.era_label(i)}" for i, _ in self.era_ttft]
-        cells = [[TTFT_CELL(ttft[m]) for _, ttft in self.era_ttft] for m in methods]
-        lines = [base[0] + " " + " | ".join(head) + " |", base[1] + "---|" * len(head)]
-        lines += [line + " " + " | ".join(c) + " |" for line, c in zip(base[2:], cells)]
+        _, questions = self.quoted()
+        head = f"TTFT vs full prefill (`full_recompute`), {len(questions)} questions"
+        cells = [TTFT_CELL({"ttft_speedup": t.value, "ttft_speedup_ci": t.ci}) for t in map(self.ttft, methods)]
+        lines = [base[0] + f" {head} |", base[1] + "---|"]
+        lines += [line + f" {c} |" for line, c in zip(base[2:], cells)]
         return "\n".join(lines)
 
     def caption(self, res: Results) -> str:
         text = provenance.caption(res.folder, (*self.files, self.ttft_file))
+        i, questions = self.quoted()
         timed = sum(len(q) for q in self.eras)
-        left = [len(self.eras[i]) for i in range(len(self.eras)) if len(self.eras[i]) < MIN_TIMED and self.eras[i]]
-        text += (
-            f" TTFT ratios over the {timed} questions that ran while nothing else used the machine"
-            + (
-                ", split where the engine changed during the run: " + "; ".join(f"{c.commit} ({c.what})" for c in self.changes)
-                if self.changes
-                else ""
-            )
-            + (f"; {sum(left)} timed after the last change are left out" if left else "")
-            + "."
-        )
-        return text
+        text += f" TTFT ratios over the {len(questions)} questions that ran while nothing else used the machine"
+        if i is not None:
+            text += f", all on one engine (the rows {self.era_label(i)})"
+            if timed > len(questions):
+                text += f"; the other {timed - len(questions)} timed on another engine are left out"
+        return text + "."
 
     def entry(self, method: str, dataset: str = "all", summary: list[dict] | None = None) -> dict:
         return next(e for e in (summary or self.summary) if e["method"] == method and e["dataset"] == dataset)
@@ -544,6 +548,26 @@ def _replay_values(res: Results) -> dict[str, Any]:
     return v
 
 
+# ----------------------------------------------------------------------------- the bundled model's agreement
+BUNDLED = "bench_smollm2.jsonl"  # the headline run: SmolLM2-135M, plain chunk caches, float32 weights
+
+
+def _bundled_values(res: Results) -> dict[str, Any]:
+    """How often the bundled model's default answer is full prefill's, in the headline run."""
+    from ..summary import pooled
+    from ..summary import summarize as bench_summarize
+
+    rows = res.rows(BUNDLED)
+    entries = bench_summarize([*pooled(rows), *rows])
+    agree = {e["dataset"]: e["agreement"] for e in entries if e["method"] == DEFAULT}
+    return {
+        "n": sum(1 for r in rows if r["method"] == DEFAULT),
+        "agree": agree["all"],
+        "agree_hotpotqa": agree["hotpotqa"],
+        "agree_musique": agree["musique"],
+    }
+
+
 # ----------------------------------------------------------------------------- a weight format's answers
 FP16 = "fidelity_qwen05_fp16.jsonl"  # held-out questions, against QWEN05's float32 rows
 FP16_DEV = "fidelity_qwen05_dev_fp16.jsonl"  # dev questions, against DEV's float32 rows
@@ -603,4 +627,5 @@ VALUES = {
     "dev": Values(DEV, _dev_values),
     "neartie": Values((NEAR_TIE,), _near_tie_values),
     "hint": Values((HINT,), _hint_values),
+    "bundled": Values((BUNDLED,), _bundled_values),
 }
