@@ -548,3 +548,100 @@ def test_the_health_body_counts_the_places_held(live):
     places are held by requests still being prepared."""
     health = httpx.get(f"{live.url}/health", timeout=BOUND_S).json()
     assert health["admitted"] == 0 and json.dumps(health)
+
+
+# ------------------------------------------------------------------ 7. a forged meta record's size
+def test_a_forged_giant_meta_record_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    """Attack 7: a chunk's meta row pointed at a 2 GiB file (a valid record header stating its
+    size) was read whole (peak RSS 403 -> 2,450 MB) before the meta check refused it. A meta
+    record is a few dozen bytes: a larger file is refused unread, a corrupt miss."""
+    import sqlite3
+    import struct
+    import tracemalloc
+
+    import diskcache
+
+    from cacheblend_rag.store import disk, safe_disk
+
+    g = torch.Generator().manual_seed(0)
+    layers = [(torch.randn(2, 1024, 8, generator=g), torch.randn(2, 1024, 8, generator=g)) for _ in range(2)]
+    with disk.KVStore(tmp_path, size_limit=2**31, fingerprint="f") as store:
+        assert store.put("a", layers)
+    con = sqlite3.connect(tmp_path / "cache.db")
+    (filename,) = con.execute("SELECT filename FROM Cache WHERE key = 'a/1'").fetchone()
+    forged_size = 300 * 2**20
+    with open(tmp_path / filename, "r+b") as f:
+        f.seek(88)  # the payload length field of the header (store/record.py): consistent with the size
+        f.write(struct.pack("<Q", forged_size - 100))
+        f.truncate(forged_size)  # sparse: costs no disk
+    with con:
+        con.execute(
+            "UPDATE Cache SET mode = ?, filename = ?, value = NULL WHERE key = 'a/meta'", (diskcache.core.MODE_BINARY, filename)
+        )
+    con.close()
+    monkeypatch.setattr(safe_disk, "available_memory", lambda: 2**40)  # a machine with room for it
+    with disk.KVStore(tmp_path, size_limit=2**31, fingerprint="f") as store:
+        tracemalloc.start()
+        try:
+            assert not store.contains("a")
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert store.stats.corrupt == 1
+    assert peak < 32 * 2**20, peak
+
+
+# ------------------------------------------------------------------ 1. SIGTERM
+def test_sigterm_stops_the_server_within_its_drain_timeout(tmp_path):
+    """Attack 1: with the event loop frozen by a schema, SIGTERM did not stop the server, and
+    uvicorn waits for open requests without end by default. The server stops within
+    timeout_drain_s (here 1 s) of SIGTERM, also with long answers running and a nested-schema
+    request just sent."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    helper = os.path.join(os.path.dirname(__file__), "reliability_helpers", "serve_tiny.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [sys.executable, helper, "--timeout-drain", "1", "--store-dir", str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        line = ""
+        for line in proc.stdout:  # the model's build may print first
+            if line.startswith("PORT "):
+                break
+        assert line.startswith("PORT "), line
+        url = f"http://127.0.0.1:{int(line.split()[1])}"
+        deadline = time.monotonic() + BOUND_S
+        while time.monotonic() < deadline:  # uvicorn listens a moment after the socket is bound
+            try:
+                httpx.get(f"{url}/health", timeout=1.0)
+                break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        long = _chat(max_tokens=3000, documents=SAMPLE_CHUNKS)
+
+        def send(body) -> None:
+            try:
+                _post(url, body, timeout=BOUND_S)
+            except httpx.TransportError:
+                pass  # cancelled by the shutdown
+
+        deep = _chat(response_format={"type": "json_schema", "json_schema": {"name": "d", "schema": _nested(50)}})
+        threads = [threading.Thread(target=send, args=(b,), daemon=True) for b in (long, long, deep)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)  # the long answers are decoding
+        assert httpx.get(f"{url}/health", timeout=BOUND_S).json()["running"] >= 1
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=BOUND_S)
+        stopped_s = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # uvicorn raises the signal again once it has shut down, so the exit status reports it.
+    assert proc.returncode in (0, -signal.SIGTERM) and stopped_s < 1 + 4, (proc.returncode, stopped_s)

@@ -21,8 +21,10 @@ class ServerConfig:
         background between requests (one chunk prefill behind up to 2 chunks per new cache, at most
         4 such caches per chunk), and later requests with those chunks use them. Answers come
         closer to full prefill's, but are no longer a function of the request alone: a request
-        repeated after its learned caches exist may be answered differently, once. False keeps every
-        answer reproducible (it does not stop an engine that already learns).
+        repeated after its learned caches exist may be answered differently, once. A learned cache
+        serves only prompts that hold every chunk it was computed behind, so one client's documents
+        never shape another client's answer (``NeighbourCache.serves``). False keeps every answer
+        reproducible (it does not stop an engine that already learns).
 
     Request limits (one more is refused with 413 for the body, else 400, naming the limit):
     max_body_bytes: bytes of one request body (default 8 MiB).

@@ -59,10 +59,10 @@ import torch
 
 from .disk_db import WAL_BOUND, KVStoreOpenError, ReadOnlyCache, open_cache
 from .dtypes import dtype_name
-from .meta import ChunkMeta, decode_chunk_layer, decode_meta, encode_meta
+from .meta import MAX_META_BYTES, ChunkMeta, decode_chunk_layer, decode_meta, encode_meta
 from .protocol import KV, StoreStats
 from .record import HEADER_SIZE, CorruptRecordError, encode_layer, validate_chunk
-from .safe_disk import SafeDisk, UnsafePathError, UnsafeRecordError
+from .safe_disk import SafeDisk, UnsafePathError, UnsafeRecordError, capped_reads
 from .seal import sealer
 
 __all__ = ["KVStore", "KVStoreOpenError", "SafeDisk", "UnsafePathError", "UnsafeRecordError"]
@@ -287,7 +287,9 @@ class KVStore:
     def _load_meta(self, key: str) -> tuple[ChunkMeta | None, bool]:
         """(meta, was_corrupt). Corrupt meta is logged, counted and the chunk dropped."""
         try:
-            blob = self._get(f"{key}/meta")
+            # A meta record is a few dozen bytes (and a MAC): a larger file is refused unread.
+            with capped_reads(MAX_META_BYTES):
+                blob = self._get(f"{key}/meta")
             if blob is None:
                 return None, False
             return decode_meta(self._sealer.open_meta(f"{key}/meta", blob), self.fingerprint, key), False

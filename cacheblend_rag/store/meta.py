@@ -33,6 +33,9 @@ class ChunkMeta:
 _META = struct.Struct("<4sHBxII32s")
 _META_MAGIC = b"CBKM"
 _META_VERSION = 2
+# The most bytes a meta record file may hold: the record (52 bytes) and a store key's MAC, with
+# room to spare. The store refuses a larger file before reading it (safe_disk.capped_reads).
+MAX_META_BYTES = 4096
 
 
 def encode_meta(meta: ChunkMeta, fingerprint: str = "", key: str = "") -> bytes:

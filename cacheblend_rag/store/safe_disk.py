@@ -22,7 +22,7 @@ import diskcache
 
 from .record import HEADER_SIZE, CorruptRecordError, record_size
 
-__all__ = ["SafeDisk", "UnsafePathError", "UnsafeRecordError", "available_memory"]
+__all__ = ["SafeDisk", "UnsafePathError", "UnsafeRecordError", "available_memory", "capped_reads"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,21 @@ _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLO
 
 
 _CHECK_MEMORY_ABOVE = 16 * 2**20  # records below this are read without asking the kernel
+# The most bytes the current thread's next reads may return (capped_reads), below the store's limit.
+_read_cap = threading.local()
+
+
+@contextlib.contextmanager
+def capped_reads(max_bytes: int):
+    """Within it, this thread's reads refuse a value file over ``max_bytes`` unread (its size is
+    checked first), as for a record over the store's limit: for records of a known small size (a
+    chunk's meta record), which a forged file of gigabytes would otherwise fill memory with."""
+    previous = getattr(_read_cap, "bytes", None)
+    _read_cap.bytes = max_bytes
+    try:
+        yield
+    finally:
+        _read_cap.bytes = previous
 
 
 def available_memory() -> int:
@@ -120,6 +135,10 @@ class SafeDisk(diskcache.Disk):
             raise UnsafePathError(
                 f"record file {filename!r} is {st.st_size} bytes, more than the store's limit of {self.max_record_bytes}"
             )
+        cap = getattr(_read_cap, "bytes", None)
+        if cap is not None and st.st_size > cap:
+            os.close(fd)
+            raise UnsafePathError(f"record file {filename!r} is {st.st_size} bytes, more than such a record can be ({cap})")
         return fd, st.st_size
 
     # ---------------------------------------------------------------- diskcache hooks
