@@ -145,6 +145,7 @@ class CacheBlendEngine:
         store_size_limit: int = 8 * 2**30,
         memory_bytes: int = 2 * 2**30,
         store: StoreSpec | Sequence[StoreSpec] | None = None,
+        kv_format: str | None = None,
         **kwargs: Any,
     ) -> CacheBlendEngine:
         """Load ``model`` (default: the bundled SmolLM2-135M-Instruct) and open its KV store.
@@ -182,6 +183,9 @@ class CacheBlendEngine:
         in front of the other tiers (``store.tiers.TieredStore``): the chunks RAG retrieves come back
         often, and a layer read from RAM skips the database lookup, file read and checksum, which
         were 9% of a CacheBlend prefill on the bundled model (docs/engine.md).
+
+        ``kv_format`` is the format the disk and Redis tiers keep chunk caches in: None or "float"
+        (the default), "int8" or "int4" (docs/storage.md, "Quantized chunk records").
         """
         from .models import default_cache_dir, load_model
         from .store.spec import open_store
@@ -194,6 +198,7 @@ class CacheBlendEngine:
             size_limit=store_size_limit,
             fingerprint=loaded.fingerprint,
             memory_bytes=memory_bytes,
+            kv_format=kv_format,
         )
         if kwargs.get("config") is None:
             kwargs["config"] = _calibrated_config(loaded.fingerprint)

@@ -114,6 +114,10 @@ ALLOWED_TABLES = {
     ("sharing.md", "| URL | meaning |"): "URL forms",
     ("sharing.md", "| situation | what happens |"): "failure behaviour",
     ("storage.md", "| option | default | |"): "options and their defaults",
+    ("storage.md", "| format | a value is stored as | K's scales | V's scales |"): "what each chunk record format is",
+    ("storage.md", "| model | float32 | int8 (share of float32) | int4 (share of float32) |"): (
+        "record sizes, not measurements: tests/test_kv_formats.py computes them from real records and checks the table"
+    ),
 }
 # Speed-up-like figures in prose that are arithmetic, not measurements.
 ALLOWED_FACTORS = {

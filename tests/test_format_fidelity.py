@@ -48,3 +48,18 @@ def test_main_refuses_rows_with_nothing_in_common(tmp_path, capsys):
     b.write_text(json.dumps(_row("b", "m", "x", 1.0, True, 1.0, "fp32")) + "\n")
     assert ff.main([str(a), str(b)]) == 2
     assert "share no question" in capsys.readouterr().err
+
+
+def test_kv_format_runs_compare_next_token_kl_per_method():
+    ref = [dict(_row(q, "question@0.15", "Paris", 1.0, True, 1.0, "fp32"), kl=kl) for q, kl in (("a", 0.01), ("b", 0.03))]
+    fmt = [
+        dict(_row(q, "question@0.15", "Paris", 1.0, True, 1.0, "fp32"), kl=kl, kv_format="int8")
+        for q, kl in (("a", 0.02), ("b", 0.04))
+    ]
+    c = ff.compare_formats(fmt, ref)
+    assert c["kv_format"] == ["int8"] and c["reference_kv_format"] == ["float"]
+    m = c["methods"]["question@0.15"]
+    assert m["kl_fmt"] == pytest.approx(0.03) and m["kl_ref"] == pytest.approx(0.02)
+    text = ff.markdown(c)
+    assert "full prefill in fp32 (int8 chunk caches) against fp32:" in text
+    assert text.rstrip().endswith("| 0.0300 | 0.0200 |")

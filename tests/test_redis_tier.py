@@ -26,6 +26,7 @@ redis = pytest.importorskip("redis", reason="redis-py is not installed (pip inst
 from cacheblend_rag import CacheBlendEngine  # noqa: E402
 from cacheblend_rag.store import tiers as tiers_module  # noqa: E402
 from cacheblend_rag.store.disk import KVStore  # noqa: E402
+from cacheblend_rag.store.quant import KVFormat  # noqa: E402
 from cacheblend_rag.store.record import encode_layer  # noqa: E402
 from cacheblend_rag.store.redis_tier import RedisAuthError, RedisConfig, RedisStore  # noqa: E402
 from cacheblend_rag.store.spec import open_store  # noqa: E402
@@ -191,6 +192,24 @@ def _worker(server, prefix, home: Path) -> dict:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_quantized_chunks_are_kept_apart_in_the_disk_stores_records(server, tmp_path):
+    kv = [(torch.randn(2, 70, 16), torch.randn(2, 70, 16)) for _ in range(2)]
+    key, config = "b" * 64, _config(server.url)
+    q8, flt = RedisStore(config, fingerprint="m", kv_format="int8"), RedisStore(config, fingerprint="m")
+    disk = KVStore(tmp_path, fingerprint="m", kv_format="int8")
+    try:
+        assert q8.put(key, kv) and disk.put(key, kv)
+        assert q8.record_name(key, 0).endswith("{" + key + "@int8}:0") and not flt.contains(key)
+        # A version 3 record, as the disk store writes; read back to the disk store's values.
+        assert q8.client.get(q8.record_name(key, 1)) == encode_layer(*kv[1], "m", chunk=key, layer=1, kv_format=KVFormat())
+        for layer in range(2):
+            got, want = q8.get_layers([key], layer)[0], disk.get_layer(key, layer)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    finally:
+        for store in (q8, flt, disk):
+            store.close()
 
 
 def test_two_processes_with_separate_disks_share_chunks_through_redis(server, tmp_path, clean):

@@ -84,6 +84,7 @@ class FidelityConfig:
     neighbour_pool: str = "retrieved"
     answer_hint: str = ""  # a line after each question (CacheBlendEngine(answer_hint=...)); rows record it
     weights: str = "fp32"  # the engine's weight format (weights.WEIGHT_FORMATS); rows record it
+    kv_format: str = "float"  # the format its store keeps chunk caches in (store.quant); rows record it
     out_dir: str = "fidelity-results"
     musique: str | None = None
     hotpotqa: str | None = None
@@ -213,6 +214,7 @@ def run_fidelity(cfg: FidelityConfig, *, engine=None) -> list[dict]:
         ("answer_hint", cfg.answer_hint, "--answer-hint"),
         ("neighbour_pool", cfg.neighbour_pool, "--neighbour-pool"),
         ("weights", cfg.weights, "--weights"),
+        ("kv_format", cfg.kv_format, "--kv-format"),
     ):
         other = {r.get(key, FidelityConfig.__dataclass_fields__[key].default) for r in rows} - {value}
         if other:
@@ -247,6 +249,7 @@ def run_fidelity(cfg: FidelityConfig, *, engine=None) -> list[dict]:
             engine = load_engine(
                 BenchConfig(model=cfg.model, out_dir=str(out), device=cfg.device, answer_hint=cfg.answer_hint),
                 weights=cfg.weights,
+                kv_format=cfg.kv_format,
             )
         try:
             rows += _run(cfg, engine, methods, full, todo, results_path, done, examples)
@@ -308,6 +311,7 @@ def _run(
                 "num_chunks": len(chunks),
                 "answer_hint": engine.prompts.answer_hint,
                 "weights": cfg.weights,
+                "kv_format": cfg.kv_format,
                 "answer_full": ref.text.strip(),
                 "f1_full": qa_f1(ref.text, ex.answers),
                 "ttft_full_s": ref.ttft_s,
@@ -721,6 +725,12 @@ def register(subparsers) -> None:
         default="fp32",
         choices=list(WEIGHT_FORMATS),
         help="the engine's weight format (default fp32); compare two runs with python -m cacheblend_rag.bench.format_fidelity",
+    )
+    p.add_argument(
+        "--kv-format",
+        default="float",
+        help="the format the store keeps chunk caches in: float (default), int8, int4 (docs/storage.md); compare two "
+        "runs with python -m cacheblend_rag.bench.format_fidelity",
     )
     p.add_argument("--out", default="fidelity-results")
     p.add_argument("--musique", default=None, help="MuSiQue JSON (default $CACHEBLEND_RAG_MUSIQUE)")

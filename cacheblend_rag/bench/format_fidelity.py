@@ -7,7 +7,11 @@ baseline. Per question both ran:
 * **full prefill, format against float32**: the same answer (normalised text), agreement F1, and
   F1 against the gold answers (paired difference with a bootstrap interval and a sign test);
 * **each method against its own format's full prefill**: the share of questions where it gives
-  its full prefill's answer in each format, and the paired difference in agreement F1.
+  its full prefill's answer in each format, the paired difference in agreement F1, and the mean
+  next-token KL to full prefill in each format.
+
+``cacheblend-rag fidelity --kv-format int8`` is compared with a ``--kv-format float`` run the same
+way: full prefill reads no chunk cache, so only the methods differ.
 
     python -m cacheblend_rag.bench.format_fidelity FORMAT_ROWS FLOAT32_ROWS [FLOAT32_ROWS ...] [--json]
 """
@@ -54,6 +58,8 @@ def compare_formats(fmt_rows: list[dict], ref_rows: list[dict]) -> dict[str, Any
     out: dict[str, Any] = {
         "weights": sorted({r.get("weights", "fp32") for r in fmt_rows}),
         "reference_weights": sorted({r.get("weights", "fp32") for r in ref_rows}),
+        "kv_format": sorted({r.get("kv_format", "float") for r in fmt_rows}),
+        "reference_kv_format": sorted({r.get("kv_format", "float") for r in ref_rows}),
         "questions": len(questions),
         "full_same_answer": sum(same) / len(same) if same else float("nan"),
         "full_agree_f1": sum(agreement_f1(full_fmt[k]["answer_full"], full_ref[k]["answer_full"]) for k in questions)
@@ -70,8 +76,22 @@ def compare_formats(fmt_rows: list[dict], ref_rows: list[dict]) -> dict[str, Any
             "agree_fmt": sum(fmt[k]["agree"] for k in keys) / len(keys),
             "agree_ref": sum(ref[k]["agree"] for k in keys) / len(keys),
             "agree_f1_diff": _paired([fmt[k]["agree_f1"] - ref[k]["agree_f1"] for k in keys]),
+            **_kl(fmt, ref, keys),
         }
     return out
+
+
+def _kl(fmt: dict, ref: dict, keys: list) -> dict[str, float]:
+    """Mean next-token KL to full prefill in each run, over the questions both rows measured."""
+    pairs = [(fmt[k].get("kl"), ref[k].get("kl")) for k in keys]
+    pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+    if not pairs:
+        return {"kl_fmt": float("nan"), "kl_ref": float("nan")}
+    return {"kl_fmt": sum(a for a, _ in pairs) / len(pairs), "kl_ref": sum(b for _, b in pairs) / len(pairs)}
+
+
+def _label(weights: list[str], kv_format: list[str]) -> str:
+    return "/".join(weights) + ("" if kv_format == ["float"] else f" ({'/'.join(kv_format)} chunk caches)")
 
 
 def markdown(c: dict[str, Any]) -> str:
@@ -79,7 +99,10 @@ def markdown(c: dict[str, Any]) -> str:
         lo, hi = p["ci"]
         return f"{p['mean']:+.3f} [{lo:+.3f}, {hi:+.3f}], {p['better']} / {p['worse']} / {p['tie']}, p={p['p']:.2g}"
 
-    fmt, ref = "/".join(c["weights"]), "/".join(c["reference_weights"])
+    # KL columns where chunk cache formats are compared (a weight format's tables stay as published).
+    kv = c.get("kv_format", ["float"]) != ["float"] or c.get("reference_kv_format", ["float"]) != ["float"]
+    fmt = _label(c["weights"], c.get("kv_format", ["float"]))
+    ref = _label(c["reference_weights"], c.get("reference_kv_format", ["float"]))
     lines = [
         f"{c['questions']} questions; full prefill in {fmt} against {ref}:",
         "",
@@ -90,11 +113,13 @@ def markdown(c: dict[str, Any]) -> str:
         "",
         "Each method against its own format's full prefill:",
         "",
-        f"| method | same answer, {fmt} | same answer, {ref} | agreement F1 difference (better / worse / tie, sign test) |",
-        "|---|---|---|---|",
+        f"| method | same answer, {fmt} | same answer, {ref} | agreement F1 difference (better / worse / tie, sign test) |"
+        + (f" next-token KL, {fmt} | next-token KL, {ref} |" if kv else ""),
+        "|---|---|---|---|" + ("---|---|" if kv else ""),
     ]
     for method, m in c["methods"].items():
-        lines.append(f"| {method} | {m['agree_fmt']:.0%} | {m['agree_ref']:.0%} | {paired(m['agree_f1_diff'])} |")
+        kl = f" {m.get('kl_fmt', float('nan')):.4f} | {m.get('kl_ref', float('nan')):.4f} |" if kv else ""
+        lines.append(f"| {method} | {m['agree_fmt']:.0%} | {m['agree_ref']:.0%} | {paired(m['agree_f1_diff'])} |" + kl)
     return "\n".join(lines)
 
 

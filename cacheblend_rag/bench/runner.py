@@ -95,7 +95,7 @@ class BenchConfig:
 TINY_CONTEXT = 8192
 
 
-def tiny_engine(store_dir: str | None = None, weights: str = "fp32"):
+def tiny_engine(store_dir: str | None = None, weights: str = "fp32", kv_format: str | None = None):
     """``testing.make_engine("llama")``'s random model with an ``TINY_CONTEXT``-token window."""
     from ..engine import CacheBlendEngine
     from ..store.disk import KVStore
@@ -103,25 +103,31 @@ def tiny_engine(store_dir: str | None = None, weights: str = "fp32"):
     from ..weights import apply_weight_format
 
     model = apply_weight_format(make_model("llama", max_position_embeddings=TINY_CONTEXT), weights)
-    return CacheBlendEngine(model, make_tokenizer(), store=KVStore(store_dir))
+    return CacheBlendEngine(model, make_tokenizer(), store=KVStore(store_dir, kv_format=kv_format))
 
 
-def load_engine(cfg: BenchConfig, weights: str = "fp32", store_size_limit: int = 2 * 2**30):
+def load_engine(cfg: BenchConfig, weights: str = "fp32", store_size_limit: int = 2 * 2**30, kv_format: str | None = None):
     """The engine for ``cfg.model`` with ``weights`` (``weights.WEIGHT_FORMATS``); its KV store
     lives in ``<out_dir>/kv`` (``store_size_limit`` bytes; formats have their own fingerprints, so
-    they never mix)."""
+    they never mix) and keeps chunk caches in ``kv_format`` (store.quant; None: float)."""
     from ..engine import CacheBlendEngine
 
     store = str(Path(cfg.out_dir) / "kv")
     if cfg.model == "tiny":
-        return tiny_engine(store, weights)
+        return tiny_engine(store, weights, kv_format)
     model = None if cfg.model in ("smollm2", "default", "") else cfg.model
     from .qwen import MODELS, qwen_gguf_path
 
     if model in MODELS:
         model = str(qwen_gguf_path(model=MODELS[model]))
     return CacheBlendEngine.from_pretrained(
-        model, device=cfg.device, weights=weights, store_dir=store, store_size_limit=store_size_limit, answer_hint=cfg.answer_hint
+        model,
+        device=cfg.device,
+        weights=weights,
+        store_dir=store,
+        store_size_limit=store_size_limit,
+        answer_hint=cfg.answer_hint,
+        kv_format=kv_format,
     )
 
 

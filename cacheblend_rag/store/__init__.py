@@ -4,6 +4,7 @@
 * ``keys``: ``chunk_key``, the content hash naming a chunk's cache;
 * ``dtypes``: the one table of storable K/V dtypes (record codes, names, tier aliases);
 * ``record``, ``meta``: the checksummed raw-bytes layer record and a chunk's meta record;
+* ``quant``: ``KVFormat``, the quantized (int8, 4-bit) formats a record can hold chunk K/V in;
 * ``disk``: ``KVStore``, the diskcache store (never unpickles, survives a full or read-only disk);
 * ``safe_disk``: ``SafeDisk``, its value files (raw bytes only, never a file outside the directory);
 * ``disk_db``: how its database is opened (the store's own settings, read-only when it must be);
@@ -18,6 +19,7 @@ from .dtypes import resolve_dtype
 from .keys import chunk_key
 from .meta import ChunkMeta
 from .protocol import KV, BatchedChunkStore, ChunkStore, StoreStats, read_layers
+from .quant import KVFormat, parse_kv_format
 from .tiers import MemoryTier, Tier, TieredStore
 
 __all__ = [
@@ -27,11 +29,13 @@ __all__ = [
     "ChunkStore",
     "KVStore",
     "KVStoreOpenError",
+    "KVFormat",
     "MemoryTier",
     "StoreStats",
     "Tier",
     "TieredStore",
     "chunk_key",
+    "parse_kv_format",
     "read_layers",
     "resolve_dtype",
 ]

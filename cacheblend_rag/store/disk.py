@@ -61,7 +61,8 @@ from .disk_db import WAL_BOUND, KVStoreOpenError, ReadOnlyCache, open_cache
 from .dtypes import dtype_name
 from .meta import MAX_META_BYTES, ChunkMeta, decode_chunk_layer, decode_meta, encode_meta
 from .protocol import KV, StoreStats
-from .record import HEADER_SIZE, CorruptRecordError, encode_layer, validate_chunk
+from .quant import KVFormat, chunk_name, parse_kv_format
+from .record import CorruptRecordError, encode_layer, layer_record_bytes, validate_chunk
 from .safe_disk import SafeDisk, UnsafePathError, UnsafeRecordError, capped_reads
 from .seal import sealer
 
@@ -99,15 +100,20 @@ class KVStore:
         size_limit: int = 8 * 2**30,
         fingerprint: str = "",
         key: bytes | str | None = None,
+        kv_format: str | KVFormat | None = None,
     ) -> None:
         """Open (creating if needed) a store in ``directory``.
 
         ``directory=None`` uses a fresh temporary directory that ``close`` deletes.
         ``key``: a secret that every record is MACed with (default: ``$CACHEBLEND_RAG_STORE_KEY``
         if set, else none); records without a valid MAC are misses (store/seal.py).
+        ``kv_format``: the format chunks are written and looked up in (``quant.parse_kv_format``:
+        "int8", "int4", ...; default None, float records in the tensors' dtype). Each format's
+        chunks are kept under names of their own (``quant.chunk_name``), so they never mix.
         Raises :class:`KVStoreOpenError` if the directory cannot be used.
         """
         size_limit = _check_size_limit(size_limit)
+        self.kv_format = parse_kv_format(kv_format)
         self._sealer = sealer(key)
         self._owns_directory = directory is None
         if directory is None:
@@ -322,7 +328,7 @@ class KVStore:
         return self.meta(key) is not None
 
     def meta(self, key: str) -> ChunkMeta | None:
-        return self._load_meta(key)[0]
+        return self._load_meta(chunk_name(key, self.kv_format))[0]
 
     def put(self, key: str, layers: Sequence[KV]) -> bool:
         """Store a chunk's KV, one (K, V) per layer. Returns False if it was not stored.
@@ -333,13 +339,14 @@ class KVStore:
         """
         layers = list(layers)
         dtype, num_tokens = validate_chunk(layers)
+        key = chunk_name(key, self.kv_format)
         if not self._try_writable():
             self._warn_once("<read-only>", "KV store %s is read-only: new chunks are not stored", self.directory)
             self._count(write_errors=1)
             return False
-        if self.contains(key):
+        if self._load_meta(key)[0] is not None:
             return True
-        need = sum(HEADER_SIZE + self._sealer.trailer + 2 * k.numel() * k.element_size() for k, _ in layers)
+        need = sum(self._sealer.trailer + layer_record_bytes(tuple(k.shape), k.dtype, self.kv_format) for k, _ in layers)
         if not self._has_room(key, need):
             return False
         meta = ChunkMeta(num_tokens=num_tokens, num_layers=len(layers), dtype=dtype_name(dtype))
@@ -347,13 +354,14 @@ class KVStore:
         with self._cache.disk.tracking_writes() as files:
             try:
                 for i, (k, v) in enumerate(layers):
-                    blob = self._sealer.seal(f"{key}/{i}", encode_layer(k, v, self.fingerprint, chunk=key, layer=i))
+                    record = encode_layer(k, v, self.fingerprint, chunk=key, layer=i, kv_format=self.kv_format)
+                    blob = self._sealer.seal(f"{key}/{i}", record)
                     self._cache.set(f"{key}/{i}", blob, tag=key)
                     written += len(blob)
                 blob = self._sealer.seal(f"{key}/meta", encode_meta(meta, self.fingerprint, key))
                 self._cache.set(f"{key}/meta", blob, tag=key)  # last: publishes the chunk
                 written += len(blob)
-            except _STORAGE_ERRORS as exc:
+            except (*_STORAGE_ERRORS, ValueError) as exc:  # ValueError: values a quantized format cannot hold
                 logger.warning("could not write KV chunk %s to %s: %r", key, self.directory, exc)
                 self._count(write_errors=1, bytes_written=written)
                 self._undo_partial(key, files)
@@ -413,6 +421,7 @@ class KVStore:
 
     def get_layer(self, key: str, layer: int, device: torch.device | str | None = None) -> KV | None:
         """(K, V) of one layer, or None on a miss/corruption (caller recomputes)."""
+        key = chunk_name(key, self.kv_format)
         meta, corrupt = self._load_meta(key)
         if meta is None:
             if not corrupt:
@@ -447,6 +456,7 @@ class KVStore:
 
     def discard(self, key: str) -> None:
         """Remove every record of a chunk (no error if absent)."""
+        key = chunk_name(key, self.kv_format)
         meta, _ = self._load_meta(key)
         self._discard(key, meta.num_layers if meta else 0)
 

@@ -6,6 +6,10 @@ with ``get_layers`` (a tiered store, Redis) is asked for one layer of all the ch
 ``pipelined=True`` a background thread reads layers i+1..i+depth from the store while the fusor
 computes layer i; calling the loader for layer i is the synchronisation point (paper section 5,
 "synchronize"), where the caller's thread rotates and places that layer's K/V.
+
+A chunk kept in a quantized format (``store/quant.py``) is dequantized by the store's read, layer by
+layer, in ``_fetch``: on the loader's thread when pipelined, so it overlaps the fusor's compute as
+the read itself does, in numpy on that one thread (no second team of torch threads).
 """
 
 from __future__ import annotations

@@ -19,7 +19,13 @@ Layout (little-endian, 100-byte header, then the payload)::
     84     4    layer index (uint32)
     88     8    payload length in bytes (uint64)
     96     4    CRC-32 of header bytes 0..95 followed by the payload
-    100    ...  K bytes, then V bytes (row-major, native element encoding)
+    100    ...  payload: version 2, K bytes then V bytes (row-major, native element encoding);
+                version 3, a quantized K and V (``quant.py``: its scheme, then K's and V's codes,
+                float16 scales and minimums)
+
+Version 2 is the float record, version 3 the quantized one (``encode_layer(kv_format=...)``); both
+share the header, and the dtype code of a version 3 record is the dtype it decodes to (the one its
+chunk's meta record names). A reader reads both, whatever format its store writes.
 
 The CRC covers the header too: a flipped dtype code (float16 <-> bfloat16 have
 the same size) would otherwise decode to a silently wrong tensor. CRC-32 detects
@@ -43,6 +49,7 @@ from collections.abc import Sequence
 import torch
 
 from .dtypes import DTYPE_CODES, dtype_from_code, dtype_name
+from .quant import KVFormat, dequantize, quantize, quantized_bytes
 
 __all__ = [
     "CorruptRecordError",
@@ -54,6 +61,7 @@ __all__ = [
     "encode_layer",
     "fingerprint_digest",
     "identity_digest",
+    "layer_record_bytes",
     "record_size",
     "validate_chunk",
     "validate_layer",
@@ -61,6 +69,8 @@ __all__ = [
 
 MAGIC = b"CBKV"
 FORMAT_VERSION = 2  # 2: chunk key digest and layer index in the header
+QUANTIZED_VERSION = 3  # the same header over a quantized payload (quant.py)
+_VERSIONS = (FORMAT_VERSION, QUANTIZED_VERSION)
 
 # magic, version, dtype code, reserved, 3 shape dims, fingerprint digest, chunk digest, layer,
 # payload len, crc
@@ -102,9 +112,17 @@ def record_size(header: bytes | bytearray | memoryview) -> int:
     if mv.nbytes < HEADER_SIZE:
         raise CorruptRecordError(f"truncated record: {mv.nbytes} bytes, header alone needs {HEADER_SIZE}")
     magic, version, *_rest, payload_len, _crc = _HEADER.unpack_from(mv)
-    if magic != MAGIC or version != FORMAT_VERSION:
-        raise CorruptRecordError(f"bad magic/version {magic!r}/{version}, expected {MAGIC!r}/{FORMAT_VERSION}")
+    if magic != MAGIC or version not in _VERSIONS:
+        raise CorruptRecordError(f"bad magic/version {magic!r}/{version}, expected {MAGIC!r}/{' or '.join(map(str, _VERSIONS))}")
     return HEADER_SIZE + payload_len
+
+
+def layer_record_bytes(shape: tuple[int, int, int], dtype: torch.dtype, kv_format: KVFormat | None = None) -> int:
+    """Bytes of the record :func:`encode_layer` makes of one layer's K and V of ``shape``
+    [heads, tokens, head_dim] and ``dtype`` in ``kv_format`` (None: float)."""
+    if kv_format is not None:
+        return HEADER_SIZE + quantized_bytes(kv_format, shape)
+    return HEADER_SIZE + 2 * shape[0] * shape[1] * shape[2] * dtype.itemsize
 
 
 def validate_layer(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.dtype, tuple[int, int, int]]:
@@ -146,19 +164,32 @@ def _raw_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy())
 
 
-def encode_layer(k: torch.Tensor, v: torch.Tensor, fingerprint: str, *, chunk: str = "", layer: int = 0) -> bytes:
+def encode_layer(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    fingerprint: str,
+    *,
+    chunk: str = "",
+    layer: int = 0,
+    kv_format: KVFormat | None = None,
+) -> bytes:
     """Serialize one layer's K and V (same shape/dtype, [heads, tokens, head_dim]).
 
     ``chunk`` and ``layer`` name the record's place; :func:`decode_layer` must be given the same.
+    ``kv_format``: a quantized format (``quant.KVFormat``, a version 3 record); None keeps the
+    tensors' own dtype (version 2). ValueError for values a quantized format cannot hold.
     """
     dtype, shape = validate_layer(k, v)
     if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer <= _MAX_DIM:
         raise ValueError(f"layer index {layer!r} must be an int in [0, {_MAX_DIM}]")
-    kb, vb = _raw_bytes(k), _raw_bytes(v)
+    if kv_format is None:
+        kb, vb = _raw_bytes(k), _raw_bytes(v)
+    else:
+        kb, vb = memoryview(quantize(kv_format, k, v)), memoryview(b"")
     payload_len = kb.nbytes + vb.nbytes
     prefix = _HEADER.pack(
         MAGIC,
-        FORMAT_VERSION,
+        FORMAT_VERSION if kv_format is None else QUANTIZED_VERSION,
         DTYPE_CODES[dtype],
         0,
         *shape,
@@ -205,8 +236,8 @@ def decode_layer(
     )
     if magic != MAGIC:
         raise CorruptRecordError(f"bad magic {magic!r}, expected {MAGIC!r}")
-    if version != FORMAT_VERSION:
-        raise CorruptRecordError(f"unsupported format version {version} (this build reads {FORMAT_VERSION})")
+    if version not in _VERSIONS:
+        raise CorruptRecordError(f"unsupported format version {version} (this build reads {' and '.join(map(str, _VERSIONS))})")
     actual = mv.nbytes - HEADER_SIZE
     if actual < payload_len:
         raise CorruptRecordError(f"truncated payload: header says {payload_len} bytes, found {actual}")
@@ -226,6 +257,14 @@ def decode_layer(
     if dtype is None or reserved != 0:
         raise CorruptRecordError(f"dtype mismatch: unknown dtype code {code} / reserved byte {reserved}")
     shape = (heads, tokens, head_dim)
+    if version == QUANTIZED_VERSION:
+        try:
+            _, k, v = dequantize(payload, shape, dtype)
+        except ValueError as exc:
+            raise CorruptRecordError(f"quantized payload: {exc}") from None
+        if device is not None and torch.device(device).type != "cpu":
+            k, v = k.to(device), v.to(device)
+        return k, v
     half = heads * tokens * head_dim * dtype.itemsize
     if 2 * half != payload_len:
         raise CorruptRecordError(

@@ -59,6 +59,7 @@ from . import redis_pool
 from .dtypes import dtype_name
 from .meta import ChunkMeta, decode_chunk_layer, decode_meta, encode_meta
 from .protocol import KV, StoreStats
+from .quant import KVFormat, chunk_name, parse_kv_format
 from .record import CorruptRecordError, encode_layer, validate_chunk
 from .seal import sealer
 
@@ -130,11 +131,20 @@ class RedisStore:
 
     tier_name = "redis"
 
-    def __init__(self, config: RedisConfig | str, *, fingerprint: str = "", key: bytes | str | None = None) -> None:
+    def __init__(
+        self,
+        config: RedisConfig | str,
+        *,
+        fingerprint: str = "",
+        key: bytes | str | None = None,
+        kv_format: str | KVFormat | None = None,
+    ) -> None:
         """Connect to ``config`` (a :class:`RedisConfig` or a URL) and check the credentials.
 
         ``key``: a secret that every record is MACed with (default: ``$CACHEBLEND_RAG_STORE_KEY``
         if set, else none); records without a valid MAC are misses (store/seal.py).
+        ``kv_format``: the format chunks are written and looked up in, as the disk store's (default
+        None: float records); each format's chunks have key names of their own.
 
         Raises :class:`RedisAuthError` if Redis refuses them. A Redis that cannot be reached now is
         logged and used once it answers (its tier is skipped until then)."""
@@ -142,6 +152,7 @@ class RedisStore:
             raise ImportError("a Redis tier needs redis-py: pip install 'cacheblend-rag[redis]'")
         self.config = config if isinstance(config, RedisConfig) else RedisConfig(config)
         self.fingerprint = fingerprint
+        self.kv_format = parse_kv_format(kv_format)
         self._sealer = sealer(key)
         self.stats = StoreStats()
         self._lock = threading.Lock()
@@ -225,7 +236,7 @@ class RedisStore:
     # Keys ------------------------------------------------------------------------------------
     def record_name(self, key: str, layer: int | None = None) -> str:
         """The Redis key of a chunk's ``layer`` record, or of its meta record (``layer=None``)."""
-        return f"{self._namespace}{{{key}}}:{'meta' if layer is None else layer}"
+        return f"{self._namespace}{{{chunk_name(key, self.kv_format)}}}:{'meta' if layer is None else layer}"
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -285,8 +296,17 @@ class RedisStore:
         ttl = self.config.ttl_s
         pipe = self.client.pipeline(transaction=True)  # MULTI/EXEC: the chunk appears all at once
         written = 0
-        for i, (k, v) in enumerate(layers):
-            blob = self._sealer.seal(f"{key}/{i}", encode_layer(k, v, self.fingerprint, chunk=key, layer=i))
+        try:
+            records = [
+                encode_layer(k, v, self.fingerprint, chunk=key, layer=i, kv_format=self.kv_format)
+                for i, (k, v) in enumerate(layers)
+            ]
+        except ValueError as exc:  # values a quantized format cannot hold: this chunk is not stored
+            log.warning("not storing chunk %s in Redis: %s", key[:16], exc)
+            self._count(write_errors=1)
+            return False
+        for i, record in enumerate(records):
+            blob = self._sealer.seal(f"{key}/{i}", record)
             pipe.set(self.record_name(key, i), blob, ex=ttl)
             written += len(blob)
         blob = self._sealer.seal(

@@ -6,7 +6,9 @@ A store spec is one entry or a list of entries, fastest first, each one of
 * a Redis URL (``redis://``, ``rediss://``, ``unix://``) or a :class:`~cacheblend_rag.store.redis_tier.RedisConfig`;
 * a store object (anything with the store interface), used as given.
 
-A memory tier of ``memory_bytes`` sits in front of them (0: none). Several entries, or any Redis
+The disk and Redis tiers write chunks in ``kv_format`` (``quant.parse_kv_format``: None or
+"float", today's records; "int8"; "int4"); a store object keeps its own. A memory tier of
+``memory_bytes`` sits in front of them (0: none). Several entries, or any Redis
 entry, become a :class:`~cacheblend_rag.store.tiers.TieredStore`, whose failover keeps a Redis outage from
 failing an answer; a single disk store without a memory tier is returned bare, as before.
 """
@@ -18,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .disk import KVStore, KVStoreOpenError
+from .quant import KVFormat, parse_kv_format
 from .redis_tier import RedisConfig, RedisStore, is_redis_url
 from .tiers import MemoryTier, Tier, TieredStore
 
@@ -31,21 +34,29 @@ StoreSpec = str | RedisConfig | Any
 TIER_COSTS = {"memory": 1.0, "redis": 0.5, "disk": 0.1}
 
 
-def open_disk(directory: str, *, size_limit: int, fingerprint: str) -> KVStore:
+def open_disk(directory: str, *, size_limit: int, fingerprint: str, kv_format: KVFormat | str | None = None) -> KVStore:
     """The disk store in ``directory``, or a temporary one (with a warning) if it cannot be opened."""
     try:
-        return KVStore(directory, size_limit=size_limit, fingerprint=fingerprint)
+        return KVStore(directory, size_limit=size_limit, fingerprint=fingerprint, kv_format=kv_format)
     except KVStoreOpenError as exc:
         # The store is an optimisation: answer from a throw-away store rather than not at all.
         log.warning("%s; using a temporary KV store instead (chunk caches will not persist)", exc)
-        return KVStore(None, size_limit=size_limit, fingerprint=fingerprint)
+        return KVStore(None, size_limit=size_limit, fingerprint=fingerprint, kv_format=kv_format)
 
 
-def _tier(entry: StoreSpec, names: set[str], *, directory: str, size_limit: int, fingerprint: str) -> Tier:
+def _tier(
+    entry: StoreSpec,
+    names: set[str],
+    *,
+    directory: str,
+    size_limit: int,
+    fingerprint: str,
+    kv_format: KVFormat | str | None = None,
+) -> Tier:
     if entry == "disk":
-        store, name = open_disk(directory, size_limit=size_limit, fingerprint=fingerprint), "disk"
+        store, name = open_disk(directory, size_limit=size_limit, fingerprint=fingerprint, kv_format=kv_format), "disk"
     elif is_redis_url(entry) or isinstance(entry, RedisConfig):
-        store, name = RedisStore(entry, fingerprint=fingerprint), "redis"
+        store, name = RedisStore(entry, fingerprint=fingerprint, kv_format=kv_format), "redis"
     elif isinstance(entry, str):
         raise ValueError(
             f"unknown store {entry!r}: use 'disk', a redis://, rediss:// or unix:// URL, a RedisConfig "
@@ -68,9 +79,11 @@ def open_store(
     size_limit: int,
     fingerprint: str,
     memory_bytes: int,
+    kv_format: KVFormat | str | None = None,
 ) -> Any:
     """The store ``spec`` describes (see the module docstring). Raises
     :class:`~cacheblend_rag.store.redis_tier.RedisAuthError` if a Redis refuses its credentials."""
+    fmt = parse_kv_format(kv_format)  # refused before any tier opens, like memory_bytes
     if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, (int, float)) or not memory_bytes >= 0:
         # Checked before any tier opens: a disk store or Redis connection would outlive the error.
         raise ValueError(f"memory_bytes={memory_bytes!r} must be >= 0 bytes of RAM for the memory tier (0: none)")
@@ -87,7 +100,7 @@ def open_store(
     tiers: list[Tier] = []
     try:
         for entry in entries:
-            tiers.append(_tier(entry, names, directory=directory, size_limit=size_limit, fingerprint=fingerprint))
+            tiers.append(_tier(entry, names, directory=directory, size_limit=size_limit, fingerprint=fingerprint, kv_format=fmt))
     except BaseException:
         for t in tiers:
             t.store.close()

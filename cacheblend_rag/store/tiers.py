@@ -14,6 +14,9 @@ a Redis tier, ``redis_tier.py``).
   request) go to every healthy tier, memory first, so the next request hits memory.
 * ``dtype`` casts chunks on ``put`` (fp16/bf16 halve what is stored and read); the loader casts
   K and V back to the model dtype.
+* A tier whose store writes a quantized format (``kv_format``: the disk store, Redis) is given
+  the chunk as it is and quantizes it once; a tier that keeps tensors (``MemoryTier``) is given
+  what that format's records decode to, so an answer is the same whichever tier served it.
 * A tier that raises, or whose read takes longer than its ``read_timeout_s``, is skipped for
   ``cooldown_s``: the read falls through to the next tier, then to "miss" (the engine recomputes
   the chunk). Each such event is logged and counted in ``stats.fallbacks``; nothing raises."""
@@ -39,6 +42,7 @@ from .eviction import EvictionPolicy, make_policy
 from .lookup import contains_many
 from .meta import ChunkMeta
 from .protocol import KV, kv_bytes, read_layers
+from .quant import KVFormat, parse_kv_format, roundtrip
 
 __all__ = ["MemoryTier", "Tier", "TieredStats", "TieredStore"]
 
@@ -237,10 +241,13 @@ class TieredStore:
         dtype: str | torch.dtype | None = None,
         cooldown_s: float = 30.0,
         promote: bool = True,
+        kv_format: str | KVFormat | None = None,
     ) -> None:
         """``tiers``: ``Tier``s or bare stores, fastest first. ``dtype``: stored dtype
         (``fp32``/``fp16``/``bf16``; None stores what it is given). ``cooldown_s``: how long a
-        tier that failed or timed out is skipped before it is tried again."""
+        tier that failed or timed out is skipped before it is tried again. ``kv_format``: the
+        quantized format the tensor-keeping tiers hold the decoded values of (default: the format
+        of the tiers that write one, else None: float)."""
         self.tiers = [t if isinstance(t, Tier) else Tier(t) for t in tiers]
         if not self.tiers:
             raise ValueError("TieredStore needs at least one tier")
@@ -248,6 +255,8 @@ class TieredStore:
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be unique, got {names}")
         self.dtype = resolve_dtype(dtype)
+        formats = [f for t in self.tiers if (f := getattr(t.store, "kv_format", None)) is not None]
+        self.kv_format = parse_kv_format(kv_format) if kv_format is not None else (formats[0] if formats else None)
         self.cooldown_s = cooldown_s
         self.promote = promote
         self.stats = TieredStats(tier_hits={n: 0 for n in names})
@@ -271,9 +280,13 @@ class TieredStore:
         dtype: str | torch.dtype | None = None,
         disk_timeout_s: float | None = None,
         disk: Any | None = None,
+        kv_format: str | KVFormat | None = None,
     ) -> TieredStore:
-        """The usual set-up: a ``MemoryTier`` in front of a ``KVStore`` on ``directory``."""
-        disk = disk if disk is not None else KVStore(directory, size_limit=disk_bytes, fingerprint=fingerprint)
+        """The usual set-up: a ``MemoryTier`` in front of a ``KVStore`` on ``directory`` (chunks
+        written in ``kv_format``, default float)."""
+        disk = (
+            disk if disk is not None else KVStore(directory, size_limit=disk_bytes, fingerprint=fingerprint, kv_format=kv_format)
+        )
         return cls(
             [Tier(MemoryTier(memory_bytes), "memory", 1.0), Tier(disk, "disk", 0.1, disk_timeout_s)],
             dtype=dtype,
@@ -377,6 +390,7 @@ class TieredStore:
         A tier that declines (returns False: full, or a storage fault it logged itself) is
         skipped; one that raises is benched like a failed read."""
         layers = self._cast(layers)
+        decoded: list[KV] | None = None  # what kv_format's records read back as, for tensor tiers
         ok = False
         for i, t in enumerate(self.tiers):
             if not self._healthy(i):
@@ -384,7 +398,15 @@ class TieredStore:
             if self._call(i, f"lookup of {key[:16]}", t.store.contains, key) is True:
                 ok = True
                 continue
-            got = self._call(i, f"write of {key[:16]}", t.store.put, key, layers)
+            given = layers
+            if self.kv_format is not None and getattr(t.store, "kv_format", None) is None:
+                try:
+                    decoded = decoded or [roundtrip(self.kv_format, k, v) for k, v in layers]
+                except ValueError as exc:  # values the format cannot hold: no tier stores this chunk
+                    log.warning("not storing chunk %s: %s", key[:16], exc)
+                    return False
+                given = decoded
+            got = self._call(i, f"write of {key[:16]}", t.store.put, key, given)
             if got is _FAILED:
                 with self._lock:
                     self.stats.write_errors += 1
