@@ -271,15 +271,26 @@ def test_one_clients_documents_do_not_shape_anothers_answer(tmp_path):
         clean.stop()
         clean_engine.close()
 
+    # The victim's prompt, prefilled by an engine that never learned anything: its logits are the
+    # reference (the tiny model's 16 greedy tokens barely move, its logits do).
+    plain = make_engine("llama", tools=True, seed=0, store_dir=tmp_path / "plain", pipelined=False)
+    try:
+        want_logits = plain.prefill(plain.build_layout(SAMPLE_QUESTION, [Z, X]), "cacheblend").logits
+    finally:
+        plain.close()
+
     eng, server = _learning_server(tmp_path, "attacked")
     try:
         _ask(server.url, [Y, X])  # the attacker
         eng.learner.wait()
         assert eng.learner.computed >= 1  # X was cached behind Y
+        got_logits = eng.prefill(eng.build_layout(SAMPLE_QUESTION, [Z, X]), "cacheblend").logits
+        eng.learner.wait()
         got = _ask(server.url, [Z, X])  # the victim
     finally:
         server.stop()
         eng.close()
+    assert torch.equal(got_logits, want_logits)
     assert got["cacheblend"]["neighbour_hits"] == want["cacheblend"]["neighbour_hits"] == 0
     assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
 
