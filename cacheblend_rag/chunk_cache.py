@@ -29,6 +29,7 @@ from .prompt import PromptBuilder, Segment
 from .rope import shift_keys
 from .store.keys import chunk_key
 from .store.loader import LoadSpec
+from .store.lookup import contains_many
 from .store.protocol import KV, ChunkStore
 from .threads import helper_pool
 
@@ -134,10 +135,15 @@ class ChunkCache:
         plen = len(prefix)
         computed = 0
         self.store_prefix(store, prefix)
-        for seg in tqdm(segments, desc="precompute KV", unit="chunk", disable=not progress):
+        keys = []
+        for seg in segments:  # every chunk checked before any is computed
             self.backbone.check_fits(plen + len(seg), f"chunk {seg.text[:40]!r}...")
-            key = self.key(seg, prefix)
-            if store.contains(key):
+            keys.append(self.key(seg, prefix))
+        # Only the chunks the store lacks go on the bar (one lookup for all, one round trip to
+        # Redis), so its chunks/s and time left are the computing's, also when a run resumes.
+        todo = [(seg, key) for seg, key, hit in zip(segments, keys, contains_many(store, keys)) if not hit]
+        for seg, key in tqdm(todo, desc="precompute KV", unit="chunk", disable=not progress):
+            if store.contains(key):  # stored meanwhile by another process
                 continue
             store.put(key, self.compute(seg, prefix_ids=prefix))
             computed += 1

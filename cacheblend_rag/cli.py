@@ -312,6 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--weights", default=AUTO, choices=WEIGHT_CHOICES, help=WEIGHTS_HELP)
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.set_defaults(func=_serve)
+    from . import ingest, store_cli  # the corpus's chunk caches: ingest it, see and drop what is stored
+
+    ingest.register(sub)
+    store_cli.register(sub)
     for entry in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
         entry.load()(sub)
     return parser

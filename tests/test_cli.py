@@ -113,6 +113,8 @@ def test_benchmark_commands_plug_in_through_the_entry_point(monkeypatch):
     assert _commands(cli.build_parser()) == [
         "ask",
         "serve",
+        "ingest",
+        "store",
         "sweep",
         "bench",
         "fidelity",
@@ -122,7 +124,7 @@ def test_benchmark_commands_plug_in_through_the_entry_point(monkeypatch):
     ]
     # Without the entry point (the core alone) the parser has only its own commands.
     monkeypatch.setattr(cli, "entry_points", lambda group: [])
-    assert _commands(cli.build_parser()) == ["ask", "serve"]
+    assert _commands(cli.build_parser()) == ["ask", "serve", "ingest", "store"]
 
 
 # ---------------------------------------------------------------------- ask

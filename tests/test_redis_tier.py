@@ -212,6 +212,27 @@ def test_quantized_chunks_are_kept_apart_in_the_disk_stores_records(server, tmp_
             store.close()
 
 
+def test_store_stats_and_drop_count_redis_chunks_by_format(server):
+    from cacheblend_rag.store_cli import drop_redis, redis_stats
+
+    config = _config(server.url)
+    kv = [(torch.randn(2, 50, 16), torch.randn(2, 50, 16))] * 3
+    stores = [RedisStore(config, fingerprint="m", kv_format=f) for f in (None, "int8")]
+    try:
+        for store in stores:
+            assert store.put("e" * 64, kv) and store.put("f" * 64, kv)
+        got = redis_stats(server.url, config.prefix)
+        assert {k: (s.chunks, s.tokens) for k, s in got.formats.items()} == {"float32": (2, 100), "int8": (2, 100)}
+        assert got.formats["float32"].bytes > 3 * got.formats["int8"].bytes  # head_dim 16: V's scales weigh more
+        assert got.hits is not None and got.misses is not None  # the server's own counts
+        assert drop_redis(server.url, "int8", config.prefix) == (2, got.formats["int8"].bytes)
+        assert not stores[1].contains("e" * 64) and stores[0].get_layer("e" * 64, 2) is not None
+        assert set(redis_stats(server.url, config.prefix).formats) == {"float32"}
+    finally:
+        for store in stores:
+            store.close()
+
+
 def test_two_processes_with_separate_disks_share_chunks_through_redis(server, tmp_path, clean):
     prefix = f"test{uuid.uuid4().hex[:8]}"
     first = _worker(server, prefix, tmp_path / "a")

@@ -17,7 +17,7 @@ import torch
 from .dtypes import DTYPE_CODES, dtype_from_code, dtype_from_name, dtype_name
 from .record import CorruptRecordError, decode_layer, identity_digest
 
-__all__ = ["ChunkMeta", "decode_chunk_layer", "decode_meta", "encode_meta"]
+__all__ = ["ChunkMeta", "decode_chunk_layer", "decode_meta", "encode_meta", "peek_meta"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,22 @@ def decode_meta(blob: Any, fingerprint: str = "", key: str = "") -> ChunkMeta:
     dtype = dtype_from_code(code)
     if dtype is None or num_layers == 0:
         raise CorruptRecordError(f"meta record has bad dtype code {code} or zero layers")
+    return ChunkMeta(num_tokens=num_tokens, num_layers=num_layers, dtype=dtype_name(dtype))
+
+
+def peek_meta(blob: Any) -> ChunkMeta | None:
+    """What an intact meta record says, without checking which chunk and model it belongs to (a
+    store's MAC, if any, is left unchecked at its end): for counting what a store holds, never for
+    serving it. None for anything that is not an intact meta record."""
+    if not isinstance(blob, (bytes, bytearray)) or len(blob) < _META.size + 4:
+        return None
+    body, (crc,) = bytes(blob[: _META.size]), struct.unpack_from("<I", blob, _META.size)
+    if zlib.crc32(body) != crc:
+        return None
+    magic, version, code, num_tokens, num_layers, _ = _META.unpack(body)
+    dtype = dtype_from_code(code)
+    if magic != _META_MAGIC or version != _META_VERSION or dtype is None:
+        return None
     return ChunkMeta(num_tokens=num_tokens, num_layers=num_layers, dtype=dtype_name(dtype))
 
 
