@@ -106,10 +106,13 @@ class IngestPlan:
     total_bytes: int
     kv_format: str
     neighbours: int
+    prefix_bytes: int = 0  # of the instruction prefix's cache, in both totals
 
     @property
     def bytes_per_token(self) -> float:
-        return self.total_bytes / self.tokens / (2 if self.neighbours else 1) if self.tokens else 0.0
+        """Bytes of one cache per token of the corpus's chunks."""
+        chunk_bytes = self.total_bytes - self.prefix_bytes
+        return chunk_bytes / self.tokens / (2 if self.neighbours else 1) if self.tokens else 0.0
 
 
 def _disk_stores(store: Any) -> list[Any]:
@@ -159,6 +162,7 @@ def plan(engine, chunks: Sequence[str], neighbours: int = 0, store: Any = None) 
         total_bytes=sum(size(len(s)) for s in segments) + prefix_bytes,
         kv_format="float" if fmt is None else fmt.name,
         neighbours=neighbours,
+        prefix_bytes=prefix_bytes,
     )
 
 

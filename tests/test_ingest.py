@@ -82,6 +82,7 @@ def test_plan_counts_the_bytes_the_store_writes(eng, tmp_path, kv_format, capsys
     assert (p.chunks, p.cached, p.kv_format) == (len(chunks), 0, kv_format)
     assert ingest.run(eng, chunks, progress=False) == len(chunks)
     assert eng.store.stats.bytes_written == p.new_bytes == p.total_bytes
+    assert p.bytes_per_token == pytest.approx((p.total_bytes - p.prefix_bytes) / p.tokens)
     again = ingest.plan(eng, chunks)
     assert (again.cached, again.new_bytes, again.total_bytes) == (len(chunks), 0, p.total_bytes)
     assert ingest.run(eng, chunks, progress=False) == 0  # a second run computes nothing
