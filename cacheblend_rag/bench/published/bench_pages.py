@@ -4,6 +4,7 @@ docs/engine.md, docs/throughput.md and the numbers README and the overview pages
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 from collections.abc import Callable
@@ -616,10 +617,17 @@ def _adaptive_table(dataset: str) -> Callable[[Results], str]:
 
 
 def _adaptive_values(res: Results) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+    rows = [r for r in res.rows(ADAPTIVE_DEV) if r["method"] == f"question@{BlendConfig().recompute_ratio:g}/nb"]
+    missed = [r for r in rows if not r["agree"]]
+    out: dict[str, Any] = {
+        # Disagreements where full prefill itself was less than twice as sure of its first token.
+        "missed": len(missed),
+        "missed_near_tie": sum(r["margin_full"] < math.log(2) for r in missed),
+    }
     for dataset in ("all", "hotpotqa", "musique"):
         a = _adaptive(res, dataset)
-        d, fixed = a["default"], a["fixed"][0]
+        d = a["default"]
+        fixed = next(e for e in a["fixed"] if e["methods"] == d["methods"][:1])
         out.update(
             {
                 f"{dataset}_n": d["n"],
