@@ -617,6 +617,30 @@ TABLES = {
     "fidelity-qwen15-paired": Table(QWEN15, _paired(_qwen15)),
 }
 
+# ----------------------------------------------------------------------------- where multi-hop loses
+def _multihop_values(res: Results) -> dict[str, Any]:
+    """Per dataset, the default (``question@0.15/nb``, corpus neighbours): how many questions full
+    prefill itself answers hesitantly (first token less than twice as likely as the second), the
+    agreement on those and on the rest, and the median next-token KL to full prefill."""
+    rows = [r for r in res.rows(CORPUS) if r["method"] == "question@0.15/nb"]
+    out: dict[str, Any] = {}
+    for dataset in ("hotpotqa", "musique"):
+        mine = [r for r in rows if r["dataset"] == dataset]
+        tie = [r for r in mine if r["margin_full"] < math.log(2)]
+        sure = [r for r in mine if r["margin_full"] >= math.log(2)]
+        out.update(
+            {
+                f"{dataset}_n": len(mine),
+                f"{dataset}_agree": sum(r["agree"] for r in mine) / len(mine),
+                f"{dataset}_near_tie": len(tie) / len(mine),
+                f"{dataset}_agree_near_tie": sum(r["agree"] for r in tie) / len(tie),
+                f"{dataset}_agree_sure": sum(r["agree"] for r in sure) / len(sure),
+                f"{dataset}_kl_median": statistics.median(r["kl"] for r in mine),
+            }
+        )
+    return out
+
+
 VALUES = {
     "replay": Values((REPLAY,), _replay_values),
     "fp16": _format_values(FP16, QWEN05[:2]),
@@ -624,6 +648,7 @@ VALUES = {
     "q05": Values(QWEN05, _fidelity_values(_qwen05, PAIRS)),
     "q15": Values(QWEN15, _fidelity_values(_qwen15, PAIRS)),
     "corpus": Values((CORPUS, *QWEN05), _corpus_values),
+    "multihop": Values((CORPUS,), _multihop_values),
     "dev": Values(DEV, _dev_values),
     "neartie": Values((NEAR_TIE,), _near_tie_values),
     "hint": Values((HINT,), _hint_values),
