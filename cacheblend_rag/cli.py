@@ -15,9 +15,10 @@ from .errors import ModelLoadError
 from .paths import DataFileError
 from .weights import AUTO, WEIGHT_CHOICES
 
-# Commands beyond ask and serve come from entry points of this group (pyproject.toml: the
-# benchmarks' sweep, bench, fidelity, calibrate, profile, pipeline-bench), so the core does not
-# import the packages that build on it. Each names a function ``register(subparsers)``.
+# Commands beyond ask and serve come from entry points of this group (pyproject.toml: ingest and
+# store, which build on this module's reading and flags, and the benchmarks' sweep, bench,
+# fidelity, calibrate, profile, pipeline-bench), so this module imports none of them. Each names
+# a function ``register(subparsers)``.
 COMMANDS_GROUP = "cacheblend_rag.commands"
 
 
@@ -62,9 +63,9 @@ def _ask(args: argparse.Namespace) -> int:
     if args.top_k < 0:
         raise SystemExit(f"error: --top-k {args.top_k}: pass a number of chunks >= 1, or 0 to send every chunk")
     _check_guard(args.guard_margin)
-    _check_weights(args)
+    check_weights(args)
     engine = CacheBlendEngine.from_pretrained(
-        args.model, device=args.device, dtype=args.dtype, weights=args.weights, store=_store(args.store)
+        args.model, device=args.device, dtype=args.dtype, weights=args.weights, store=store_tiers(args.store)
     )
     try:
         _guarded(engine, args.guard_margin)
@@ -163,7 +164,7 @@ def _check_guard(margin: float | None) -> None:
         raise SystemExit(f"error: --guard-margin: {exc}") from None
 
 
-def _check_weights(args: argparse.Namespace) -> None:
+def check_weights(args: argparse.Namespace) -> None:
     """Refuse ``--weights fp16`` where it cannot run, before the model loads, in one line (the
     load would refuse it only after loading, with a traceback)."""
     if args.weights == "fp16" and (args.dtype not in ("float32", "fp32") or args.device != "cpu"):
@@ -179,7 +180,7 @@ def _guarded(engine, margin: float | None) -> None:
         engine.config = replace(engine.config, guard_margin=margin)
 
 
-def _store(text: str | None) -> list[str] | None:
+def store_tiers(text: str | None) -> list[str] | None:
     """``--store disk,redis://...`` -> the tier list ``from_pretrained(store=...)`` takes."""
     return None if text is None else [part.strip() for part in text.split(",") if part.strip()]
 
@@ -213,9 +214,9 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:  # checked before the model loads
         raise SystemExit(f"error: {exc}") from None
     _check_guard(args.guard_margin)
-    _check_weights(args)
+    check_weights(args)
     engine = CacheBlendEngine.from_pretrained(
-        args.model, device=args.device, dtype=args.dtype, weights=args.weights, store_dir=args.store_dir, store=_store(args.store)
+        args.model, device=args.device, dtype=args.dtype, weights=args.weights, store_dir=args.store_dir, store=store_tiers(args.store)
     )
     try:
         _guarded(engine, args.guard_margin)
@@ -312,10 +313,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--weights", default=AUTO, choices=WEIGHT_CHOICES, help=WEIGHTS_HELP)
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.set_defaults(func=_serve)
-    from . import ingest, store_cli  # the corpus's chunk caches: ingest it, see and drop what is stored
-
-    ingest.register(sub)
-    store_cli.register(sub)
     for entry in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
         entry.load()(sub)
     return parser

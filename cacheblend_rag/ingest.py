@@ -226,7 +226,7 @@ def run(
 
 
 def _ingest(args: argparse.Namespace) -> int:
-    from .cli import _check_weights, _store
+    from .cli import check_weights, store_tiers
     from .engine import CacheBlendEngine
     from .store.quant import parse_kv_format
 
@@ -236,7 +236,7 @@ def _ingest(args: argparse.Namespace) -> int:
         parse_kv_format(args.kv_format)
     except ValueError as exc:
         raise SystemExit(f"error: --kv-format: {exc}") from None
-    _check_weights(args)
+    check_weights(args)
     engine = CacheBlendEngine.from_pretrained(
         args.model,
         device=args.device,
@@ -244,7 +244,7 @@ def _ingest(args: argparse.Namespace) -> int:
         weights=args.weights,
         store_dir=args.store_dir,
         store_size_limit=args.store_size_limit,
-        store=_store(args.store),
+        store=store_tiers(args.store),
         memory_bytes=0,  # every chunk is written once: a memory tier would only hold the last ones
         kv_format=args.kv_format,
     )

@@ -34,7 +34,8 @@ def qa_f1(prediction: str, answers: Iterable[str]) -> float:
 
 
 def next_token_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> float:
-    """KL(reference || candidate) of the next-token distributions, in nats."""
+    """KL(reference || candidate) of the next-token distributions, in nats. Two distributions that
+    differ by float32 rounding alone can sum to a tiny negative; a divergence is never below 0."""
     p = torch.log_softmax(reference_logits.float(), -1)
     q = torch.log_softmax(logits.float(), -1)
-    return float((p.exp() * (p - q)).sum())
+    return max(0.0, float((p.exp() * (p - q)).sum()))

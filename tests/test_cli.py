@@ -104,7 +104,11 @@ def test_benchmark_commands_plug_in_through_the_entry_point(monkeypatch):
     from importlib.metadata import entry_points
 
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"][cli.COMMANDS_GROUP]
-    assert declared == {"bench": "cacheblend_rag.bench.commands:register"}
+    assert declared == {
+        "bench": "cacheblend_rag.bench.commands:register",
+        "ingest": "cacheblend_rag.ingest:register",
+        "store": "cacheblend_rag.store_cli:register",
+    }
     installed = {e.name: e.value for e in entry_points(group=cli.COMMANDS_GROUP)}
     assert installed == declared, (
         f"the installed cacheblend-rag metadata has {installed} for {cli.COMMANDS_GROUP}, pyproject.toml {declared}: "
@@ -113,18 +117,18 @@ def test_benchmark_commands_plug_in_through_the_entry_point(monkeypatch):
     assert _commands(cli.build_parser()) == [
         "ask",
         "serve",
-        "ingest",
-        "store",
         "sweep",
         "bench",
         "fidelity",
         "calibrate",
         "profile",
         "pipeline-bench",
+        "ingest",
+        "store",
     ]
-    # Without the entry point (the core alone) the parser has only its own commands.
+    # Without the entry points the parser has only its own commands.
     monkeypatch.setattr(cli, "entry_points", lambda group: [])
-    assert _commands(cli.build_parser()) == ["ask", "serve", "ingest", "store"]
+    assert _commands(cli.build_parser()) == ["ask", "serve"]
 
 
 # ---------------------------------------------------------------------- ask
