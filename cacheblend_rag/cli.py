@@ -216,7 +216,12 @@ def _serve(args: argparse.Namespace) -> int:
     _check_guard(args.guard_margin)
     check_weights(args)
     engine = CacheBlendEngine.from_pretrained(
-        args.model, device=args.device, dtype=args.dtype, weights=args.weights, store_dir=args.store_dir, store=store_tiers(args.store)
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        weights=args.weights,
+        store_dir=args.store_dir,
+        store=store_tiers(args.store),
     )
     try:
         _guarded(engine, args.guard_margin)

@@ -617,6 +617,7 @@ TABLES = {
     "fidelity-qwen15-paired": Table(QWEN15, _paired(_qwen15)),
 }
 
+
 # ----------------------------------------------------------------------------- where multi-hop loses
 def _multihop_values(res: Results) -> dict[str, Any]:
     """Per dataset, the default (``question@0.15/nb``, corpus neighbours): how many questions full
