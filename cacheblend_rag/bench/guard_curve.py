@@ -104,6 +104,7 @@ def cascade(questions: Sequence[dict[str, dict]], methods: Sequence[str], margin
         "escalated": reached[0] / n if reached else 0.0,
         "reached": [k / n for k in reached],
         "agree": sum(bool(r["agree"]) for r in served) / n,
+        "agrees": [bool(r["agree"]) for r in served],  # per question, in ``questions``' order
         "agree_f1": float(np.mean([r["agree_f1"] for r in served])),
         "f1": float(np.mean([r["f1"] for r in served])) if all("f1" in r for r in served) else math.nan,
         "ttft_mean_s": mean,

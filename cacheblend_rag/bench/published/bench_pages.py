@@ -18,6 +18,7 @@ from ..guard_curve import by_question, cascade, cascade_table, escalation_cascad
 from ..guard_curve import curve as guard_curve
 from ..guard_curve import table as guard_table
 from ..server_load import markdown_table as server_load_table
+from ..stats import sign_test
 from ..summary import markdown_table, pooled, speedup_over, summarize
 from ..whole_answer import WholeAnswerConfig, decode_step_table
 from ..whole_answer import markdown_table as whole_table
@@ -591,13 +592,13 @@ ADAPTIVE_CHAIN = [f"question@{r:g}/nb" for r in (0.05, 0.1, 0.15, 0.3, 0.6)] + [
 
 
 def _adaptive(res: Results, dataset: str) -> dict[str, Any]:
-    """Fixed ratios, the default cascade (the default ratio, then ``config.ADAPTIVE_ESCALATION``)
+    """Fixed ratios, the preset cascade (the default ratio, then ``config.ADAPTIVE_ESCALATION``)
     and the frontier."""
     qs = by_question(res.rows(ADAPTIVE_DEV), ADAPTIVE_CHAIN, dataset)
     methods, margins = escalation_cascade(f"question@{BlendConfig().recompute_ratio:g}/nb", ADAPTIVE_ESCALATION)
     return {
         "fixed": [cascade(qs, [m], ()) for m in ADAPTIVE_CHAIN],
-        "default": cascade(qs, methods, margins),
+        "preset": cascade(qs, methods, margins),
         "frontier": frontier(qs, ADAPTIVE_CHAIN),
     }
 
@@ -607,8 +608,8 @@ def _adaptive_table(dataset: str) -> Callable[[Results], str]:
         a = _adaptive(res, dataset)
         return "\n\n".join(
             [
-                f"Fixed ratios and the default cascade ({a['default']['n']} questions):\n\n"
-                + cascade_table([*a["fixed"], a["default"]]),
+                f"Fixed ratios and the preset `ADAPTIVE_ESCALATION` ({a['preset']['n']} questions):\n\n"
+                + cascade_table([*a["fixed"], a["preset"]]),
                 "The frontier (no cascade over these ratios both agrees more and is faster):\n\n" + cascade_table(a["frontier"]),
             ]
         )
@@ -626,18 +627,28 @@ def _adaptive_values(res: Results) -> dict[str, Any]:
     }
     for dataset in ("all", "hotpotqa", "musique"):
         a = _adaptive(res, dataset)
-        d = a["default"]
+        d = a["preset"]
         fixed = next(e for e in a["fixed"] if e["methods"] == d["methods"][:1])
+        better = sum(p and not f for p, f in zip(d["agrees"], fixed["agrees"]))
+        worse = sum(f and not p for p, f in zip(d["agrees"], fixed["agrees"]))
         out.update(
             {
                 f"{dataset}_n": d["n"],
-                f"{dataset}_default_agree": d["agree"],
-                f"{dataset}_default_speedup": d["speedup_vs_saved"],
-                f"{dataset}_default_escalated": d["escalated"],
+                f"{dataset}_preset_agree": d["agree"],
+                f"{dataset}_preset_speedup": d["speedup_vs_saved"],
+                f"{dataset}_preset_escalated": d["escalated"],
+                f"{dataset}_preset_better": better,
+                f"{dataset}_preset_worse": worse,
+                f"{dataset}_preset_p": sign_test(better, worse),
                 f"{dataset}_fixed_agree": fixed["agree"],
                 f"{dataset}_fixed_speedup": fixed["speedup_vs_saved"],
             }
         )
+        # Each fixed ratio's agreement: agree_005 for question@0.05/nb, ..., agree_06.
+        for e in a["fixed"]:
+            ratio = e["methods"][0].partition("@")[2].partition("/")[0]
+            if ratio:
+                out[f"{dataset}_agree_{ratio.replace('.', '')}"] = e["agree"]
     return out
 
 
