@@ -14,7 +14,7 @@ from ...config import ADAPTIVE_ESCALATION, BlendConfig
 from .. import provenance
 from ..batch_step import markdown_table as batch_step_table
 from ..format_probe import probe_table
-from ..guard_curve import by_question, cascade, cascade_table, escalation_cascade, frontier
+from ..guard_curve import best_within, by_question, cascade, cascade_table, escalation_cascade, frontier
 from ..guard_curve import curve as guard_curve
 from ..guard_curve import table as guard_table
 from ..server_load import markdown_table as server_load_table
@@ -644,6 +644,8 @@ def _adaptive_values(res: Results) -> dict[str, Any]:
                 f"{dataset}_fixed_speedup": fixed["speedup_vs_saved"],
             }
         )
+        best = best_within(a["frontier"], 4.0)  # the most agreement a cascade keeps within 4x
+        out[f"{dataset}_best_within_4x_agree"] = best["agree"] if best else math.nan
         # Each fixed ratio's agreement: agree_005 for question@0.05/nb, ..., agree_06.
         for e in a["fixed"]:
             ratio = e["methods"][0].partition("@")[2].partition("/")[0]
