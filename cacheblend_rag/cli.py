@@ -10,7 +10,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 from . import __version__
-from .config import FUSED_MODES, MODES, BlendConfig
+from .config import ADAPTIVE_ESCALATION, FUSED_MODES, MODES, BlendConfig
 from .errors import ModelLoadError
 from .paths import DataFileError
 from .weights import AUTO, WEIGHT_CHOICES
@@ -68,7 +68,7 @@ def _ask(args: argparse.Namespace) -> int:
         args.model, device=args.device, dtype=args.dtype, weights=args.weights, store=store_tiers(args.store)
     )
     try:
-        _guarded(engine, args.guard_margin)
+        _guarded(engine, args.guard_margin, args.adaptive)
         corpus = read_chunks(args.files, engine.tokenizer, args.chunk_tokens)
         chunks = retrieve(args.question, corpus, args.top_k)
         if not args.no_neighbours and args.mode in FUSED_MODES:
@@ -174,8 +174,17 @@ def check_weights(args: argparse.Namespace) -> None:
         )
 
 
-def _guarded(engine, margin: float | None) -> None:
-    """Give ``engine``'s config (calibrated or default) the guard's threshold."""
+ADAPTIVE_HELP = (
+    "adaptive recompute (BlendConfig.escalation = cacheblend_rag.config.ADAPTIVE_ESCALATION): blend a prompt "
+    "whose first-token margin is below 0.1 again at ratio 0.3, then 0.6 (default: off; docs/choosing.md)"
+)
+
+
+def _guarded(engine, margin: float | None, adaptive: bool = False) -> None:
+    """Give ``engine``'s config (calibrated or default) the guard's threshold and, with
+    ``adaptive``, the adaptive recompute preset."""
+    if adaptive:
+        engine.config = replace(engine.config, escalation=ADAPTIVE_ESCALATION)
     if margin is not None:
         engine.config = replace(engine.config, guard_margin=margin)
 
@@ -224,7 +233,7 @@ def _serve(args: argparse.Namespace) -> int:
         store=store_tiers(args.store),
     )
     try:
-        _guarded(engine, args.guard_margin)
+        _guarded(engine, args.guard_margin, args.adaptive)
         app = create_app(engine, config)
         # uvicorn stops on SIGINT/SIGTERM gracefully: it stops accepting connections, lets open
         # requests finish, then runs the app's shutdown (which drains the batcher).
@@ -285,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ask.add_argument("--store", default=None, help=STORE_HELP)
     ask.add_argument("--guard-margin", type=float, default=None, help=GUARD_HELP)
+    ask.add_argument("--adaptive", action="store_true", help=ADAPTIVE_HELP)
     ask.set_defaults(func=_ask)
     serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (docs/server.md)")
     serve.add_argument("--model", default=None, help="model dir, .gguf file or hub id (default: bundled SmolLM2-135M-Instruct)")
@@ -312,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
         "closer to full prefill's, and a repeated request may be answered differently once its caches exist",
     )
     serve.add_argument("--guard-margin", type=float, default=None, help=GUARD_HELP)
+    serve.add_argument("--adaptive", action="store_true", help=ADAPTIVE_HELP)
     serve.add_argument("--served-model-name", default=None, help="the name clients pass as model (default: the model's id)")
     serve.add_argument("--device", default="cpu")
     serve.add_argument("--dtype", default="float32")

