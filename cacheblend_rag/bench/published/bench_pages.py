@@ -636,6 +636,8 @@ def _adaptive_values(res: Results) -> dict[str, Any]:
                 f"{dataset}_n": d["n"],
                 f"{dataset}_preset_agree": d["agree"],
                 f"{dataset}_preset_speedup": d["speedup_vs_saved"],
+                # The preset's mean TTFT over the fixed ratio's, on the same questions.
+                f"{dataset}_preset_cost": d["ttft_mean_s"] / fixed["ttft_mean_s"],
                 f"{dataset}_preset_escalated": d["escalated"],
                 f"{dataset}_preset_better": better,
                 f"{dataset}_preset_worse": worse,
