@@ -16,9 +16,10 @@ the time is kept, with a count that over-estimates by at most the evicted minimu
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
+
+import cachetools
 
 __all__ = ["CoRetrieval"]
 
@@ -30,19 +31,17 @@ class CoRetrieval:
         if max_chunks < 1 or max_predecessors < 1:
             raise ValueError(f"max_chunks={max_chunks} and max_predecessors={max_predecessors} must both be >= 1")
         self.max_chunks, self.max_predecessors = max_chunks, max_predecessors
-        self._counts: OrderedDict[str, dict[str, int]] = OrderedDict()  # chunk -> predecessor -> count
+        # chunk -> predecessor -> count, least recently retrieved first. A chunk is popped and put
+        # back when retrieved, so iteration (to_json) runs in the order the FIFOCache evicts.
+        self._counts: cachetools.FIFOCache[str, dict[str, int]] = cachetools.FIFOCache(max_chunks)
         self._lock = threading.Lock()
 
     def record(self, keys: Sequence[str]) -> None:
         """One prompt's chunks, in prompt order: each is counted as retrieved behind every chunk before it."""
         with self._lock:
             for i, key in enumerate(keys):
-                counts = self._counts.pop(key, None)
-                if counts is None:
-                    counts = {}
-                    while len(self._counts) >= self.max_chunks:
-                        self._counts.popitem(last=False)
-                self._counts[key] = counts  # most recently retrieved last
+                counts = self._counts.pop(key, {})
+                self._counts[key] = counts  # most recently retrieved last (the least recent evicted)
                 for pred in dict.fromkeys(keys[:i]):
                     if pred == key:
                         continue

@@ -20,11 +20,12 @@ import logging
 import os
 import queue
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
 from pathlib import Path
+
+import cachetools
 
 from .coretrieval import CoRetrieval
 from .neighbour_index import NeighbourCache, NeighbourIndex
@@ -120,7 +121,8 @@ class NeighbourLearner:
         self._compute, self._key, self._lock = compute, key, lock
         self._path = None if directory is None else Path(directory) / FILE
         self.stats = CoRetrieval(config.max_chunks, config.max_predecessors)
-        self._segments: OrderedDict[str, Segment] = OrderedDict()  # texts of recently seen chunks (bounded)
+        # Texts of recently seen chunks; a FIFOCache moves a chunk seen again to the back.
+        self._segments: cachetools.FIFOCache[str, Segment] = cachetools.FIFOCache(config.max_chunks)
         self._segments_lock = threading.Lock()
         self._queued: set[tuple[str, tuple[str, ...]]] = set()
         self._jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=config.max_pending)
@@ -140,10 +142,7 @@ class NeighbourLearner:
         self.stats.record(keys)
         with self._segments_lock:
             for key, seg in zip(keys, chunks):
-                self._segments.pop(key, None)
                 self._segments[key] = seg
-                while len(self._segments) > self.config.max_chunks:
-                    self._segments.popitem(last=False)
         budget = self.config.max_tokens_per_request
         for key, seg in list(zip(keys, chunks))[1:]:
             budget -= self._maybe_queue(store, key, seg, prefix, budget)

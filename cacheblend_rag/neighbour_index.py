@@ -22,10 +22,11 @@ longer matches the prompt's key for it.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import cachetools
 
 __all__ = ["NeighbourCache", "NeighbourIndex"]
 
@@ -66,7 +67,9 @@ class NeighbourIndex:
         if max_per_chunk < 1 or max_chunks < 1:
             raise ValueError(f"max_per_chunk={max_per_chunk} and max_chunks={max_chunks} must both be >= 1")
         self.max_per_chunk, self.max_chunks = max_per_chunk, max_chunks
-        self._caches: OrderedDict[str, list[NeighbourCache]] = OrderedDict()
+        # A chunk is popped and put back when added to, so iteration (items) runs in the order the
+        # FIFOCache evicts: least recently added first.
+        self._caches: cachetools.FIFOCache[str, list[NeighbourCache]] = cachetools.FIFOCache(max_chunks)
         self._lock = threading.Lock()
 
     def add(self, chunk: str, cache: NeighbourCache) -> None:
@@ -76,9 +79,7 @@ class NeighbourIndex:
             caches = [c for c in self._caches.pop(chunk, []) if c.behind != cache.behind] + [cache]
             while len(caches) > self.max_per_chunk:
                 caches.remove(next((c for c in caches if c.learned), caches[0]))
-            self._caches[chunk] = caches
-            while len(self._caches) > self.max_chunks:
-                self._caches.popitem(last=False)
+            self._caches[chunk] = caches  # evicts the least recently added chunk beyond max_chunks
 
     def caches(self, chunk: str) -> list[NeighbourCache]:
         with self._lock:

@@ -21,10 +21,11 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
+
+import cachetools
 
 __all__ = ["AffinityPolicy", "AffinityTable", "ResidentChunks"]
 
@@ -66,7 +67,9 @@ class AffinityTable(Generic[R]):
     rng: random.Random = field(default_factory=random.Random)
 
     def __post_init__(self) -> None:
-        self._assigned: OrderedDict[str, tuple[R, float]] = OrderedDict()  # digest -> (replica, when)
+        # digest -> (replica, when), the max_assignments most recent; popped and put back on each
+        # decision, so iteration runs in the order the FIFOCache evicts.
+        self._assigned: cachetools.FIFOCache[str, tuple[R, float]] = cachetools.FIFOCache(self.policy.max_assignments)
         self._lock = threading.Lock()
 
     def assign(self, digests: Iterable[str], replica: R) -> None:
@@ -74,10 +77,8 @@ class AffinityTable(Generic[R]):
         now = self.clock()
         with self._lock:
             for d in digests:
+                self._assigned.pop(d, None)
                 self._assigned[d] = (replica, now)
-                self._assigned.move_to_end(d)
-            while len(self._assigned) > self.policy.max_assignments:
-                self._assigned.popitem(last=False)
 
     def forget(self, replica: R) -> None:
         """Drop a replica's decisions (it died or was scaled down)."""
@@ -131,16 +132,16 @@ class ResidentChunks:
         if capacity < 1:
             raise ValueError(f"capacity={capacity!r} must be >= 1")
         self.capacity = capacity
-        self._keys: OrderedDict[str, str] = OrderedDict()  # digest -> chunk key
+        # digest -> chunk key, the capacity most recent; popped and put back when recorded again, so
+        # iteration (resident) runs in the order the FIFOCache evicts.
+        self._keys: cachetools.FIFOCache[str, str] = cachetools.FIFOCache(capacity)
         self._lock = threading.Lock()
 
     def record(self, pairs: Iterable[tuple[str, str]]) -> None:
         with self._lock:
             for d, key in pairs:
+                self._keys.pop(d, None)
                 self._keys[d] = key
-                self._keys.move_to_end(d)
-            while len(self._keys) > self.capacity:
-                self._keys.popitem(last=False)
 
     def resident(self, holds: Callable[[str], bool]) -> list[str]:
         """Digests whose chunk key ``holds`` (the memory tier's ``contains``); the others are

@@ -9,6 +9,9 @@ The memory tier (``tiers.MemoryTier``) takes a policy by name:
   ``decay_every`` accesses per resident record all counts are halved, so yesterday's hot chunks
   make way for today's.
 
+:class:`PolicyCache` is the memory tier's store: a ``cachetools.Cache`` bounded by bytes whose
+victims the policy picks.
+
 The disk tier's policy is diskcache's own (``least-recently-stored``, ``least-recently-used``,
 ``least-frequently-used``); :func:`set_disk_policy` switches an open disk store to another one.
 
@@ -23,8 +26,10 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any, Protocol
+
+import cachetools
 
 __all__ = [
     "DEFAULT_MEMORY_POLICY",
@@ -33,6 +38,7 @@ __all__ = [
     "EvictionPolicy",
     "LFUPolicy",
     "LRUPolicy",
+    "PolicyCache",
     "make_policy",
     "set_disk_policy",
 ]
@@ -70,6 +76,7 @@ class LRUPolicy:
     name = "lru"
 
     def __init__(self) -> None:
+        # An order, not a cache: it holds no values and no bound (PolicyCache holds both).
         self._order: OrderedDict[Hashable, None] = OrderedDict()
 
     def add(self, item: Hashable) -> None:
@@ -107,7 +114,9 @@ class LFUPolicy:
         self.history, self.decay_every = history, decay_every
         self._count: dict[Hashable, int] = {}  # resident and recently evicted records
         self._last: dict[Hashable, int] = {}  # access tick of resident records
-        self._gone: OrderedDict[Hashable, None] = OrderedDict()  # evicted records whose count is kept
+        # Evicted records whose count is kept, oldest first: an order with no values, whose bound
+        # (``history`` times the resident count) moves with the tier, so no fixed-size cache.
+        self._gone: OrderedDict[Hashable, None] = OrderedDict()
         self._heap: list[tuple[int, int, Hashable]] = []
         self._tick = 0
         self._since_decay = 0
@@ -167,6 +176,90 @@ class LFUPolicy:
 
     def __len__(self) -> int:
         return len(self._last)
+
+
+class _WrittenIsVictim(Exception):
+    """PolicyCache.popitem: the record being written is the policy's victim."""
+
+
+_NOTHING = object()
+
+
+class PolicyCache(cachetools.Cache):
+    """A ``cachetools.Cache`` whose victims an :class:`EvictionPolicy` picks (``maxsize`` counts
+    what ``getsizeof`` says: bytes for the memory tier).
+
+    Built on cachetools' documented extension points: ``__getitem__`` (a read: ``policy.touch``),
+    ``__setitem__`` (a write: ``policy.add``), ``__delitem__`` (``policy.remove``) and ``popitem``
+    (the victim, reported to ``on_evict(key, value)``). ``pop`` and ``del`` are not reads.
+
+    One rule cachetools' own caches lack: the write is an access the policy weighs before anything
+    is evicted, so the record being written may itself be the victim (under ``"lfu"``, a new record
+    colder than every resident one does not displace them; its count is kept, and it earns its
+    place by coming back). That record is then not stored (a replaced one is dropped) and
+    ``on_evict`` is told of it as of any victim."""
+
+    def __init__(
+        self,
+        maxsize: int,
+        policy: EvictionPolicy,
+        getsizeof: Callable[[Any], int] | None = None,
+        on_evict: Callable[[Hashable, Any], None] | None = None,
+    ) -> None:
+        super().__init__(maxsize, getsizeof)
+        self.policy = policy
+        self._on_evict = on_evict
+        self._writing: Any = _NOTHING
+
+    def __getitem__(self, key: Hashable) -> Any:
+        value = super().__getitem__(key)
+        self.policy.touch(key)
+        return value
+
+    def __setitem__(self, key: Hashable, value: Any) -> None:
+        self.policy.add(key)
+        self._writing = key
+        try:
+            super().__setitem__(key, value)
+        except _WrittenIsVictim:
+            if key in self:
+                del self[key]
+            else:
+                self.policy.remove(key)
+            if self._on_evict is not None:
+                self._on_evict(key, value)
+        finally:
+            self._writing = _NOTHING
+
+    def __delitem__(self, key: Hashable) -> None:
+        super().__delitem__(key)
+        self.policy.remove(key)
+
+    def pop(self, key: Hashable, default: Any = _NOTHING) -> Any:
+        if key in self:
+            value = cachetools.Cache.__getitem__(self, key)
+            del self[key]
+            return value
+        if default is _NOTHING:
+            raise KeyError(key)
+        return default
+
+    def popitem(self) -> tuple[Hashable, Any]:
+        try:
+            key = self.policy.victim()
+        except KeyError:
+            raise KeyError(f"{type(self).__name__} is empty") from None
+        if self._writing is not _NOTHING and key == self._writing:
+            raise _WrittenIsVictim
+        value = cachetools.Cache.__getitem__(self, key)
+        del self[key]
+        if self._on_evict is not None:
+            self._on_evict(key, value)
+        return key, value
+
+    def clear(self) -> None:
+        super().clear()
+        self.policy.clear()
 
 
 MEMORY_POLICIES = {"lru": LRUPolicy, "lfu": LFUPolicy}

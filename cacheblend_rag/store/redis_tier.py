@@ -43,11 +43,11 @@ import hashlib
 import logging
 import re
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import cachetools
 import torch
 
 try:  # the `redis` extra: only a Redis tier needs it
@@ -158,8 +158,10 @@ class RedisStore:
         self._lock = threading.Lock()
         self._warned_full = False
         # Layer counts of chunks seen in batched reads: promotion into the memory tier needs one,
-        # and asking Redis for each chunk's meta again would cost a round trip per chunk.
-        self._known: OrderedDict[str, int] = OrderedDict()
+        # and asking Redis for each chunk's meta again would cost a round trip per chunk. Bounded: the
+        # chunk remembered longest ago goes first (a FIFOCache moves a key remembered again to the
+        # back; num_layers_of does not).
+        self._known: cachetools.FIFOCache[str, int] = cachetools.FIFOCache(_KNOWN_METAS)
         tag = hashlib.blake2b(fingerprint.encode("utf-8"), digest_size=8, person=b"cbrag-redis").hexdigest()
         self._namespace = f"{self.config.prefix}:{tag}:"
         self._pool = redis_pool.acquire(self.config.url, self.config.socket_timeout_s, self.config.connect_timeout_s)
@@ -271,9 +273,6 @@ class RedisStore:
     def _remember(self, key: str, meta: ChunkMeta) -> None:
         with self._lock:
             self._known[key] = meta.num_layers
-            self._known.move_to_end(key)
-            if len(self._known) > _KNOWN_METAS:
-                self._known.popitem(last=False)
 
     def _meta_of(self, key: str, blob: Any) -> ChunkMeta | None:
         if blob is None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -38,7 +37,7 @@ import torch
 from ..threads import helper_pool
 from .disk import KVStore
 from .dtypes import dtype_name, resolve_dtype
-from .eviction import EvictionPolicy, make_policy
+from .eviction import EvictionPolicy, PolicyCache, make_policy
 from .lookup import contains_many
 from .meta import ChunkMeta
 from .protocol import KV, kv_bytes, read_layers
@@ -50,6 +49,10 @@ log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------ memory tier
+
+
+def _kv_size(kv: KV) -> int:
+    return kv_bytes(*kv)
 
 
 @dataclass
@@ -81,10 +84,10 @@ class MemoryTier:
         self.capacity_bytes = capacity_bytes
         self.policy = make_policy(policy)
         self.stats = MemoryStats()
-        self._lru: OrderedDict[tuple[str, int], KV] = OrderedDict()
+        # (chunk key, layer) -> (K, V), bounded by bytes; the policy picks what goes.
+        self._layers = PolicyCache(capacity_bytes, self.policy, getsizeof=_kv_size, on_evict=self._evicted)
         self._metas: dict[str, ChunkMeta] = {}  # chunks with at least one resident layer
         self._resident: dict[str, int] = {}  # chunk -> resident layer count
-        self._bytes = 0
         self._lock = threading.Lock()  # loader, write-back and request threads share the tier
 
     # The store interface -------------------------------------------------------------------
@@ -120,25 +123,14 @@ class MemoryTier:
         if size > self.capacity_bytes:
             return
         with self._lock:
-            old = self._lru.pop((key, layer), None)
-            if old is not None:
-                self._bytes -= kv_bytes(*old)
-                self._resident[key] -= 1
             self._metas.setdefault(key, ChunkMeta(int(k.shape[1]), num_layers, dtype_name(k.dtype)))
-            self._lru[(key, layer)] = (k, v)
-            self.policy.add((key, layer))
-            self._resident[key] = self._resident.get(key, 0) + 1
-            self._bytes += size
+            if (key, layer) not in self._layers:
+                self._resident[key] = self._resident.get(key, 0) + 1
             self.stats.bytes_written += size
-            while self._bytes > self.capacity_bytes:
-                self._evict_oldest()
+            self._layers[(key, layer)] = (k, v)  # evicts to stay in budget, maybe this very layer
 
-    def _evict_oldest(self) -> None:
-        item = self.policy.victim()
-        self.policy.remove(item)
-        kv = self._lru.pop(item)
+    def _evicted(self, item: tuple[str, int], kv: KV) -> None:
         key = item[0]
-        self._bytes -= kv_bytes(*kv)
         self.stats.evictions += 1
         self._resident[key] -= 1
         if self._resident[key] == 0:
@@ -146,11 +138,10 @@ class MemoryTier:
 
     def get_layer(self, key: str, layer: int, device: torch.device | str | None = None) -> KV | None:
         with self._lock:
-            kv = self._lru.get((key, layer))
+            kv = self._layers.get((key, layer))  # a read: the policy is told
             if kv is None:
                 self.stats.misses += 1
                 return None
-            self.policy.touch((key, layer))
             self.stats.hits += 1
             self.stats.bytes_read += kv_bytes(*kv)
         k, v = kv
@@ -161,32 +152,27 @@ class MemoryTier:
     def discard(self, key: str) -> None:
         with self._lock:
             for layer in range(self._metas.get(key, ChunkMeta(0, 0, "")).num_layers):
-                kv = self._lru.pop((key, layer), None)
-                self.policy.remove((key, layer))
-                if kv is not None:
-                    self._bytes -= kv_bytes(*kv)
+                self._layers.pop((key, layer), None)
             self._metas.pop(key, None)
             self._resident.pop(key, None)
 
     def volume(self) -> int:
-        return self._bytes
+        return self._layers.currsize
 
     def clear(self) -> None:
         with self._lock:
-            self._lru.clear()
-            self.policy.clear()
+            self._layers.clear()  # and the policy
             self._metas.clear()
             self._resident.clear()
-            self._bytes = 0
 
     def close(self) -> None:
         self.clear()
 
     def __len__(self) -> int:
-        return len(self._lru)
+        return len(self._layers)
 
     def __repr__(self) -> str:
-        return f"MemoryTier({self._bytes}/{self.capacity_bytes} bytes, {len(self._lru)} layers)"
+        return f"MemoryTier({self._layers.currsize}/{self.capacity_bytes} bytes, {len(self._layers)} layers)"
 
 
 # ------------------------------------------------------------------------ tiered store
