@@ -207,31 +207,35 @@ def _tokenizer(cfg: ServerLoadConfig):
 
 
 # ---------------------------------------------------------------------- the clients
-def stream_answer(http, body: dict[str, Any]) -> dict[str, Any]:
-    """Send one streaming chat request; the client's timings and what the server reported."""
+def openai_client(url: str, timeout_s: float = 3600.0):
+    """OpenAI's client for the server at ``url``: no retries (a failure is reported), by default
+    an hour to answer (a loaded server on a CPU)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=openai.Timeout(timeout_s, connect=30.0))
+
+
+def stream_answer(client, body: dict[str, Any]) -> dict[str, Any]:
+    """Send one streaming chat request (``body``: its JSON, the server's own fields included) with
+    OpenAI's ``client``; the client's timings and what the server reported. A refusal or a failed
+    answer raises the client's ``openai.APIError``."""
+    extra = {k: v for k, v in body.items() if k not in ("model", "messages", "stream")}
     t0 = time.perf_counter()
-    ttft, text, stats, usage = None, [], {}, {}
-    with http.stream("POST", "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"the server answered {r.status_code}: {r.read().decode(errors='replace')}")
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[len("data: ") :])
-            if "error" in event:
-                raise RuntimeError(f"the answer failed: {event['error']['message']}")
-            for choice in event.get("choices") or []:
-                delta = (choice.get("delta") or {}).get("content")
-                if delta:
+    ttft, text, stats, tokens = None, [], {}, 0
+    stream = client.chat.completions.create(model=body["model"], messages=body["messages"], stream=True, extra_body=extra)
+    with stream:
+        for chunk in stream:
+            for choice in chunk.choices:
+                if choice.delta.content:
                     ttft = time.perf_counter() - t0 if ttft is None else ttft
-                    text.append(delta)
-            stats = event.get("cacheblend") or stats
-            usage = event.get("usage") or usage
+                    text.append(choice.delta.content)
+            stats = (chunk.model_extra or {}).get("cacheblend") or stats
+            tokens = chunk.usage.completion_tokens if chunk.usage else tokens
     total = time.perf_counter() - t0
     return {
         "ttft_s": total if ttft is None else ttft,
         "total_s": total,
-        "tokens": int(usage.get("completion_tokens", 0)),
+        "tokens": int(tokens),
         "server_ttft_s": stats.get("ttft_s"),
         "queue_s": stats.get("queue_s"),
         "mode": stats.get("mode"),
@@ -243,15 +247,13 @@ def stream_answer(http, body: dict[str, Any]) -> dict[str, Any]:
 
 def closed_loop(url: str, pool: Pool, clients: int, requests: int, body: dict[str, Any]) -> tuple[list[dict], float]:
     """``clients`` threads, each sending its next streaming request once its last is answered."""
-    import httpx
-
     rows: list[dict] = []
     left = [requests]
     lock = threading.Lock()
     errors: list[BaseException] = []
 
     def client() -> None:
-        with httpx.Client(base_url=url, timeout=httpx.Timeout(3600.0, connect=30.0)) as http:
+        with openai_client(url) as openai:
             while True:
                 with lock:
                     if left[0] == 0 or errors:
@@ -260,7 +262,7 @@ def closed_loop(url: str, pool: Pool, clients: int, requests: int, body: dict[st
                 question, chunks = pool.take()
                 request = dict(body, messages=[{"role": "user", "content": question}], documents=chunks)
                 try:
-                    row = stream_answer(http, request)
+                    row = stream_answer(openai, request)
                 except BaseException as exc:  # noqa: BLE001 - reported once every client has stopped
                     with lock:
                         errors.append(exc)
@@ -312,8 +314,6 @@ def _servers(cfg: ServerLoadConfig, engine, out: Path) -> Iterator[tuple[int, An
 def run_server_load(cfg: ServerLoadConfig, *, engine=None) -> list[dict]:
     """Run every setting; returns the summary (one entry per method, max_batch and client count).
     ``engine``: serve it in process (tests) instead of starting ``cacheblend-rag serve``."""
-    import httpx
-
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = engine.tokenizer if engine is not None else _tokenizer(cfg)
@@ -333,10 +333,10 @@ def run_server_load(cfg: ServerLoadConfig, *, engine=None) -> list[dict]:
                     "cacheblend": request_options(method),
                 }
                 # Untimed: each question's chunks computed and stored once, the server warmed up.
-                with httpx.Client(base_url=server.url, timeout=httpx.Timeout(3600.0, connect=30.0)) as http:
+                with openai_client(server.url) as openai:
                     for question, chunks in items:
                         warm = stream_answer(
-                            http, dict(body, max_tokens=1, messages=[{"role": "user", "content": question}], documents=chunks)
+                            openai, dict(body, max_tokens=1, messages=[{"role": "user", "content": question}], documents=chunks)
                         )
                         _check_served(method, warm)
                 for clients in cfg.clients:

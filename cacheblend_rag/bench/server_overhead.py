@@ -24,13 +24,12 @@ import tempfile
 import time
 from typing import Any
 
-import httpx
-
 from ..engine import CacheBlendEngine
 from ..server import ServerConfig, create_app
 from ..server.live import BackgroundServer
 from ..threads import release_team
 from .datasets import load_hotpotqa
+from .server_load import openai_client, stream_answer
 
 
 def _in_process(engine: CacheBlendEngine, question: str, chunks: list[str], max_tokens: int) -> tuple[float, str]:
@@ -43,34 +42,15 @@ def _in_process(engine: CacheBlendEngine, question: str, chunks: list[str], max_
     return ttft, stream.result.text
 
 
-def _over_http(http: httpx.Client, model: str, question: str, chunks: list[str], max_tokens: int) -> tuple[float, float, str]:
-    """(client TTFT, the engine's ttft_s as reported, answer text)."""
+def _over_http(openai, model: str, question: str, chunks: list[str], max_tokens: int) -> tuple[float, float, str]:
+    """(client TTFT, the engine's ttft_s as reported, answer text), asked with OpenAI's client."""
     # The in-process side runs the model on this thread; its OpenMP team would slow the server's
     # worker, which in a deployed server is the only thread with one.
     release_team()
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": question}],
-        "documents": chunks,
-        "max_tokens": max_tokens,
-        "stream": True,
-    }
-    t0 = time.perf_counter()
-    ttft, engine_ttft, text = None, None, []
-    with http.stream("POST", "/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[len("data: ") :])
-            content = event["choices"][0]["delta"].get("content") if event["choices"] else None
-            if content:
-                ttft = time.perf_counter() - t0 if ttft is None else ttft
-                text.append(content)
-            if event.get("cacheblend"):
-                engine_ttft = event["cacheblend"]["ttft_s"]
-    assert ttft is not None and engine_ttft is not None
-    return ttft, engine_ttft, "".join(text)
+    body = {"model": model, "messages": [{"role": "user", "content": question}], "documents": chunks, "max_tokens": max_tokens}
+    row = stream_answer(openai, body)
+    assert row["text"] and row["server_ttft_s"] is not None
+    return row["ttft_s"], row["server_ttft_s"], row["text"]
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -91,17 +71,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             with (
                 # Learning off: the server must do the in-process engine's work, over the same caches.
                 BackgroundServer(create_app(engine, ServerConfig(learn_neighbours=False))) as server,
-                httpx.Client(base_url=server.url, timeout=300.0) as http,
+                openai_client(server.url, timeout_s=300.0) as openai,
             ):
-                _over_http(http, engine.model_id, *cases[0], args.max_tokens)
+                _over_http(openai, engine.model_id, *cases[0], args.max_tokens)
                 for rnd in range(args.rounds):
                     for i, (question, chunks) in enumerate(cases):
                         server_first = (rnd + i) % 2 == 1
                         if server_first:
-                            srv, eng_ttft, srv_text = _over_http(http, engine.model_id, question, chunks, args.max_tokens)
+                            srv, eng_ttft, srv_text = _over_http(openai, engine.model_id, question, chunks, args.max_tokens)
                         local, local_text = _in_process(engine, question, chunks, args.max_tokens)
                         if not server_first:
-                            srv, eng_ttft, srv_text = _over_http(http, engine.model_id, question, chunks, args.max_tokens)
+                            srv, eng_ttft, srv_text = _over_http(openai, engine.model_id, question, chunks, args.max_tokens)
                         rows.append(
                             {
                                 "question": i,
