@@ -144,9 +144,6 @@ class DeviceProfile:
         (n0, s0), (n1, s1) = pts[-2], pts[-1]
         return s1 + (s1 - s0) * (tokens - n1) / (n1 - n0)
 
-    def prefill_s_per_layer(self, tokens: int) -> float:
-        return self.prefill_s(tokens) / self.num_layers
-
     def kv_bytes(self, tokens: int, tier: str) -> int:
         return self.kv_values_per_token * self.tiers[tier].element_bytes * tokens
 

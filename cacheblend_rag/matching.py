@@ -219,8 +219,3 @@ class ChunkRegistry:
 
 def _ends_cleanly(prompt: str, end: int, key: str) -> bool:
     return end >= len(prompt) or not (key[-1].isalnum() and prompt[end].isalnum())
-
-
-def find_chunks(prompt: str, chunks: Iterable[str]) -> list[ChunkSpan]:
-    """One-off convenience: spans of ``chunks`` in ``prompt`` (builds a throwaway registry)."""
-    return ChunkRegistry(chunks).find(prompt)

@@ -100,7 +100,7 @@ def test_prefill_cost_interpolates_and_extrapolates():
     assert p.prefill_s(500) == pytest.approx(0.5)
     assert p.prefill_s(1500) == pytest.approx(1.75)
     assert p.prefill_s(3000) == pytest.approx(4.0)  # the last segment's slope
-    assert p.prefill_s_per_layer(1000) == pytest.approx(0.1)
+    assert p.prefill_s(1000) / p.num_layers == pytest.approx(0.1)  # per layer
     assert p.prefill_s(0) == 0.0
 
 

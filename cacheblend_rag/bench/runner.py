@@ -14,7 +14,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from itertools import zip_longest
 from pathlib import Path
 from typing import Any
@@ -387,7 +387,3 @@ def _run_cases(cfg, engine, retriever, methods, todo, results_path: Path, total:
     if summary_engine is not None:
         summary_engine.close(close_store=False)  # its store is the main engine's, closed by the caller
     return new_rows
-
-
-def config_dict(cfg: BenchConfig) -> dict:
-    return asdict(cfg)

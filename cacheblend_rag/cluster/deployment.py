@@ -170,11 +170,6 @@ class EngineReplica:
         """Serve's routing stats: the documents whose chunk caches this replica's memory tier holds."""
         return {"resident": self.resident.resident(self._memory_holds())}
 
-    def cache_stats(self) -> dict[str, Any]:
-        """This replica's store statistics (per-tier reads, hits, promotions)."""
-        stats = getattr(self.engine.store, "stats", None)
-        return {"replica": self.replica_id, **(stats.as_dict() if hasattr(stats, "as_dict") else {})}
-
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)
         if engine is not None:

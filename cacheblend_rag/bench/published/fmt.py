@@ -56,11 +56,6 @@ def sig(v: float | None, digits: int = 2) -> str:
     return "–" if _nan(v) else re.sub(r"e([+-])0*(\d)", r"e\1\2", f"{v:.{digits}g}").replace("e+", "e")
 
 
-def p_value(p: float) -> str:
-    """A sign test's p: ``0.0095``, ``1.6e-06``."""
-    return f"{p:.2g}"
-
-
 def span(values: Sequence[float], fmt=num, sep: str = "-") -> str:
     """The range of several values in one format: ``0.03-0.05`` (one value when they round alike)."""
     lo, hi = fmt(min(values)), fmt(max(values))
