@@ -22,7 +22,7 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager as ContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import cachetools
@@ -74,20 +74,10 @@ class LearnConfig:
     save_every: int = 64
 
     def __post_init__(self) -> None:
-        for name in (
-            "neighbours",
-            "min_count",
-            "max_chunks",
-            "max_predecessors",
-            "max_caches_per_chunk",
-            "max_pending",
-            "max_tokens_per_request",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"LearnConfig.{name}={value!r} must be an int >= 1")
-        if isinstance(self.save_every, bool) or not isinstance(self.save_every, int) or self.save_every < 0:
-            raise ValueError(f"LearnConfig.save_every={self.save_every!r} must be an int >= 0")
+        for f in fields(self):  # every setting a count: at least 1, save_every 0 too
+            value, least = getattr(self, f.name), 0 if f.name == "save_every" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"LearnConfig.{f.name}={value!r} must be an int >= {least}")
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -295,17 +295,8 @@ def guide(plan: FusionPlan, layout: PromptLayout, config: BlendConfig, scores: t
         spans = [(off, off + len(seg)) for seg, off in zip(layout.segments, layout.offsets()) if bool(plan.candidate[off])]
         for i in pick_chunks(scores, spans, budget):
             forced[spans[i][0] : spans[i][1]] = True
-    return FusionPlan(
-        input_ids=plan.input_ids,
-        always=plan.always,
-        candidate=candidate,
-        forced=forced,
-        recompute_first_layer=hybrid,
-        checks=checks,
-        num_query=plan.num_query,
-        attention_groups=plan.attention_groups,
-        context_attention=plan.context_attention,
-    )
+    # The question's selection is no causal suffix (causal_plan's).
+    return replace(plan, candidate=candidate, forced=forced, recompute_first_layer=hybrid, checks=checks, causal_suffix=False)
 
 
 def context_attention(layout: PromptLayout, config: BlendConfig) -> ContextAttention | None:

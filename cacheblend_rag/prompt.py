@@ -327,20 +327,10 @@ class PromptBuilder:
         if marks.structured:
             return self._marked_turns_tail(turns, calls, marks)
         marked = [dict(t, content=_turn_marker(i)) if t.get("content") else t for i, t in enumerate(turns)]
-        for plain, with_markers in zip(self._messages(_SENTINEL, turns), self._messages(_SENTINEL, marked)):
-            try:
-                text = render(self.tokenizer, with_markers, self.tools)
-                real = render(self.tokenizer, plain, self.tools)
-            except Exception:  # noqa: BLE001 - a template that rejects the system role
-                continue
+        for text, real in self._render_turns(turns, marked):
             if not isinstance(text, str) or text.count(_SENTINEL) != 1:
                 continue
-            head, tail = text.split(_SENTINEL)
-            if head != self._head:
-                raise ValueError(
-                    "the chat template renders the conversation's start differently when turns follow: "
-                    "pass the conversation without chunks (a plain chat)"
-                )
+            tail = self._tail_of(text)
             parts: list[tuple[str, bool]] = []
             for i, t in enumerate(turns):
                 if not t.get("content"):
@@ -361,25 +351,36 @@ class PromptBuilder:
         """``_turns_tail`` for turns whose tool calls hold control-token strings: the contents and
         those strings as text, or refused where the template changes them."""
         marked = [dict(t, content=marks.text(str(t["content"]))) if t.get("content") else t for t in calls]
+        for text, real in self._render_turns(turns, marked):
+            if not isinstance(text, str) or not isinstance(real, str) or text.count(_SENTINEL) != 1 or real.count(_SENTINEL) != 1:
+                continue
+            parts = marks.split(self._tail_of(text), real.split(_SENTINEL)[1])
+            if parts is None:
+                raise marks.refusal("the tool calls' names or arguments")
+            return parts
+        raise ValueError("the chat template cannot render the conversation's later turns")
+
+    def _render_turns(self, turns: list[dict], marked: list[dict]) -> Iterator[tuple[object, object]]:
+        """(conversation with ``marked`` turns, conversation with ``turns``) as the template renders
+        them, for each way ``_messages`` places the instruction that the template accepts."""
         for plain, with_markers in zip(self._messages(_SENTINEL, turns), self._messages(_SENTINEL, marked)):
             try:
                 text = render(self.tokenizer, with_markers, self.tools)
                 real = render(self.tokenizer, plain, self.tools)
             except Exception:  # noqa: BLE001 - a template that rejects the system role
                 continue
-            if not isinstance(text, str) or not isinstance(real, str) or text.count(_SENTINEL) != 1 or real.count(_SENTINEL) != 1:
-                continue
-            head, tail = text.split(_SENTINEL)
-            if head != self._head:
-                raise ValueError(
-                    "the chat template renders the conversation's start differently when turns follow: "
-                    "pass the conversation without chunks (a plain chat)"
-                )
-            parts = marks.split(tail, real.split(_SENTINEL)[1])
-            if parts is None:
-                raise marks.refusal("the tool calls' names or arguments")
-            return parts
-        raise ValueError("the chat template cannot render the conversation's later turns")
+            yield text, real
+
+    def _tail_of(self, text: str) -> str:
+        """What a rendered conversation holds after the question; refused where its start is not
+        the one the chunks were cached behind."""
+        head, tail = text.split(_SENTINEL)
+        if head != self._head:
+            raise ValueError(
+                "the chat template renders the conversation's start differently when turns follow: "
+                "pass the conversation without chunks (a plain chat)"
+            )
+        return tail
 
     def encode(self, text: str) -> tuple[int, ...]:
         """Token ids of trusted prompt text (template, instruction): special tokens allowed."""

@@ -37,6 +37,10 @@ __all__ = ["ClusterOptions", "EngineReplica", "EngineSpec", "Front", "app_builde
 log = logging.getLogger(__name__)
 
 
+# EngineSpec's fields passed to CacheBlendEngine.from_pretrained by the same name.
+_FROM_PRETRAINED = ("device", "dtype", "weights", "store_dir", "store", "memory_bytes")
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """How every replica builds its engine: ``CacheBlendEngine.from_pretrained`` with these
@@ -75,16 +79,8 @@ class EngineSpec:
             return fn(**self.factory_kwargs)
         from ..engine import CacheBlendEngine
 
-        return CacheBlendEngine.from_pretrained(
-            self.model,
-            device=self.device,
-            dtype=self.dtype,
-            weights=self.weights,
-            store_dir=self.store_dir,
-            store=self.store,
-            memory_bytes=self.memory_bytes,
-            **self.engine_kwargs,
-        )
+        named = {name: getattr(self, name) for name in _FROM_PRETRAINED}
+        return CacheBlendEngine.from_pretrained(self.model, **named, **self.engine_kwargs)
 
 
 @dataclass(frozen=True)

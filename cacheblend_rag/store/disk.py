@@ -83,7 +83,7 @@ def _check_size_limit(value: object) -> int:
     return int(value)
 
 
-class KVStore:
+class KVStore(contextlib.AbstractContextManager):
     """Per-chunk KV cache on disk; thread- and multi-process-safe via diskcache/SQLite.
 
     ``size_limit`` bounds every byte the store keeps on disk: records, the SQLite database and its
@@ -477,10 +477,7 @@ class KVStore:
         if self._owns_directory:
             shutil.rmtree(self.directory, ignore_errors=True)
 
-    def __enter__(self) -> KVStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: object) -> None:  # __enter__: AbstractContextManager's (the store)
         self.close()
 
     def __repr__(self) -> str:

@@ -44,6 +44,7 @@ import logging
 import re
 import threading
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,7 +127,7 @@ class RedisConfig:
                 raise ValueError(f"{name}={value!r} must be a positive number of seconds or None")
 
 
-class RedisStore:
+class RedisStore(AbstractContextManager):
     """Chunk KV store in Redis; see the module docstring. Thread-safe (redis-py's connection pool)."""
 
     tier_name = "redis"
@@ -404,10 +405,7 @@ class RedisStore:
             self.client.close()  # the client's own connection, if any; the pool is shared
             redis_pool.release(pool)
 
-    def __enter__(self) -> RedisStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: object) -> None:  # __enter__: AbstractContextManager's (the store)
         self.close()
 
     def __repr__(self) -> str:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field
@@ -348,19 +348,31 @@ class TieredStore:
         above it lack (one round trip to a tier with ``contains_many``, such as Redis)."""
         keys = list(keys)
         found = [False] * len(keys)
-        todo = list(range(len(keys)))
+
+        def lookup(i: int, t: Tier, todo: list[int]) -> Any:
+            got = self._call(i, f"lookup of {len(todo)} chunks", contains_many, t.store, [keys[j] for j in todo])
+            if got is not _FAILED:
+                for j, hit in zip(todo, got):
+                    found[j] = bool(hit)
+            return got
+
+        self._down_the_tiers(len(keys), lookup)
+        return found
+
+    def _down_the_tiers(self, n: int, ask: Callable[[int, Tier, list[int]], Any]) -> list[int]:
+        """Ask the healthy tiers, fastest first, about items ``0..n-1``: ``ask(i, tier, todo)`` is
+        given the items no tier above answered and returns, for each, whether this one did (or
+        ``_FAILED``: the next tier is asked about all of them). The items no tier answered."""
+        todo = list(range(n))
         for i, t in enumerate(self.tiers):
             if not todo:
                 break
             if not self._healthy(i):
                 continue
-            got = self._call(i, f"lookup of {len(todo)} chunks", contains_many, t.store, [keys[j] for j in todo])
-            if got is _FAILED:
-                continue
-            for j, hit in zip(todo, got):
-                found[j] = bool(hit)
-            todo = [j for j, hit in zip(todo, got) if not hit]
-        return found
+            answered = ask(i, t, todo)
+            if answered is not _FAILED:
+                todo = [j for j, done in zip(todo, answered) if not done]
+        return todo
 
     def meta(self, key: str) -> ChunkMeta | None:
         for i, t in enumerate(self.tiers):
@@ -410,21 +422,15 @@ class TieredStore:
         for the chunks the tiers above it lacked: one round trip to a tier with ``get_layers``."""
         keys = list(keys)
         out: list[KV | None] = [None] * len(keys)
-        todo = list(range(len(keys)))
-        for i, t in enumerate(self.tiers):
-            if not todo:
-                break
-            if not self._healthy(i):
-                continue
+
+        def read(i: int, t: Tier, todo: list[int]) -> Any:
             asked = [keys[j] for j in todo]
             what = f"read of {asked[0][:16]}/{layer}" + (f" and {len(asked) - 1} more chunks" if len(asked) > 1 else "")
             got = self._call(i, what, self._read_layers, t, asked, layer, device, timed=True)
             if got is _FAILED:
-                continue
-            left = []
+                return got
             for j, kv in zip(todo, got):
                 if kv is None:
-                    left.append(j)
                     continue
                 out[j] = kv
                 with self._lock:
@@ -433,9 +439,11 @@ class TieredStore:
                     self.stats.tier_hits[t.name] += 1
                 if self.promote and i > 0:
                     self._promote(i, keys[j], layer, *kv)
-            todo = left
+            return [kv is not None for kv in got]
+
+        missed = self._down_the_tiers(len(keys), read)
         with self._lock:
-            self.stats.misses += len(todo)
+            self.stats.misses += len(missed)
         return out
 
     def _read_layers(self, tier: Tier, keys: list[str], layer: int, device) -> list[KV | None]:
