@@ -1,5 +1,6 @@
 """The statistics and provenance behind the docs' generated numbers: one speed-up everywhere,
-number formats, and which engine made a result file's rows."""
+number formats, which engine made a result file's rows, and the headline rule: the README's
+results table reads rows made in today's defaults on today's engine code (``bench.headline``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cacheblend_rag.bench import provenance
+from cacheblend_rag.bench import doc_tables, headline, provenance
 from cacheblend_rag.bench.breakdown import summarize as breakdown_summarize
 from cacheblend_rag.bench.fidelity import ttft_speedup
 from cacheblend_rag.bench.published.fmt import Stat, render
@@ -179,3 +180,216 @@ def test_rows_that_carry_their_engine_need_no_entry(tmp_path):
     assert provenance.of(tmp_path, "new.jsonl").label() == "cacheblend-rag 0.3.0, commit abc1234, 2027-01-15"
     with pytest.raises(KeyError, match="old.jsonl has no entry in provenance.json and its rows carry no engine: .*--record"):
         provenance.of(tmp_path, "old.jsonl")
+
+
+# ----------------------------------------------------------------------------- the headline rule
+def _package(root: Path, files: dict[str, str]) -> Path:
+    pkg = root / "pkg"
+    for name, text in files.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(text)
+    return pkg
+
+
+def test_engine_source_hashes_the_engines_code_and_nothing_else(tmp_path):
+    """The engine's modules are those it imports at any depth, lazy imports included; comments,
+    docstrings and formatting do not change the hash, code does; a module it never imports does
+    not count, nor do the benchmarks."""
+    files = {
+        "__init__.py": "",
+        "engine.py": '"""Doc."""\nfrom .core import step\n\n\ndef run():\n    from .store import disk\n    return step(disk)\n',
+        "core.py": "def step(x):\n    return x  # same\n",
+        "store/__init__.py": "",
+        "store/disk.py": "SIZE = 1\n",
+        "server.py": "from .engine import run\n",
+        "bench/__init__.py": "",
+        "bench/x.py": "",
+    }
+    pkg = _package(tmp_path, files)
+    assert list(provenance.engine_modules(pkg, "pkg.engine")) == ["pkg", "pkg.core", "pkg.engine", "pkg.store", "pkg.store.disk"]
+    before = provenance.engine_source(pkg, "pkg.engine")
+    (pkg / "core.py").write_text('def step(x):\n    """Now documented."""\n\n    return (x)  # another comment\n')
+    (pkg / "server.py").write_text("from .engine import run\nPORT = 1\n")
+    assert provenance.engine_source(pkg, "pkg.engine") == before
+    (pkg / "store" / "disk.py").write_text("SIZE = 2\n")
+    assert provenance.engine_source(pkg, "pkg.engine") != before
+    with pytest.raises(FileNotFoundError, match="the engine's module pkg.nowhere is not in"):
+        provenance.engine_modules(pkg, "pkg.nowhere")
+
+
+def test_machine_stamp_records_what_decides_the_timings():
+    stamp = provenance.machine_stamp()
+    assert set(stamp) == {"cpu", "cpu_flags", "cores", "threads", "torch", "llama_cpp"}
+    assert set(stamp["cpu_flags"]) <= set(provenance.CPU_FLAGS)
+
+
+CASE = headline.Case("agreement-x", "fidelity", "tiny", "x.jsonl")
+
+
+def _default_row(qid: str = "1", **settings) -> dict:
+    fmt = headline.default_format()
+    made = headline.method_settings(
+        headline.default_method(), weights="auto", weight_format=fmt, neighbours=headline.default_settings()["neighbours"]
+    )
+    return {
+        "dataset": "hotpotqa",
+        "qid": qid,
+        "method": headline.default_method(),
+        "settings": {**made, **settings},
+        "engine_source": "aaaa",
+        "agree": True,
+    }
+
+
+def _verdict(tmp_path: Path, rows: list[dict], pending: dict[str, str] | None = None, source: str = "aaaa"):
+    (tmp_path / CASE.file).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return headline.check(tmp_path, source=source, cases=[CASE], pending=pending or {})
+
+
+def test_rows_made_in_todays_defaults_on_todays_engine_pass(tmp_path):
+    assert headline.default_settings()["recompute_ratio"] == 0.15  # read off BlendConfig()
+    verdict = _verdict(tmp_path, [_default_row("1"), _default_row("2")])
+    assert verdict.failures == [] and verdict.pending == []
+
+
+OTHER_FORMAT = {"fp16": "fp32", "fp32": "fp16"}
+
+
+@pytest.mark.parametrize(
+    "setting,value,reason",
+    [
+        ("weight_format", "other", "weights '{value}', not the default '{default}'"),
+        ("recompute_ratio", 0.3, "recompute_ratio 0.3, not the default 0.15"),
+        ("strategy", "hkvd", "strategy 'hkvd', not the default 'question'"),
+        ("neighbour_caches", False, "neighbour_caches False, not the default True"),
+        ("neighbours", 1, "neighbours 1, not the default 2"),
+        ("neighbour_pool", "retrieved", "neighbour_pool 'retrieved', not the default 'corpus'"),
+        ("kv_format", "int8", "kv_format 'int8', not the default 'float'"),
+    ],
+)
+def test_a_row_made_with_another_setting_fails_naming_table_row_and_setting(tmp_path, setting, value, reason):
+    default = headline.default_format()
+    if value == "other":
+        value = OTHER_FORMAT[default]
+    verdict = _verdict(tmp_path, [_default_row("1"), _default_row("2", **{setting: value})])
+    want = reason.format(value=value, default=default)
+    assert verdict.failures == [f"table readme-results, row x.jsonl hotpotqa/2 {headline.default_method()}: {want}"]
+
+
+def test_a_row_older_than_the_engines_code_fails(tmp_path):
+    verdict = _verdict(tmp_path, [_default_row("1")], source="bbbb")
+    assert verdict.failures == [
+        f"table readme-results, row x.jsonl hotpotqa/1 {headline.default_method()}: "
+        "engine_source aaaa is not today's engine bbbb (the engine's code changed since)"
+    ]
+
+
+def test_rows_that_record_no_settings_fail_with_what_they_show(tmp_path):
+    old = {"dataset": "musique", "qid": "7", "method": "question@0.15/nb", "neighbour_pool": "corpus", "agree": False}
+    verdict = _verdict(tmp_path, [old])
+    (failure,) = verdict.failures
+    assert failure.startswith("table readme-results, row x.jsonl musique/7 question@0.15/nb: ")
+    assert "settings not recorded" in failure and "engine_source not recorded" in failure
+    if headline.default_format() == "fp16":
+        assert "weights 'fp32', not the default 'fp16'" in failure  # no weights field: float32 rows
+
+
+def test_pending_cases_are_listed_with_their_command_and_leave_the_list_once_remade(tmp_path):
+    listed = _verdict(tmp_path, [_default_row("1", strategy="hkvd")], pending={CASE.name: CASE.file})
+    assert listed.failures == []
+    (line,) = listed.pending
+    assert line.startswith("agreement-x: docs/results/x.jsonl, 1 of 1 rows: strategy 'hkvd', not the default 'question' (1 rows)")
+    assert "Re-make: cacheblend-rag headline --out headline --only agreement-x" in line
+    remade = _verdict(tmp_path, [_default_row("1")], pending={CASE.name: CASE.file})
+    assert remade.failures == [
+        "agreement-x: the rows of docs/results/x.jsonl are today's defaults on today's engine: "
+        "delete its PENDING entry (cacheblend_rag.bench.headline)"
+    ]
+
+
+def test_the_headline_rows_still_to_remake_are_the_known_list():
+    """Today's README table reads rows made before the rule: they are listed, by case, with the
+    command that re-makes them, and nothing else fails. Re-making a case shrinks this list."""
+    verdict = doc_tables.headline_verdict()
+    assert verdict.failures == []
+    assert [line.split(":")[0] for line in verdict.pending] == ["whole-answer-smollm2", "whole-answer-qwen05", "agreement-qwen05"]
+    for line, case in zip(verdict.pending, headline.CASES):
+        assert f"docs/results/{headline.PENDING[case.name]}" in line
+        assert f"Re-make: cacheblend-rag headline --out headline --only {case.name}, then commit headline/{case.file}" in line
+
+
+def test_export_stamps_each_row_with_the_process_that_wrote_it(tmp_path):
+    """A case resumed by a second process: each row carries the engine and machine of the
+    process that wrote it (the last stamp before the row's time)."""
+    folder = tmp_path / CASE.name
+    folder.mkdir()
+    rows = [{"dataset": "d", "qid": str(i), "method": "question@0.15/nb", "time": t} for i, t in enumerate((1.0, 3.0))]
+    (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"cut short')
+    stamps = [
+        {
+            "time": t,
+            "weights": "auto",
+            "weight_format": "fp16",
+            "neighbours": 2,
+            "engine": e,
+            "engine_source": e,
+            "machine": {"cpu": e},
+        }
+        for t, e in ((0.5, "first"), (2.0, "second"))
+    ]
+    (folder / headline.STAMPS).write_text("".join(json.dumps(s) + "\n" for s in stamps))
+    out = headline.export(CASE, folder, tmp_path)
+    assert [(r["engine_source"], r["machine"]["cpu"]) for r in out] == [("first", "first"), ("second", "second")]
+    assert all(r["settings"]["neighbours"] == 2 and r["settings"]["weight_format"] == "fp16" for r in out)
+    assert [json.loads(line) for line in (tmp_path / CASE.file).read_text().splitlines()] == out
+
+
+def test_the_headline_command_makes_rows_that_pass_the_rule_and_resumes(tmp_path, monkeypatch):
+    """Both kinds of case on the tiny model: rows in today's defaults with their engine, machine
+    and settings, which the rule passes; a second run loads no model and changes no row."""
+    from dataclasses import replace
+
+    import cacheblend_rag.bench.runner as runner
+
+    tiny = dict(model="tiny", datasets=("crosschunk",), n=1, top_k=3, chunk_tokens=64)
+    cases = [
+        replace(headline.BY_NAME["whole-answer-smollm2"], lengths=(2, 4), llama_cpp=(), **tiny),
+        replace(headline.BY_NAME["agreement-qwen05"], offset={}, **tiny),
+    ]
+    out = tmp_path / "headline"
+    got = headline.run_headline(out, cases, progress=False)
+    fmt = headline.default_format()
+    assert sorted(r["method"] for r in got["whole-answer-smollm2"]) == sorted(
+        [f"full_recompute_saved/{fmt}", f"{headline.default_method()}/{fmt}"]
+    )
+    assert [r["method"] for r in got["agreement-qwen05"]] == [headline.default_method()]
+    for rows in got.values():
+        for r in rows:
+            assert r["engine_source"] == provenance.engine_source_now()
+            assert r["machine"] == provenance.machine_stamp()
+            assert r["settings"]["weights"] == "auto" and r["settings"]["weight_format"] == fmt
+    assert got["agreement-qwen05"][0]["neighbour_hits"] > 0  # the neighbour-aware caches were made and read
+    results = tmp_path / "results"
+    results.mkdir()
+    for case in cases:
+        (results / case.file).write_bytes((out / case.file).read_bytes())
+    assert headline.check(results, cases=cases, pending={}).failures == []
+
+    monkeypatch.setattr(runner, "load_engine", lambda *a, **k: pytest.fail("a finished case loaded a model"))
+    before = {c.file: (out / c.file).read_text() for c in cases}
+    again = headline.run_headline(out, cases, progress=False)
+    assert {c.file: (out / c.file).read_text() for c in cases} == before
+    assert {k: len(v) for k, v in again.items()} == {k: len(v) for k, v in got.items()}
+
+
+def test_the_headline_command_lists_its_cases_and_refuses_an_unknown_one(capsys):
+    from cacheblend_rag.cli import main
+
+    assert main(["headline", "--list"]) == 0
+    listed = capsys.readouterr().out
+    for case in headline.CASES:
+        assert f"{case.name}: {case.model}, {headline.default_format()} weights" in listed and case.file in listed
+    with pytest.raises(
+        SystemExit, match="unknown case nope; choose from whole-answer-smollm2, whole-answer-qwen05, agreement-qwen05"
+    ):
+        main(["headline", "--only", "nope"])

@@ -17,10 +17,11 @@ MODULES = (
     "calibrate",
     "profile_cli",
     "pipeline_bench",
+    "headline",
 )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``sweep``, ``bench``, ``fidelity``, ``calibrate``, ``profile`` and ``pipeline-bench``."""
+    """Add ``sweep``, ``bench``, ``fidelity``, ``calibrate``, ``profile``, ``pipeline-bench`` and ``headline``."""
     for name in MODULES:
         importlib.import_module(f"{__package__}.{name}").register(subparsers)

@@ -9,6 +9,11 @@ differs (the test suite runs it, so a changed row changes the page or fails the 
 ``--list`` prints every table and group of numbers with the files they come from; ``--record
 FILE`` writes a newly committed result file's entry in ``docs/results/provenance.json`` (which
 engine made its rows: every table's caption says).
+
+``--check`` also holds the README's results table to the headline rule (``bench.headline``): the
+rows it reads must be made in today's defaults on today's engine code. A row that is not fails the
+check, naming the table, the row and the setting; cases still to be re-made (``headline.PENDING``)
+are listed as "headline rows to re-make", each with the command that re-makes it.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import provenance
+from . import headline, provenance
 from .published import Results, fmt, registry
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,6 +113,11 @@ def update(root: Path = ROOT, write: bool = True) -> list[str]:
     return stale
 
 
+def headline_verdict(root: Path = ROOT) -> headline.Verdict:
+    """The headline rule over ``root``'s result files: failures, and the cases still to re-make."""
+    return headline.check(root / "docs" / "results")
+
+
 def listing() -> str:
     """Every table and group of numbers with the result files it reads (the inventory)."""
     tables, values = registry()
@@ -135,7 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     stale = update(write=not args.check)
     for item in stale:
         print(("out of date: " if args.check else "rewrote: ") + item)
-    return 1 if stale and args.check else 0
+    verdict = headline_verdict()
+    if verdict.pending:
+        print("headline rows to re-make:\n" + "\n".join(f"  {line}" for line in verdict.pending))
+    for item in verdict.failures:
+        print(f"headline rule: {item}")
+    return 1 if args.check and (stale or verdict.failures) else 0
 
 
 if __name__ == "__main__":

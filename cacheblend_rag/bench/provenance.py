@@ -10,15 +10,19 @@ the first and the last). Two kinds of note refine it where a file mixes engines:
 
 Rows written from now on carry their engine themselves (``engine``: :func:`engine_stamp`, the
 version and the commit of the code that ran, ``+dirty`` with uncommitted changes), and a file
-without an entry is labelled from them. ``record(file)`` writes a file's entry from ``git log``
+without an entry is labelled from them. Headline rows also carry ``engine_source``
+(:func:`engine_source`: a hash of the engine's code, which needs no git history, so a wheel
+install computes it too) and ``machine`` (:func:`machine_stamp`). ``record(file)`` writes a file's entry from ``git log``
 (``python -m cacheblend_rag.bench.doc_tables --record docs/results/NEW.jsonl``, after committing
 the rows); notes are kept.
 """
 
 from __future__ import annotations
 
+import ast
 import datetime
 import functools
+import hashlib
 import json
 import re
 import subprocess
@@ -119,6 +123,116 @@ def engine_stamp() -> str:
     return f"{__version__}+g{commit}" + (".dirty" if dirty else "")
 
 
+# The engine's code: the module that defines CacheBlendEngine and every module of the package it
+# imports, at any depth and wherever in a module the import stands (lazy imports count).
+
+
+def _engine_root() -> tuple[Path, str]:
+    """The installed package's folder and the module that defines ``CacheBlendEngine``."""
+    import cacheblend_rag
+
+    return Path(cacheblend_rag.__file__).resolve().parent, cacheblend_rag.CacheBlendEngine.__module__
+
+
+def _module_file(package_dir: Path, name: str) -> Path | None:
+    """``cacheblend_rag.a.b`` -> ``<package_dir>/a/b.py`` or ``a/b/__init__.py`` (None: not a module)."""
+    parts = name.split(".")[1:]
+    base = package_dir.joinpath(*parts)
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """The package's modules ``path`` (module ``name``) imports, absolute or relative."""
+    package = name.split(".")[0]
+    here = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == package}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here.rsplit(".", node.level - 1)[0] if node.level > 1 else here
+                base = f"{base}.{node.module}" if node.module else base
+            elif (node.module or "").split(".")[0] == package:
+                base = node.module
+            else:
+                continue
+            found.add(base)
+            found |= {f"{base}.{a.name}" for a in node.names}  # kept below only where a module
+    return found
+
+
+def engine_modules(package_dir: Path | None = None, root: str | None = None) -> dict[str, Path]:
+    """The engine's modules by name: ``root`` (default: the module of ``CacheBlendEngine``) and,
+    transitively, every module of its package it imports (read from the sources, nothing
+    imported). The benchmarks are not the engine."""
+    if package_dir is None or root is None:
+        default_dir, default_root = _engine_root()
+        package_dir, root = package_dir or default_dir, root or default_root
+    if _module_file(package_dir, root) is None:
+        raise FileNotFoundError(f"the engine's module {root} is not in {package_dir}")
+    package = root.split(".")[0]
+    found: dict[str, Path] = {}
+    todo = [root]
+    while todo:
+        name = todo.pop()
+        if name in found or name.startswith(f"{package}.bench"):
+            continue
+        path = _module_file(package_dir, name)
+        if path is None:
+            continue
+        found[name] = path
+        todo += sorted(_imports(name, path))
+        # A submodule's import runs its packages' __init__ first.
+        todo += [name.rsplit(".", k)[0] for k in range(1, name.count(".") + 1)]
+    return dict(sorted(found.items()))
+
+
+def _normalized(source: str) -> str:
+    """The code without comments, docstrings and formatting: what a reformat does not change."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.unparse(tree)
+
+
+def engine_source(package_dir: Path | None = None, root: str | None = None) -> str:
+    """A hash of the engine's code (:func:`engine_modules`, each module's name and its code without
+    comments, docstrings or formatting): 16 hex digits. Rows carry it as ``engine_source``; a row
+    whose hash is not today's measured other code than today's engine."""
+    h = hashlib.sha256()
+    for name, path in engine_modules(package_dir, root).items():
+        h.update(name.encode() + b"\0" + _normalized(path.read_text(encoding="utf-8")).encode() + b"\0")
+    return h.hexdigest()[:16]
+
+
+@functools.cache
+def engine_source_now() -> str:
+    """:func:`engine_source` of the installed package, computed once per process."""
+    return engine_source()
+
+
+def llama_cpp_version() -> str | None:
+    """llama-cpp-python's version (it pins the llama.cpp it builds), or None where not installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("llama-cpp-python")
+    except metadata.PackageNotFoundError:
+        return None
+
+
 # The CPU features that decide which kernels run (and so the timings): recorded in every row.
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
 
@@ -126,7 +240,7 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_b
 @functools.cache
 def machine_stamp() -> dict[str, Any]:
     """What ran a row: CPU model and the kernel-deciding flags (``/proc/cpuinfo``), the cores
-    and torch's threads, torch's version. Benchmarks write it into every row."""
+    and torch's threads, torch's and llama-cpp-python's versions. Benchmarks write it into every row."""
     import os
 
     import torch
@@ -147,6 +261,7 @@ def machine_stamp() -> dict[str, Any]:
         "cores": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        "llama_cpp": llama_cpp_version(),
     }
 
 

@@ -19,11 +19,11 @@ __all__ = ["Results", "Table", "Values", "registry"]
 @functools.cache
 def registry() -> tuple[dict[str, Table], dict[str, Values]]:
     """Every table by name and every group of numbers by prefix, from the page modules."""
-    from . import bench_pages, engine_pages, quality_pages, storage_pages  # late: they import .results
+    from . import bench_pages, engine_pages, quality_pages, readme_pages, storage_pages  # late: they import .results
 
     tables: dict[str, Table] = {}
     values: dict[str, Values] = {}
-    for module in (bench_pages, quality_pages, engine_pages, storage_pages):
+    for module in (bench_pages, quality_pages, engine_pages, storage_pages, readme_pages):
         tables.update(module.TABLES)
         values.update(module.VALUES)
     return tables, values
