@@ -59,6 +59,7 @@ def retrieve(question: str, chunks: list[str], top_k: int) -> list[str]:
 
 def _ask(args: argparse.Namespace) -> int:
     from .engine import CacheBlendEngine
+    from .serving import Request, Run
 
     if args.top_k < 0:
         raise SystemExit(f"error: --top-k {args.top_k}: pass a number of chunks >= 1, or 0 to send every chunk")
@@ -77,18 +78,15 @@ def _ask(args: argparse.Namespace) -> int:
             engine.precompute(chunks, neighbours=ASK_NEIGHBOURS, corpus=corpus, progress=not args.json)
         elif args.precompute:
             engine.precompute(chunks, progress=not args.json)
-        stream = engine.stream(
-            args.question,
-            chunks,
-            mode=args.mode,
-            recompute_ratio=args.ratio,
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
+        # The request path every front end takes (the settings checked as the server checks them).
+        request = Request.over_chunks(args.question, chunks).with_settings(
+            mode=args.mode, recompute_ratio=args.ratio, max_new_tokens=args.max_new_tokens, temperature=args.temperature
         )
-        for delta in stream:
+        run = Run(engine, request)
+        for delta in run:
             if not args.json:
                 print(delta, end="", flush=True)
-        res = stream.result
+        res = run.result
         assert res is not None
     finally:
         engine.close()

@@ -121,11 +121,6 @@ class StopMatcher:
         return cut, max(hold, min(self._depth[state], len(text)))
 
 
-def _held_back(text: str, stops: tuple[str, ...]) -> int:
-    """Characters at the end of ``text`` that could still grow into a stop string."""
-    return StopMatcher(stops).feed(text)[1]
-
-
 class Decoder:
     """One answer's decoding state: picks each token (greedy or sampled) and turns the tokens into
     text deltas, holding back what could still grow into a stop string. Shared by the one-answer

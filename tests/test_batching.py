@@ -55,7 +55,7 @@ def test_ape_requests_are_decoded_on_their_own_with_the_same_answer(engine):
     want = engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, config=ape, max_new_tokens=6)
     with Batcher(engine) as batcher:
         plain = batcher.submit(*REQUESTS[1], max_new_tokens=6)
-        got = batcher.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, config=ape, max_new_tokens=6)
+        got = batcher.submit(SAMPLE_QUESTION, SAMPLE_CHUNKS, config=ape, max_new_tokens=6).result()
         plain.result()
     assert got.token_ids == want.token_ids
 
@@ -64,7 +64,7 @@ def test_bad_requests_fail_in_the_caller_and_a_closed_batcher_refuses(engine):
     with pytest.raises(ValueError, match="max_batch=0 must be an int >= 1"):
         Batcher(engine, max_batch=0)
     batcher = Batcher(engine)
-    with pytest.raises(ValueError, match="question is empty"):
+    with pytest.raises(ValueError, match="no question text"):
         batcher.submit("  ", SAMPLE_CHUNKS)
     batcher.close()
     with pytest.raises(RuntimeError, match="the batcher is closed"):
@@ -162,7 +162,7 @@ def test_the_batched_fast_step_gives_the_forwards_logits_over_left_padded_rows(e
 
     from cacheblend_rag.backbone import cache_kwarg
     from cacheblend_rag.decode_cache import room_cache
-    from cacheblend_rag.serving.batcher import _pad_left
+    from cacheblend_rag.serving.decode_batch import _pad_left
 
     assert engine.fast_step is not None
     pres = [engine.prefill(engine.build_layout(q, c), "full_recompute") for q, c in REQUESTS[:3]]

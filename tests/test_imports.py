@@ -139,6 +139,51 @@ def test_the_core_imports_neither_the_benchmarks_nor_an_integration() -> None:
     assert not bad, "the core (cacheblend_rag outside bench/) must not import these:\n" + "\n".join(bad)
 
 
+# The layers above the core, each of which may import the core but never the other way round:
+# the serving path every front end shares, the HTTP server, the replicas, the commands (``cli``
+# and the commands it dispatches to) and the benchmarks (and the integrations, outside the package).
+ABOVE_THE_CORE = tuple(
+    f"{PACKAGE}.{name}" for name in ("serving", "server", "cluster", "bench", "cli", "__main__", "store_cli", "ingest")
+)
+
+
+def _within(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def core_arrows_up(root: Path, package: str = PACKAGE, above: tuple[str, ...] = ABOVE_THE_CORE) -> list[str]:
+    """Every import from a core module (one of ``package`` outside ``above``) of a module in a
+    layer above it (``above``) or of an integration."""
+    mods = modules(root, package)
+    banned = above + NOT_FROM_THE_CORE
+    return [
+        f"{name} imports {target}"
+        for name, path in mods.items()
+        if name != package and not _within(name, above)
+        for target in sorted(imports(name, path, mods))
+        if _within(target, banned)
+    ]
+
+
+def test_no_arrow_runs_from_the_core_up_to_serving_the_server_or_the_benchmarks() -> None:
+    assert f"{PACKAGE}.serving.request" in modules(REPO) and f"{PACKAGE}.engine" in modules(REPO)
+    bad = core_arrows_up(REPO)
+    assert not bad, "the core must not import the layers above it (move the code down, or pass it in):\n" + "\n".join(bad)
+
+
+def test_the_layer_check_catches_an_arrow_up_however_it_is_written(tmp_path: Path) -> None:
+    root = _package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "engine.py": "def stream():\n    from .serving.request import answer_settings",  # lazily, as engine.py once did
+            "serving/__init__.py": "",
+            "serving/request.py": "from ..engine import stream",  # down: allowed
+        },
+    )
+    assert core_arrows_up(root, "pkg", ("pkg.serving",)) == ["pkg.engine imports pkg.serving.request"]
+
+
 # ------------------------------------------------------------------ the scanner itself
 
 

@@ -157,12 +157,12 @@ def test_chunk_attention_is_absent_where_no_scoring_pass_runs(qengine, mode, con
 
 
 def test_reporting_chunk_attention_changes_no_answer(qengine, monkeypatch):
-    import cacheblend_rag.engine as engine_module
+    import cacheblend_rag.prefill as prefill_module
 
     layout = qengine.build_layout(Q, CHUNKS)
     with_it = qengine.prefill(layout, "cacheblend")
     answer = qengine.generate(Q, CHUNKS, max_new_tokens=8)
-    monkeypatch.setattr(engine_module, "chunk_attention", lambda scores, layout: [])  # not computed at all
+    monkeypatch.setattr(prefill_module, "chunk_attention", lambda scores, layout: [])  # not computed at all
     without = qengine.prefill(layout, "cacheblend")
     assert torch.equal(with_it.logits, without.logits)
     assert all(torch.equal(a, b) for a, b in zip(with_it.selected, without.selected))

@@ -608,7 +608,7 @@ def test_engine_failure_is_a_500_in_openai_form():
         model_id = "broken"
         model = tokenizer = fast_step = None
 
-        def open_stream(self, *args, **kwargs):
+        def stream(self, *args, **kwargs):
             raise RuntimeError("out of memory")
 
     with TestClient(create_app(Broken(), ServerConfig(learn_neighbours=False)), raise_server_exceptions=False) as http:

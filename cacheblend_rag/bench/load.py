@@ -111,7 +111,7 @@ def closed_loop(batcher, pool: Pool, clients: int, requests: int, kwargs: dict[s
                     return
                 left[0] -= 1
             q, chunks = pool.take()
-            res = batcher.generate(q, chunks, **kwargs)
+            res = batcher.submit(q, chunks, **kwargs).result()
             with lock:
                 rows.append(_row(res))
 
@@ -181,7 +181,7 @@ def run_load(cfg: LoadConfig, *, engine=None) -> list[dict]:
             for method, max_batch, (kind, level) in tqdm(plan, desc="load", unit="setting", disable=not cfg.progress):
                 kwargs = _request_kwargs(method, engine, cfg)
                 with Batcher(engine, max_batch=max_batch) as batcher:
-                    batcher.generate(*items[0], **kwargs)  # warm-up, untimed
+                    batcher.submit(*items[0], **kwargs).result()  # warm-up, untimed
                     pool = Pool(items)
                     if kind == "closed":
                         rows, wall = closed_loop(batcher, pool, int(level), cfg.requests, kwargs)

@@ -1,10 +1,12 @@
 """How a request is answered, whichever front end it came through.
 
 * :mod:`.request`: :class:`Request`, what the engine is asked (a question over chunks, or a plain
-  chat) and how (mode, ratio, one ``SamplingParams``), with :func:`answer_settings`, the one place
-  that turns the settings' user-facing names into those fields;
+  chat) and how (mode, ratio, one ``SamplingParams`` built by ``cacheblend_rag.sampling``), with
+  :func:`answer_settings`, which turns the settings' user-facing names into those fields, and
+  :func:`open_stream`, the engine's stream for a request;
 * :mod:`.run`: :class:`Run`, one answer: text deltas, then the result with the engine's stats;
-* :mod:`.batcher`: :class:`Batcher`, continuous batching: concurrent answers decoded together;
+* :mod:`.batcher`: :class:`Batcher`, continuous batching as a step loop (admission, prefill,
+  decode), over :mod:`.decode_batch`'s :class:`DecodeBatch` (one forward per token for every answer);
 * :mod:`.tool_run`: :class:`ToolRun`, a run with tools or a constraint: ``tool_choice`` planned
   (``tools.plan_tools``), the answer's tool calls parsed; both integrations start one with
   :func:`.tool_run.start`.
@@ -13,9 +15,10 @@ The LangChain and LlamaIndex integrations and the HTTP server (``cacheblend_rag.
 adapters: they turn their framework's input into a ``Request`` and a ``Run``'s output back.
 """
 
-from .batcher import Batcher, DecodeBatch, Ticket
-from .request import SETTINGS, Request, answer_settings
-from .run import Run, open_stream
+from .batcher import Batcher, Ticket
+from .decode_batch import DecodeBatch
+from .request import SETTINGS, Request, answer_settings, open_stream
+from .run import Run
 from .tool_run import ToolRun
 
 __all__ = ["Batcher", "DecodeBatch", "Request", "Run", "SETTINGS", "Ticket", "ToolRun", "answer_settings", "open_stream"]

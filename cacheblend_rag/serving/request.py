@@ -8,59 +8,53 @@ with :func:`answer_settings`: the one place where decoding settings become a ``S
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import BlendConfig, SamplingParams, check_mode
-from ..constraints import Grammar
+from ..engine_loading import check_config
+from ..plain import chat_text, plain_stream
+from ..sampling import SAMPLING_SETTINGS, sampling_params
 
-# The user-facing setting names answer_settings() takes (OpenAI's max_tokens is the adapters' to map).
-SETTINGS = (
-    "mode",
-    "recompute_ratio",
-    "config",
-    "max_new_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "stop",
-    "seed",
-    "ignore_eos",
-    "constraint",
-)
+if TYPE_CHECKING:
+    from ..engine import CacheBlendEngine
+    from ..stream import GenerationStream
+
+# The user-facing setting names answer_settings() takes (OpenAI's max_tokens is the adapters' to map):
+# how to prefill, then SamplingParams' own fields (sampling.SAMPLING_SETTINGS).
+SETTINGS = ("mode", "recompute_ratio", "config", *SAMPLING_SETTINGS)
 
 
 def answer_settings(
-    *,
-    mode: str = "cacheblend",
-    recompute_ratio: float | None = None,
-    config: BlendConfig | None = None,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    stop: Sequence[str] | str | None = None,
-    seed: int | None = None,
-    ignore_eos: bool = False,
-    constraint: Grammar | None = None,
+    *, mode: str = "cacheblend", recompute_ratio: float | None = None, config: BlendConfig | None = None, **decoding: Any
 ) -> dict[str, Any]:
     """A request's ``mode``, ``recompute_ratio``, ``config`` and ``sampling`` (one
-    ``SamplingParams``) from the settings' user-facing names, with their documented defaults.
+    ``SamplingParams``, built by ``sampling.sampling_params`` from the other settings) from the
+    settings' user-facing names (:data:`SETTINGS`), with their documented defaults.
 
-    Bad values raise here, naming the setting. ``stop`` may be one string (one stop sequence) or
-    a list of them; None is none. ``constraint`` (a ``constraints.Grammar``) keeps the answer
-    inside a grammar: structured output, a forced tool call (``tools.plan_tools``).
+    Bad values raise here, naming the setting, and so does a name that is not a setting. ``stop``
+    may be one string (one stop sequence) or a list of them; None is none. ``constraint`` (a
+    ``constraints.Grammar``) keeps the answer inside a grammar: structured output, a forced tool
+    call (``tools.plan_tools``).
     """
-    check_mode(mode)  # recompute_ratio is checked by the BlendConfig it goes into (engine.open_stream)
-    if config is not None and not isinstance(config, BlendConfig):
-        raise TypeError(
-            f"config must be a BlendConfig, got {type(config).__name__}: build one with cacheblend_rag.BlendConfig(**options)"
-        )
-    sampling = SamplingParams(
-        max_new_tokens, temperature, top_p, top_k, () if stop is None else stop, seed, ignore_eos, constraint
-    )
-    return {"mode": mode, "recompute_ratio": recompute_ratio, "config": config, "sampling": sampling}
+    check_mode(mode)  # recompute_ratio is checked by the BlendConfig it goes into (engine.stream)
+    config = check_config(config)
+    return {"mode": mode, "recompute_ratio": recompute_ratio, "config": config, "sampling": sampling_params(**decoding)}
+
+
+def call_settings(fields: Mapping[str, Any], overrides: Mapping[str, Any], accepted: Sequence[str]) -> dict[str, Any]:
+    """A framework call's settings: a model's ``fields`` (``answer_settings``' names), then the
+    call's ``overrides`` on top. Every integration refuses the same way: an override not among
+    ``accepted`` raises ``TypeError`` naming it and the accepted ones (a misspelt setting would
+    otherwise change nothing without a word). OpenAI's ``max_tokens`` is ``max_new_tokens``."""
+    unknown = sorted(set(overrides) - set(accepted))
+    if unknown:
+        raise TypeError(f"unknown generation arguments {unknown}; accepted: {', '.join(accepted)}")
+    given = dict(overrides)
+    if "max_tokens" in given:
+        given["max_new_tokens"] = given.pop("max_tokens")
+    return {**fields, **given}
 
 
 @dataclass(frozen=True)
@@ -161,3 +155,21 @@ class Request:
         """This request with the given settings (names and defaults of :func:`answer_settings`;
         a setting not given takes its default)."""
         return dataclasses.replace(self, **answer_settings(**settings))
+
+
+def open_stream(engine: CacheBlendEngine, request: Request) -> GenerationStream:
+    """The engine's stream for ``request`` (validated: a context that does not fit raises here)."""
+    if request.chunks:
+        return engine.stream(
+            request.question,
+            list(request.chunks),
+            request.sampling,
+            mode=request.mode,
+            recompute_ratio=request.recompute_ratio,
+            config=request.config,
+            tools=request.tools,
+            turns=request.turns,
+        )
+    # No chunks: one full prefill of the chat in the model's template, or of a prompt as written.
+    text = request.prompt if request.prompt is not None else chat_text(engine.tokenizer, request.messages, request.tools)
+    return plain_stream(engine, text, request.sampling)

@@ -1,6 +1,6 @@
 """One answer to a :class:`~.request.Request`, as every front end runs it.
 
-A request over chunks is the engine's CacheBlend prefill (``engine.open_stream``); one without
+A request over chunks is the engine's CacheBlend prefill (``engine.stream``); one without
 chunks is a plain chat, the engine's full prefill of the messages in the model's chat template
 (``cacheblend_rag.plain``). Either way the run streams text deltas and ends with a
 ``GenerationResult`` carrying the engine's stats.
@@ -18,31 +18,13 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from ..plain import chat_text, plain_stream
-from .request import Request
+from .request import Request, open_stream
 
 if TYPE_CHECKING:
-    from ..engine import CacheBlendEngine, GenerationResult, GenerationStream
+    from ..engine import CacheBlendEngine
     from ..prompt import PromptLayout
+    from ..stream import GenerationResult
     from .batcher import Batcher
-
-
-def open_stream(engine: CacheBlendEngine, request: Request) -> GenerationStream:
-    """The engine's stream for ``request`` (validated: a context that does not fit raises here)."""
-    if request.chunks:
-        return engine.open_stream(
-            request.question,
-            list(request.chunks),
-            request.sampling,
-            mode=request.mode,
-            recompute_ratio=request.recompute_ratio,
-            config=request.config,
-            tools=request.tools,
-            turns=request.turns,
-        )
-    # No chunks: one full prefill of the chat in the model's template, or of a prompt as written.
-    text = request.prompt if request.prompt is not None else chat_text(engine.tokenizer, request.messages, request.tools)
-    return plain_stream(engine, text, request.sampling)
 
 
 class Run:
@@ -60,7 +42,7 @@ class Run:
         self.result: GenerationResult | None = None
         self._cancelled = threading.Event()
         self._stream = open_stream(engine, request)
-        self._ticket = batcher.enqueue(self._stream) if batcher is not None else None
+        self._ticket = batcher.add(self._stream) if batcher is not None else None
 
     @property
     def layout(self) -> PromptLayout:

@@ -20,8 +20,9 @@ from .request import Request
 from .run import Run
 
 if TYPE_CHECKING:
-    from ..engine import CacheBlendEngine, GenerationResult
+    from ..engine import CacheBlendEngine
     from ..prompt import PromptLayout
+    from ..stream import GenerationResult
     from .batcher import Batcher
 
 

@@ -14,6 +14,7 @@ from cacheblend_rag import CacheBlendEngine
 from cacheblend_rag.matching import ChunkRegistry
 from cacheblend_rag.messages import split_messages
 from cacheblend_rag.serving import Batcher, Request, Run
+from cacheblend_rag.serving.request import call_settings
 
 from .inputs import ChunkedText
 
@@ -145,14 +146,9 @@ class CacheBlendParams(BaseModel):
     def _stops(self, stop: Sequence[str] | None) -> list[str]:
         return list(dict.fromkeys([*(self.stop or []), *(stop or [])]))
 
-    def _settings(self, stop: Sequence[str] | None, overrides: dict[str, Any]) -> dict[str, Any]:
+    def generation_settings(self, stop: Sequence[str] | None, overrides: dict[str, Any]) -> dict[str, Any]:
         """The fields, the call's overrides on top, and the stop strings: ``Request.with_settings``'s names."""
-        unknown = set(overrides) - set(CALL_PARAMS)
-        if unknown:
-            raise TypeError(f"unknown generation arguments {sorted(unknown)}; accepted: {', '.join(CALL_PARAMS)}")
-        if "max_tokens" in overrides:
-            overrides = dict(overrides, max_new_tokens=overrides.pop("max_tokens"))
-        return {**self._generation_fields(), **overrides, "stop": self._stops(stop)}
+        return {**call_settings(self._generation_fields(), overrides, CALL_PARAMS), "stop": self._stops(stop)}
 
     def _request_from_text(self, prompt: str) -> Request:
         """Implicit chunks: known chunk texts found verbatim in the prompt.
@@ -200,7 +196,7 @@ class CacheBlendParams(BaseModel):
         return Request.plain_chat(messages, text)
 
     def _start(self, request: Request, stop: Sequence[str] | None, overrides: dict[str, Any]) -> Run:
-        return Run(self.get_engine(), request.with_settings(**self._settings(stop, overrides)), batcher=self.batcher)
+        return Run(self.get_engine(), request.with_settings(**self.generation_settings(stop, overrides)), batcher=self.batcher)
 
     @property
     def batcher(self) -> Batcher | None:

@@ -210,7 +210,7 @@ class ToolCallingMixin:
         return tool_run.start(
             self.get_engine(),  # type: ignore[attr-defined]
             request,
-            self._settings(stop, overrides),  # type: ignore[attr-defined]
+            self.generation_settings(stop, overrides),  # type: ignore[attr-defined]
             tools=calls.get("tools"),
             tool_choice=calls.get("tool_choice"),
             parallel=bool(calls.get("parallel_tool_calls")),

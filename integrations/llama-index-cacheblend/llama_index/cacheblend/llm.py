@@ -35,8 +35,9 @@ from cacheblend_rag.config import check_mode
 from cacheblend_rag.matching import ChunkRegistry
 from cacheblend_rag.plain import chat_text
 from cacheblend_rag.serving import Batcher, Request, Run
+from cacheblend_rag.serving.request import call_settings
 
-from .tools import FunctionCallingMixin, call_kwargs, tool_run, wants_tools
+from .tools import TOOL_ARGUMENTS, FunctionCallingMixin, call_kwargs, tool_run, wants_tools
 
 NO_MATCH = (
     "the prompt contains none of the {n} chunk texts registered with this engine, so it is answered "
@@ -163,20 +164,23 @@ class CacheBlendLLM(FunctionCallingMixin, CustomLLM, FunctionCallingLLM):
         tell how many answers shared each decode step."""
         return None if self.max_batch <= 1 else Batcher.for_engine(self._engine, self.max_batch)
 
-    def _settings(self, overrides: dict[str, Any]) -> dict[str, Any]:
-        """The fields, then ``overrides``, by ``Request.with_settings``'s names (unknown keys are
-        ignored: LlamaIndex passes its own extras through ``**kwargs``)."""
+    def generation_settings(self, overrides: dict[str, Any]) -> dict[str, Any]:
+        """The fields, then a call's ``overrides``, by ``Request.with_settings``'s names. As in
+        LangChain's models, an override that is not a generation setting (``GENERATION_KEYS``)
+        raises ``TypeError`` (``serving.request.call_settings``); the tool path's own arguments
+        (``tools.TOOL_ARGUMENTS``) are read there, not here."""
         fields = {k: getattr(self, k) for k in GENERATION_KEYS if k != "stop"}
-        return {**fields, **{k: v for k, v in overrides.items() if k in GENERATION_KEYS}}
+        given = {k: v for k, v in overrides.items() if k not in TOOL_ARGUMENTS}
+        return call_settings(fields, given, GENERATION_KEYS)
 
     def _run(self, request: Request, overrides: dict[str, Any]) -> Run:
-        return Run(self._engine, request.with_settings(**self._settings(overrides)), batcher=self.batcher)
+        return Run(self._engine, request.with_settings(**self.generation_settings(overrides)), batcher=self.batcher)
 
     # ------------------------------------------------------------------ answers over chunks
     def stream_chunks(self, question: str, chunks: Sequence[str], **overrides: Any) -> Run:
         """Start answering ``question`` over ``chunks`` (each chunk's KV reused); iterate the
         result for text deltas, then read ``.result`` (text, ttft_s, stats)."""
-        return self._run(Request(question, tuple(chunks), chunk_source="explicit"), overrides)
+        return self._run(Request.over_chunks(question, chunks), overrides)
 
     def answer_chunks(self, question: str, chunks: Sequence[str], **overrides: Any) -> GenerationResult:
         run = self.stream_chunks(question, chunks, **overrides)
@@ -191,8 +195,9 @@ class CacheBlendLLM(FunctionCallingMixin, CustomLLM, FunctionCallingLLM):
         """Chunk texts known to this engine (shared with every integration using it)."""
         return ChunkRegistry.for_engine(self._engine)
 
-    def _match(self, text: str) -> Request | None:
-        """A request over the known chunks found in ``text``, or None when there are none."""
+    def chunked_request(self, text: str) -> Request | None:
+        """A request over the known chunks found in ``text``, or None when there are none (or
+        nothing but chunks: the prompt is then answered as it is)."""
         if not self.match_chunks:
             return None
         registry = self.chunk_registry
@@ -203,7 +208,7 @@ class CacheBlendLLM(FunctionCallingMixin, CustomLLM, FunctionCallingLLM):
             return None
         if not question.strip():
             return None  # nothing but chunks: answer the prompt as it is
-        return Request(question, tuple(match.chunks), chunk_source="matched", chunks_matched=len(match.spans))
+        return Request.over_chunks(question, match.chunks, "matched", len(match.spans))
 
     def _warn_no_match(self, registered: int) -> None:
         """Once per LLM: chunks are registered, yet this prompt contains none of them verbatim."""
@@ -246,7 +251,7 @@ class CacheBlendLLM(FunctionCallingMixin, CustomLLM, FunctionCallingLLM):
             raise ValueError("prompt is empty: pass a non-empty prompt string")
         if chunks is not None:
             return self.stream_chunks(question_around(prompt, chunks), chunks, **overrides)
-        request = self._match(prompt) or Request.plain_prompt(self._format_completion(prompt, formatted))
+        request = self.chunked_request(prompt) or Request.plain_prompt(self._format_completion(prompt, formatted))
         return self._run(request, overrides)
 
     def stream_messages(self, messages: Sequence[ChatMessage], **overrides: Any) -> Run:
@@ -257,7 +262,7 @@ class CacheBlendLLM(FunctionCallingMixin, CustomLLM, FunctionCallingLLM):
         if wants_tools(overrides):  # tools, tool_choice or a constraint: the template and the grammar
             return tool_run(self, messages, overrides)  # type: ignore[return-value]
         joined = "\n\n".join(m.content or "" for m in messages if CHAT_ROLES.get(m.role) != "assistant")
-        request = self._match(joined) or Request.plain_prompt(self._format_messages(messages))
+        request = self.chunked_request(joined) or Request.plain_prompt(self._format_messages(messages))
         return self._run(request, overrides)
 
     @llm_completion_callback()

@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 
 # The chat() keyword arguments that take the tool path (the rest are generation settings).
 TOOL_KEYS = ("tools", "tool_choice", "constraint", "schema_hint")
+# Every chat() keyword argument the tool path reads (the generation settings are the LLM's to check).
+TOOL_ARGUMENTS = (*TOOL_KEYS, "parallel_tool_calls")
 
 
 def _role(message: ChatMessage) -> str:
@@ -119,11 +121,11 @@ def tool_run(llm: CacheBlendLLM, messages: Sequence[ChatMessage], overrides: dic
     if not head:
         raise ValueError("the conversation starts with a tool call: put the user's message before it")
     joined = "\n\n".join(m.content or "" for m in head if _role(m) != "assistant")
-    request = llm._match(joined) or Request.plain_chat([turn(m) for m in head], joined)
+    request = llm.chunked_request(joined) or Request.plain_chat([turn(m) for m in head], joined)
     return serving_tool_run.start(
         llm.engine,
         request,
-        llm._settings(overrides),
+        llm.generation_settings(overrides),
         tools=overrides.get("tools"),
         tool_choice=overrides.get("tool_choice"),
         parallel=bool(overrides.get("parallel_tool_calls")),
