@@ -55,11 +55,11 @@ def _whole_rows(res: Results, case: headline.Case) -> list[list[str]]:
     qs = f"{entry['n']}"
     settings, cpu = _settings(rows), _cpu(rows)
 
-    def cell(field: str) -> str:
-        return x_ci(entry[field], entry[f"{field}_ci"], 1) + " sooner"
+    def cell(field: str, digits: int = 2) -> str:
+        return x_ci(entry[field], entry[f"{field}_ci"], digits) + " sooner"
 
     return [
-        [model, f"first token ({prompt}-token prompt)", "saved full prefill", cell("ttft_vs_full_prefill"), qs, settings, cpu],
+        [model, f"first token ({prompt}-token prompt)", "saved full prefill", cell("ttft_vs_full_prefill", 1), qs, settings, cpu],
         [model, f"whole {LONGEST}-token answer", "saved full prefill", cell(f"t{LONGEST}_vs_full_prefill"), qs, settings, cpu],
         [model, f"whole {LONGEST}-token answer", "llama.cpp Q8_0", cell(f"t{LONGEST}_vs_{REFERENCE}"), qs, settings, cpu],
     ]
