@@ -230,14 +230,18 @@ def _serve(args: argparse.Namespace) -> int:
         store_dir=args.store_dir,
         store=store_tiers(args.store),
     )
+    app = None
     try:
         _guarded(engine, args.guard_margin, args.adaptive)
-        app = create_app(engine, config)
         # uvicorn stops on SIGINT/SIGTERM gracefully: it stops accepting connections, lets open
-        # requests finish, then runs the app's shutdown (which drains the batcher).
+        # requests finish (--timeout-drain), then runs the app's shutdown, which drains the batcher
+        # and closes the engine (saves learned neighbours). It must: after a SIGTERM uvicorn raises
+        # the signal again once it has shut down, and nothing after uvicorn.run runs.
+        app = create_app(engine, config, close_engine=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, **uvicorn_settings(config))
     finally:
-        engine.close()
+        if app is None or not app.state.engine_closed:  # uvicorn never started, or failed
+            engine.close()
     return 0
 
 

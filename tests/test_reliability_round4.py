@@ -656,3 +656,87 @@ def test_sigterm_stops_the_server_within_its_drain_timeout(tmp_path):
             proc.wait()
     # uvicorn raises the signal again once it has shut down, so the exit status reports it.
     assert proc.returncode in (0, -signal.SIGTERM) and stopped_s < 1 + 4, (proc.returncode, stopped_s)
+
+
+# ------------------------------------------------------------------ 7. idle-connection churn
+CHURN_CAP, CHURN_BURST = 16, 24  # bursts over the cap, under twice the cap (the rule's bound)
+CHURN_PROBES, CHURN_CHATS = 400, 22
+
+
+def test_good_requests_are_answered_while_idle_connections_churn(engine, expected):
+    """Attack 7: 1 of 22 good requests was reset while clients opened idle connections and closed
+    them. Over ``max_connections`` the cap closed the oldest connection still waiting for its
+    headers, and a good client that had just connected, its request not yet read, could be that
+    one (15 of 1,000 reset at these numbers before the rule). Now a connection is closed for the
+    cap only after waiting ``SHED_GRACE_S`` for its headers (below twice the cap). Bursts of 24
+    idle connections, held 0.05-0.3 s, against a cap of 16: 400 ``/health`` probes and 22 chats,
+    each on a connection of its own, are all answered, the chats with the in-process answer; and
+    idle connections over the cap are still closed."""
+    import random
+    import socket
+
+    from cacheblend_rag.server.limits import SHED_GRACE_S
+
+    server = _serve(engine, max_connections=CHURN_CAP, timeout_header_s=BOUND_S)
+    stop = threading.Event()
+    opened = [0]
+
+    def churn() -> None:
+        rng = random.Random(0)
+        while not stop.is_set():
+            socks = []
+            for _ in range(CHURN_BURST):
+                try:
+                    socks.append(socket.create_connection(("127.0.0.1", server.port), timeout=BOUND_S))
+                except OSError:
+                    pass
+            opened[0] += len(socks)
+            time.sleep(rng.uniform(0.05, 0.3))
+            for s in socks:
+                s.close()
+
+    churner = threading.Thread(target=churn, daemon=True)
+    failures: list[str] = []
+    try:
+        churner.start()
+        time.sleep(0.5)
+        for i in range(CHURN_PROBES + CHURN_CHATS):
+            try:
+                if i % ((CHURN_PROBES + CHURN_CHATS) // CHURN_CHATS) == 0:
+                    r = _post(server.url, _chat(documents=SAMPLE_CHUNKS))
+                    if r.status_code != 200 or r.json()["choices"][0]["message"]["content"] != expected.text:
+                        failures.append(f"chat {i}: {r.status_code} {r.text[:200]}")
+                else:
+                    r = httpx.get(f"{server.url}/health", timeout=BOUND_S)
+                    if r.status_code != 200:
+                        failures.append(f"health {i}: {r.status_code}")
+            except httpx.TransportError as exc:  # reset, or closed before the response
+                failures.append(f"request {i}: {type(exc).__name__}: {exc}")
+        stop.set()
+        churner.join(BOUND_S)
+        assert not failures, (len(failures), failures[:5], opened[0])
+        assert opened[0] > 10 * CHURN_CAP, opened[0]  # the churn ran
+
+        # The cap still holds: idle connections over it are closed once their grace is over.
+        idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(CHURN_CAP + 10)]
+        try:
+            time.sleep(SHED_GRACE_S)
+            closed, deadline = 0, time.monotonic() + BOUND_S
+            while closed < 10 and time.monotonic() < deadline:
+                closed = 0
+                for s in idle:
+                    s.settimeout(0.0)
+                    try:
+                        closed += s.recv(1) == b""
+                    except BlockingIOError:
+                        pass
+                    except OSError:
+                        closed += 1
+                time.sleep(0.05)
+            assert closed >= 10, closed
+        finally:
+            for s in idle:
+                s.close()
+    finally:
+        stop.set()
+        server.stop()

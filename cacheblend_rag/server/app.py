@@ -94,11 +94,17 @@ class APIError(Exception):
         self.status, self.info = status, ErrorInfo(message=message, type=type, param=param, code=code)
 
 
-def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
+def create_app(engine, config: ServerConfig | None = None, *, close_engine: bool = False) -> FastAPI:
     """An OpenAI-compatible app over ``engine`` (a ``CacheBlendEngine``). Closing the app (its
-    lifespan's end, e.g. uvicorn's graceful shutdown) waits for queued requests; the engine is
-    the caller's to close. ``app.state.batcher`` is the batcher serving it (its ``steps`` and
-    ``rows_stepped`` count decode steps and the answers they advanced)."""
+    lifespan's end, e.g. uvicorn's graceful shutdown) waits for queued requests; then, with
+    ``close_engine``, it closes the engine too (its learned neighbours saved, the store's
+    write-backs finished and the store closed), and sets ``app.state.engine_closed``. Without it
+    the engine is the caller's to close. ``app.state.batcher`` is the batcher serving it (its
+    ``steps`` and ``rows_stepped`` count decode steps and the answers they advanced).
+
+    Pass ``close_engine=True`` where uvicorn runs in the main thread (``uvicorn.run``,
+    ``Server.run``): on SIGTERM uvicorn drains (``timeout_drain_s``), runs the lifespan's end,
+    and then raises the signal again, which kills the process before any code after ``run``."""
     config = config or ServerConfig()
     name = config.model_name or engine.model_id
     if config.learn_neighbours:
@@ -110,12 +116,17 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
-        # uvicorn has let every open request finish by now; wait for the worker to drain too.
+        # uvicorn has let every open request finish (or cancelled it after timeout_drain_s) by
+        # now; wait for the worker to drain too.
         await asyncio.to_thread(worker.close)
+        if close_engine:
+            await asyncio.to_thread(engine.close)
+            app.state.engine_closed = True
 
     app = FastAPI(title="cacheblend-rag", lifespan=lifespan)
     app.state.server_config = config  # read by limits.uvicorn_config
     app.state.batcher = worker.batcher
+    app.state.engine_closed = False
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, timeout_s=config.timeout_body_s)
     _install_error_handlers(app)
 

@@ -42,12 +42,15 @@ class ServerConfig:
         its opening or the previous response; then it is closed (default 10).
     timeout_body_s: seconds a request's body may take to arrive; then 408 (default 30).
     timeout_keep_alive_s: seconds an idle keep-alive connection stays open (default 5, uvicorn's).
-    max_connections: open connections; one more closes the oldest one still waiting for its
-        headers, or itself if every other one is busy (default 128).
+    max_connections: open connections; over it, the connections that have waited
+        ``limits.SHED_GRACE_S`` (0.5 s) or more for their headers are closed, longest waiting
+        first; past twice it, the longest waiting one whatever its age, or the new one if every
+        other one is busy (default 128).
     max_header_bytes: bytes of a request's headers (h11's ``max_incomplete_event_size``; default
         16 KiB); more gets 400 from uvicorn.
     timeout_drain_s: seconds a graceful shutdown (SIGTERM, SIGINT) waits for open requests to
-        finish; then they are cancelled and the server stops (default 30).
+        finish; then they are cancelled and the server stops (default 30). ``serve`` closes its
+        engine after the drain, in the app's lifespan shutdown (``create_app(close_engine=True)``).
     """
 
     model_name: str | None = None

@@ -25,15 +25,20 @@ def main() -> int:
     args = p.parse_args()
     store = args.store_dir or tempfile.mkdtemp(prefix="cacheblend-serve-tiny-")
     engine = make_engine("llama", tools=True, seed=0, store_dir=store, pipelined=False)
-    app = create_app(engine, ServerConfig(model_name="tiny", learn_neighbours=False, timeout_drain_s=args.timeout_drain))
+    app = create_app(
+        engine, ServerConfig(model_name="tiny", learn_neighbours=False, timeout_drain_s=args.timeout_drain), close_engine=True
+    )
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn_config(app, log_level="warning"))
     print(f"PORT {sock.getsockname()[1]}", flush=True)
     try:
-        server.run(sockets=[sock])  # returns after SIGTERM/SIGINT and the graceful shutdown
+        # On SIGTERM uvicorn drains, runs the lifespan's end (which closes the engine), then
+        # raises the signal again: nothing after run() runs.
+        server.run(sockets=[sock])
     finally:
-        engine.close()
+        if not app.state.engine_closed:
+            engine.close()
     return 0
 
 
