@@ -156,8 +156,8 @@ def _copy_docs(tmp_path: Path) -> Path:
 
 
 def test_a_changed_row_changes_the_page(tmp_path):
-    """One slower CacheBlend answer in the headline rows: the headline tables and every number
-    quoting its speed-up go stale, and rewriting the pages changes them, README included."""
+    """One slower CacheBlend answer in the first-token benchmark's rows: its tables and every
+    number quoting its speed-up go stale, and rewriting the pages changes them."""
     import json
 
     root = _copy_docs(tmp_path)
@@ -170,11 +170,33 @@ def test_a_changed_row_changes_the_page(tmp_path):
     assert "docs/benchmarks.md: table bench-headline-hotpotqa" in stale
     assert "docs/benchmarks.md: table bench-headline-pooled" in stale
     assert "docs/benchmarks.md: table bench-headline-musique" not in stale  # its rows did not change
-    assert any(s.startswith("README.md: number bench.vs_saved") for s in stale)
+    assert any(s.startswith("docs/index.md: number bench.vs_saved") for s in stale)
+    before = (root / "docs" / "index.md").read_text()
+    doc_tables.update(root)
+    assert (root / "docs" / "index.md").read_text() != before
+    assert doc_tables.update(root, write=False) == []
+
+
+def test_a_changed_headline_row_changes_the_readme_results(tmp_path):
+    """One slower CacheBlend answer in a row the README's results table reads: the table goes
+    stale and rewriting it changes the README."""
+    import json
+
+    from cacheblend_rag.bench import headline
+
+    root = _copy_docs(tmp_path)
+    case = headline.CASES[0]
+    rows_path = root / "docs" / "results" / headline.rows_file(case)
+    rows = [json.loads(line) for line in rows_path.read_text().splitlines()]
+    default = headline.pick_default({r["method"] for r in rows})
+    target = next(r for r in rows if r["method"] == default)
+    target["ttft_s"] *= 5
+    rows_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    stale = doc_tables.update(root, write=False)
+    assert "README.md: table readme-results" in stale
     before = (root / "README.md").read_text()
     doc_tables.update(root)
     assert (root / "README.md").read_text() != before
-    assert doc_tables.update(root, write=False) == []
 
 
 def test_a_changed_result_file_of_another_kind_changes_its_table(tmp_path):
