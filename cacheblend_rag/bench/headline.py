@@ -449,7 +449,7 @@ def run_headline(
     return {c.name: run_case(c, out, musique=musique, hotpotqa=hotpotqa, progress=progress) for c in cases}
 
 
-def listing(out: str = "headline") -> str:
+def listing() -> str:
     """Every case: what it runs and the command that re-makes it."""
     fmt, spec = default_format(), default_method()
     lines = []
@@ -486,7 +486,7 @@ def register(subparsers) -> None:
 
 def _cmd(args: argparse.Namespace) -> int:
     if args.list:
-        print(listing(args.out))
+        print(listing())
         return 0
     names = [n.strip() for n in args.only.split(",")] if args.only else list(BY_NAME)
     unknown = [n for n in names if n not in BY_NAME]
