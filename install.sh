@@ -17,7 +17,8 @@ PY=${PYTHON:-python3}
 constraints="$(mktemp)"
 trap 'rm -f "$constraints"' EXIT
 echo "torch==2.13.0" >"$constraints"
-"$PY" -m pip install -q -c "$constraints" -e ".[dev,docs,bench,server,redis,ray,structured]" \
+"$PY" -m pip install -q -c "$constraints" -e ".[dev,docs,server,redis,ray,structured]" \
+    -e benchmarks \
     -e "integrations/langchain-cacheblend[test]" \
     -e "integrations/llama-index-cacheblend[test,embeddings]"
 "$PY" -c 'import torch, sys; sys.exit(0 if torch.__version__.split("+")[0] == "2.13.0" else f"torch {torch.__version__} replaced 2.13.0")'

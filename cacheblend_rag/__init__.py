@@ -1,8 +1,9 @@
 """cacheblend-rag: fast RAG prefill by fusing per-chunk KV caches (CacheBlend, EuroSys '25)."""
 
-from .config import MODES, BlendConfig, SamplingParams
-from .engine import CacheBlendEngine, GenerationResult, PrefillResult
-from .prompt import PromptLayout, Segment
+from cacheblend_rag.chat.prompt import PromptLayout, Segment
+from cacheblend_rag.config import MODES, BlendConfig
+from cacheblend_rag.decode.sampling import SamplingParams
+from cacheblend_rag.engine.core import CacheBlendEngine, GenerationResult, PrefillResult
 
 __all__ = [
     "MODES",

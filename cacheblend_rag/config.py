@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-
-from .constraints import Grammar
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 # full_recompute is the model's own forward; full_recompute_saved the same exact prefill with the
 # last-layer saving the fused modes get (only the last position runs attention and the MLP there).
@@ -30,7 +28,7 @@ class BlendConfig:
     recompute_ratio: fraction of the context (chunk) tokens recomputed on the layers after the
         filtering schedule has finished (paper section 4.3: ~15% keeps quality).
     criterion: how a recomputed token's KV deviation is scored on a check layer; one of
-        ``cacheblend_rag.selector.CRITERIA`` ("value" is the paper's, "key" is LMCache's,
+        ``cacheblend_rag.blend.selector.CRITERIA`` ("value" is the paper's, "key" is LMCache's,
         "query_value" weights the value deviation by the question's attention) or a callable.
         Default "query_value": on MuSiQue with the bundled model it was closer to full prefill
         than the paper's "value" on every question measured (docs/engine.md, "Fidelity").
@@ -85,7 +83,7 @@ class BlendConfig:
         (``full_recompute_saved``, exact) and answered from that: the answer is full prefill's, at
         the cost of both prefills. Fused modes only (``cacheblend``, ``full_reuse``); every fused
         prefill reports ``stats["first_token_margin"]`` and ``stats["escalated"]``. Pick the
-        threshold from ``python -m cacheblend_rag.bench.guard_curve`` (share escalated, agreement
+        threshold from ``python -m cacheblend_bench.guard_curve`` (share escalated, agreement
         and TTFT per threshold, from ``cacheblend-rag fidelity`` rows); ``float("inf")`` always
         escalates. When set, it is ``escalation``'s full-prefill step: ``(guard_margin, 1.0)``.
     escalation: adaptive recompute, ``((margin, ratio), ...)``: after the blended prefill at
@@ -241,61 +239,6 @@ class BlendConfig:
             return [(first + i, 0.0) for i in range(n)]
         # Geometric shrink: each check layer keeps the same share of what it recomputed.
         return [(first + i, math.pow(r, (i + 1) / n)) for i in range(n)]
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Decoding settings. temperature=0 is greedy (the benchmark default)."""
-
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop: Sequence[str] = field(default_factory=tuple)
-    seed: int | None = None
-    # Decode past end-of-sequence until max_new_tokens or a stop string: answers of equal length,
-    # for benchmarks that time a given number of tokens (vLLM's name for it).
-    ignore_eos: bool = False
-    # Constrained decoding (constraints.Grammar): each token is chosen among those that keep the
-    # answer inside the grammar, and the answer ends where the grammar does. None: unconstrained.
-    constraint: Grammar | None = None
-
-    def __post_init__(self) -> None:
-        if self.constraint is not None and not isinstance(self.constraint, Grammar):
-            raise TypeError(
-                f"constraint must be a cacheblend_rag.constraints.Grammar or None, got {type(self.constraint).__name__}: "
-                "build one with Grammar.json_schema(schema)"
-            )
-        if not isinstance(self.ignore_eos, bool):
-            raise TypeError(f"ignore_eos must be True or False, got {type(self.ignore_eos).__name__} {self.ignore_eos!r}")
-        for name in ("max_new_tokens", "top_k"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__} {self.seed!r}")
-        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
-            # torch.Generator.manual_seed takes a 64-bit value and fails with a bare "Overflow".
-            raise ValueError(f"seed={self.seed} does not fit in 64 bits: pass a seed in [-2**63, 2**64)")
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables top-k sampling)")
-        for name in ("temperature", "top_p"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        elif isinstance(self.stop, list):
-            object.__setattr__(self, "stop", tuple(self.stop))
-        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) for s in self.stop):
-            raise TypeError(f"stop must be a string or a list of strings, got {self.stop!r}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            # NaN compares false everywhere (it decoded greedily); inf gave uniform random text.
-            raise ValueError(f"temperature={self.temperature} must be a finite number >= 0 (0 means greedy)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
 
 
 def check_mode(mode: str) -> str:

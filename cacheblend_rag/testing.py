@@ -141,8 +141,8 @@ def make_model(arch: str = "llama", seed: int = 0, layers: int = 4, **overrides)
 def make_engine(arch: str = "llama", seed: int = 0, store_dir=None, *, tools: bool = False, **engine_kwargs):
     """A ``CacheBlendEngine`` over a tiny random model (store in ``store_dir`` or a temp dir);
     ``tools=True``: the tokenizer with a tool-calling chat template (``make_tokenizer``)."""
-    from .engine import CacheBlendEngine
-    from .store.disk import KVStore
+    from cacheblend_rag.engine.core import CacheBlendEngine
+    from cacheblend_rag.store.disk import KVStore
 
     # The tool template's system turn alone is hundreds of the tiny tokenizer's tokens: room for it.
     model = make_model(arch, seed, max_position_embeddings=4096) if tools else make_model(arch, seed)
@@ -156,9 +156,9 @@ def make_store_engine(store, *, memory_bytes: int = 2**26, arch: str = "llama", 
     import os
     import tempfile
 
-    from .engine import CacheBlendEngine
-    from .models import model_fingerprint
-    from .store.spec import open_store
+    from cacheblend_rag.engine.core import CacheBlendEngine
+    from cacheblend_rag.model.fingerprint import model_fingerprint
+    from cacheblend_rag.store.spec import open_store
 
     model, tok = make_model(arch, seed), make_tokenizer()
     fingerprint = model_fingerprint(model, tok, torch.float32)

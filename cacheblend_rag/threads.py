@@ -6,7 +6,7 @@ their threads outnumber the cores, every team waits for its workers by sleeping 
 spinning, and each parallel operator then pays a wake-up: on a 2-core machine a small operator
 took 3.6-4.6x as long once the write-back thread had copied one prompt's K/V, and every later fused
 prefill and decode step slowed with it (docs/benchmarks.md, "One team of threads";
-``python -m cacheblend_rag.bench.threads``). A helper that only copies or reads tensors gains
+``python -m cacheblend_bench.threads``). A helper that only copies or reads tensors gains
 nothing from a team, so it runs single-threaded and creates none.
 
 The same holds between threads that run the model: the batcher's thread, the server's worker
@@ -59,7 +59,7 @@ def single_threaded() -> None:
 def release_team() -> None:
     """End the calling thread's OpenMP team, so that a thread this one hands the model to is the
     only one with a team (a small operator there: 70-100 us with the caller's team alive, 20 us
-    without; ``python -m cacheblend_rag.bench.threads``).
+    without; ``python -m cacheblend_bench.threads``).
 
     ``omp_pause_resource_all(omp_pause_soft)`` (OpenMP 5.0) frees the caller's idle worker threads
     and nothing else; a team running on another thread is untouched. Costs nothing when the caller

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from cacheblend_rag.aio import iterate_in_thread
+from cacheblend_rag.serving.aio import iterate_in_thread
 
 
 def _steps(n: int, lock: threading.Lock, threads: list[str], closed: threading.Event):

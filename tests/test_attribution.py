@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cacheblend_rag.bench import attribution as at
+from cacheblend_bench import attribution as at
 
 
 def _row(attention, holds, qid="q"):
@@ -55,7 +55,7 @@ def test_summary_pairs_rankings_and_takes_the_position_prior_from_the_other_ques
 
 
 def test_attribution_command_path_on_the_tiny_model(tmp_path):
-    from cacheblend_rag.bench import datasets as ds
+    from cacheblend_bench import datasets as ds
 
     try:
         ds.hotpotqa_path()

@@ -11,11 +11,11 @@ import torch
 import transformers
 
 from cacheblend_rag import BlendConfig
-from cacheblend_rag.backbone import Backbone, check_support, sliding_window
-from cacheblend_rag.engine import CacheBlendEngine
-from cacheblend_rag.models import UnsupportedModelError
+from cacheblend_rag.blend.self_test import self_test
+from cacheblend_rag.engine.core import CacheBlendEngine
+from cacheblend_rag.model.backbone import Backbone, check_support, sliding_window
+from cacheblend_rag.model.loading import UnsupportedModelError
 from cacheblend_rag.rope import shift_keys
-from cacheblend_rag.self_test import self_test
 from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_tokenizer
 
@@ -193,7 +193,7 @@ def test_self_test_refuses_a_model_whose_scales_the_adapter_misses():
 def test_self_test_refuses_a_rotary_layout_the_key_shift_gets_wrong(monkeypatch):
     # Cohere's interleaved rotary is refused by name; past the name check, the shift check catches it.
     model = build("CohereConfig", dict(logit_scale=1.0))
-    monkeypatch.setattr("cacheblend_rag.backbone._INTERLEAVED_ROPE_MODELS", frozenset())
+    monkeypatch.setattr("cacheblend_rag.model.backbone._INTERLEAVED_ROPE_MODELS", frozenset())
     check_support(model)
     with pytest.raises(UnsupportedModelError, match="could not be re-rotated exactly"):
         self_test(Backbone.adapt(model))

@@ -2,7 +2,7 @@
 
 import pytest
 
-from cacheblend_rag.bench import batch_step
+from cacheblend_bench import batch_step
 from cacheblend_rag.testing import make_engine
 
 

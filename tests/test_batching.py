@@ -160,8 +160,8 @@ def test_the_batched_fast_step_gives_the_forwards_logits_over_left_padded_rows(e
     model's forward with the same attention mask, on real prompts of different lengths."""
     import torch
 
-    from cacheblend_rag.backbone import cache_kwarg
-    from cacheblend_rag.decode_cache import room_cache
+    from cacheblend_rag.decode.cache import room_cache
+    from cacheblend_rag.model.backbone import cache_kwarg
     from cacheblend_rag.serving.decode_batch import _pad_left
 
     assert engine.fast_step is not None

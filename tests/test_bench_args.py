@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from cacheblend_rag.bench.args import config, csv, ints, run_reporting
+from cacheblend_bench.args import config, csv, ints, run_reporting
 
 
 @dataclass

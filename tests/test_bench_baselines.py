@@ -12,8 +12,8 @@ import importlib.util
 import pytest
 import torch
 
-from cacheblend_rag.bench.baselines import GenerateBaseline, gguf_for, make_baseline, quantized
-from cacheblend_rag.bench.methods import parse_methods
+from cacheblend_bench.baselines import GenerateBaseline, gguf_for, make_baseline, quantized
+from cacheblend_bench.methods import parse_methods
 from cacheblend_rag.metrics import next_token_kl
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_engine
 
@@ -72,7 +72,7 @@ def test_missing_llama_cpp_names_the_install(monkeypatch, tmp_path):
     reason="llama-cpp-python is not installed: pip install -e '.[llamacpp]' or run .ci/llamacpp",
 )
 def test_llama_cpp_answers_the_engines_prompt(tmp_path, monkeypatch):
-    from cacheblend_rag.engine import CacheBlendEngine
+    from cacheblend_rag.engine.core import CacheBlendEngine
 
     monkeypatch.setenv("CACHEBLEND_RAG_HOME", str(tmp_path))  # the f16 copy goes here
     eng = CacheBlendEngine.from_pretrained(store_dir=str(tmp_path / "kv"))

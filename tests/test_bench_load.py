@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from cacheblend_rag.bench.load import LoadConfig, percentile, run_load
-from cacheblend_rag.bench.runner import tiny_engine
+from cacheblend_bench.load import LoadConfig, percentile, run_load
+from cacheblend_bench.runner import tiny_engine
 
 
 def test_percentile_matches_linear_interpolation():

@@ -10,8 +10,8 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
 
-from cacheblend_rag.bench.runner import tiny_engine
-from cacheblend_rag.bench.server_load import ROWS, SUMMARY, ServerLoadConfig, main, markdown_table, run_server_load
+from cacheblend_bench.runner import tiny_engine
+from cacheblend_bench.server_load import ROWS, SUMMARY, ServerLoadConfig, main, markdown_table, run_server_load
 
 
 def test_server_load_covers_every_setting_and_batches_only_when_allowed(tmp_path, capsys):
@@ -72,8 +72,8 @@ def test_bad_server_load_settings_are_named(kwargs, message):
 
 
 def test_the_bench_command_routes_server_to_the_server_load(monkeypatch, tmp_path):
-    from cacheblend_rag import cli
-    from cacheblend_rag.bench import server_load
+    from cacheblend_bench import server_load
+    from cacheblend_rag.cli import app as cli
 
     seen = {}
     monkeypatch.setattr(server_load, "run_server_load", lambda cfg: seen.setdefault("cfg", cfg) and [])

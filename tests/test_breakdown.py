@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cacheblend_rag.bench.breakdown import CATEGORIES, category, report, run, summarize
+from cacheblend_bench.breakdown import CATEGORIES, category, report, run, summarize
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_engine
 
 

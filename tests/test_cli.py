@@ -16,9 +16,9 @@ except ModuleNotFoundError:  # Python 3.10
     tomllib = pytest.importorskip("tomli")
 
 import cacheblend_rag
-from cacheblend_rag import cli
-from cacheblend_rag.engine import CacheBlendEngine
-from cacheblend_rag.paths import DataFileError, data_file
+from cacheblend_rag.cli import app as cli
+from cacheblend_rag.cli.paths import DataFileError, data_file
+from cacheblend_rag.engine.core import CacheBlendEngine
 from cacheblend_rag.testing import make_engine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,9 +105,9 @@ def test_benchmark_commands_plug_in_through_the_entry_point(monkeypatch):
 
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"][cli.COMMANDS_GROUP]
     assert declared == {
-        "bench": "cacheblend_rag.bench.commands:register",
-        "ingest": "cacheblend_rag.ingest:register",
-        "store": "cacheblend_rag.store_cli:register",
+        "bench": "cacheblend_bench.commands:register",
+        "ingest": "cacheblend_rag.cli.ingest:register",
+        "store": "cacheblend_rag.cli.store:register",
     }
     installed = {e.name: e.value for e in entry_points(group=cli.COMMANDS_GROUP)}
     assert installed == declared, (
@@ -284,7 +284,7 @@ def test_benchmark_commands_without_data_fail_naming_the_flag(command, no_data_e
 
 
 def test_pipeline_bench_builds_its_chunks_from_the_given_musique_file(tmp_path):
-    from cacheblend_rag.bench.pipeline_bench import _chunks
+    from cacheblend_bench.pipeline_bench import _chunks
     from cacheblend_rag.testing import make_tokenizer
 
     rows = [{"question": "q", "answers": ["a"], "ctxs": [{"title": "t", "text": p} for p in PARAGRAPHS]}]

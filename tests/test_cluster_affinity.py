@@ -9,13 +9,13 @@ import random
 
 import pytest
 
+from cacheblend_rag.chat.messages import chunk_part
 from cacheblend_rag.cluster.affinity import (
     AffinityPolicy,
     AffinityTable,
     ResidentChunks,
 )
 from cacheblend_rag.cluster.documents import digest, digests, request_documents
-from cacheblend_rag.messages import chunk_part
 
 A, B, C = "replica-a", "replica-b", "replica-c"
 

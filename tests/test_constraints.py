@@ -9,10 +9,10 @@ import jsonschema
 import pytest
 import torch
 
-from cacheblend_rag.config import SamplingParams
-from cacheblend_rag.constraints import Grammar, allowed_tokens, apply_bitmask, closed_objects
-from cacheblend_rag.generation import Decoder, eos_token_ids
-from cacheblend_rag.plain import chat_text, plain_stream
+from cacheblend_rag.decode.constraints import Grammar, allowed_tokens, apply_bitmask, closed_objects
+from cacheblend_rag.decode.generation import Decoder, eos_token_ids
+from cacheblend_rag.decode.sampling import SamplingParams
+from cacheblend_rag.engine.plain import chat_text, plain_stream
 from cacheblend_rag.serving import Batcher
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_engine
 

@@ -12,22 +12,22 @@ from functools import partial
 import pytest
 import torch
 
+from cacheblend_bench import throttle as throttle_module
+from cacheblend_bench.profile_cli import describe
+from cacheblend_bench.throttle import ThrottledStore
 from cacheblend_rag import BlendConfig, CacheBlendEngine
-from cacheblend_rag import profile as profile_module
-from cacheblend_rag.bench import throttle as throttle_module
-from cacheblend_rag.bench.profile_cli import describe
-from cacheblend_rag.bench.throttle import ThrottledStore
-from cacheblend_rag.cli import build_parser
-from cacheblend_rag.controller import (
+from cacheblend_rag.cli.app import build_parser
+from cacheblend_rag.control import profiler as profile_module
+from cacheblend_rag.control.controller import (
     DeviceProfile,
     FusedCost,
     LoadingController,
     TierProfile,
 )
-from cacheblend_rag.profile import measure_fused, measure_tier_read, profile_engine
+from cacheblend_rag.control.profiler import measure_fused, measure_tier_read, profile_engine
 from cacheblend_rag.store.disk import KVStore
+from cacheblend_rag.store.memory import MemoryTier
 from cacheblend_rag.store.protocol import kv_bytes
-from cacheblend_rag.store.tiers import MemoryTier
 from cacheblend_rag.testing import make_model
 
 MB = 1e6
@@ -204,16 +204,16 @@ def test_engine_warns_about_an_old_profile(tokenizer, tmp_path, caplog):
     eng = CacheBlendEngine(make_model("llama"), tokenizer, store=KVStore(tmp_path / "kv"))
     path = tmp_path / "old.json"
     path.write_text(json.dumps(dict(OLD_PROFILE, fingerprint=eng.fingerprint)))
-    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.controller"):
+    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.control.controller"):
         ctl = LoadingController.for_engine(eng, path, measure=False)
     assert not ctl.calibrated and "no fused-cost calibration" in caplog.text
     # A calibration measured with other fusor/loader code is used, with a warning; current code: none.
-    from cacheblend_rag.device_profile import fused_code_id
+    from cacheblend_rag.control.device_profile import fused_code_id
 
     for code, warns in (("0123456789abcdef", True), (fused_code_id(), False)):
         caplog.clear()
         prof = dataclasses.replace(calibrated(), fingerprint=eng.fingerprint, meta={"fused_calibration": {"code": code}})
-        with caplog.at_level(logging.WARNING, logger="cacheblend_rag.controller"):
+        with caplog.at_level(logging.WARNING, logger="cacheblend_rag.control.controller"):
             ctl = LoadingController.for_engine(eng, prof.save(tmp_path / f"{code}.json"), measure=False)
         assert ctl.calibrated and ("other fusor/loader code" in caplog.text) == warns
         assert ("WARNING: calibrated against another version" in describe(prof, lengths=(1000,))) == warns
@@ -421,7 +421,7 @@ def test_measure_tier_counts_cpu_not_waiting(clock):
 
 
 def test_profile_engine_measures_the_tiny_model(tokenizer, tmp_path, monkeypatch):
-    import cacheblend_rag.profile as prof
+    import cacheblend_rag.control.profiler as prof
 
     eng = CacheBlendEngine(make_model("llama"), tokenizer, store=KVStore(tmp_path / "kv"))
     p = profile_engine(eng, lengths=(16, 32, 5000), tiers={"memory": MemoryTier()}, tier_tokens=16, repeats=1, fused_tokens=48)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cacheblend_rag import BlendConfig
-from cacheblend_rag.engine import CacheBlendEngine
+from cacheblend_rag.engine.core import CacheBlendEngine
 from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_model, make_tokenizer
 

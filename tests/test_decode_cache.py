@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from cacheblend_rag.decode_cache import RoomLayer, room_cache, stacked_cache, with_room
+from cacheblend_rag.decode.cache import RoomLayer, room_cache, stacked_cache, with_room
 from cacheblend_rag.testing import make_model
 
 STEPS = 6

@@ -38,7 +38,7 @@ def test_every_entry_point_answers_as_the_engine_does_by_default(engine):
     from llama_index.core.base.base_retriever import BaseRetriever
     from llama_index.core.schema import NodeWithScore, TextNode
 
-    from cacheblend_rag.matching import ChunkRegistry
+    from cacheblend_rag.chat.matching import ChunkRegistry
     from cacheblend_rag.server import ServerConfig, create_app
     from langchain_cacheblend import CacheBlendLLM, ChatCacheBlend, rag_message
     from llama_index.cacheblend import CacheBlendLLM as IndexLLM

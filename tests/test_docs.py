@@ -86,9 +86,9 @@ def test_every_referenced_result_file_is_committed(path):
 
 # ----------------------------------------------------------------------------- published numbers
 # Every table and every speed-up a user page shows comes from the committed result files
-# (cacheblend_rag.bench.doc_tables); these tests hold that.
+# (cacheblend_bench.doc_tables); these tests hold that.
 
-from cacheblend_rag.bench import doc_tables  # noqa: E402
+from cacheblend_bench import doc_tables  # noqa: E402
 
 # Pages another process owns (the server page's numbers come from its own helper) or that hold
 # history; every other README/docs page is checked.
@@ -143,7 +143,7 @@ def test_docs_tables_and_numbers_equal_what_the_committed_result_files_give():
     stale = doc_tables.update(REPO, write=False)
     assert not stale, (
         "tables or numbers in the docs differ from docs/results; run "
-        "python -m cacheblend_rag.bench.doc_tables and commit the pages:\n" + "\n".join(stale)
+        "python -m cacheblend_bench.doc_tables and commit the pages:\n" + "\n".join(stale)
     )
 
 
@@ -182,7 +182,7 @@ def test_a_changed_headline_row_changes_the_readme_results(tmp_path):
     stale and rewriting it changes the README."""
     import json
 
-    from cacheblend_rag.bench import headline
+    from cacheblend_bench import headline
 
     root = _copy_docs(tmp_path)
     case = headline.CASES[0]
@@ -227,7 +227,7 @@ def test_every_table_is_generated_or_holds_no_measurements(path):
     stray = [h for h in heads if (path.name, h) not in ALLOWED_TABLES]
     assert not stray, (
         f"{path.name} has tables that are neither generated from docs/results nor free of "
-        f"measurements: {stray}; generate them (cacheblend_rag.bench.published) or add the "
+        f"measurements: {stray}; generate them (cacheblend_bench.published) or add the "
         "header to ALLOWED_TABLES with the reason"
     )
 
@@ -245,8 +245,8 @@ def test_every_speedup_in_prose_is_generated(path):
 
 
 def test_every_generated_table_names_its_rows_and_engine():
-    from cacheblend_rag.bench import provenance
-    from cacheblend_rag.bench.published import registry
+    from cacheblend_bench import provenance
+    from cacheblend_bench.published import registry
 
     renderer = doc_tables.Renderer(REPO)
     tables, values = registry()

@@ -28,8 +28,8 @@ def test_every_user_of_the_bundled_minilm_asks_the_one_locator(monkeypatch):
     # With the package gone, each user fails with the locator's message and its own alternative:
     # none of them looks for the model in a place of its own.
     langchain_embeddings = pytest.importorskip("langchain_cacheblend.embeddings")
-    from cacheblend_rag.bench.datasets import Retriever
-    from cacheblend_rag.neighbours import nearest
+    from cacheblend_bench.datasets import Retriever
+    from cacheblend_rag.neighbours.choice import nearest
 
     _no_minilm(monkeypatch)
     monkeypatch.setattr(embedder, "_bundled", None)

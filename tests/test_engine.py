@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from cacheblend_rag import BlendConfig
-from cacheblend_rag.attention import row_groups
-from cacheblend_rag.fusor import causal_mask
-from cacheblend_rag.generation import eos_token_ids
+from cacheblend_rag.blend.fusor import causal_mask
+from cacheblend_rag.decode.generation import eos_token_ids
+from cacheblend_rag.model.attention import row_groups
 from cacheblend_rag.rope import shift_keys
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION
 
@@ -141,7 +141,7 @@ def test_row_grouped_attention_is_exact(engine, monkeypatch):
         for a, b in zip(_kv(many.cache, i), _kv(one.cache, i)):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     # Control: blocks that stop one key short of their last row's position change the answer.
-    import cacheblend_rag.fusor as fusor
+    import cacheblend_rag.blend.fusor as fusor
 
     short = lambda pos, g: [(a, b, e - 1) for a, b, e in row_groups(pos, g)]  # noqa: E731
     monkeypatch.setattr(fusor, "row_groups", short)
@@ -191,7 +191,7 @@ def test_selected_tokens_never_see_later_tokens(engine, monkeypatch):
     cfg = BlendConfig(recompute_ratio=0.3, criterion="value", strategy="hkvd")
     assert _prefix_kv_gap(engine, None, cfg) < 1e-5
     # Control: a mask that lets selected tokens see later ones makes the question leak in.
-    import cacheblend_rag.fusor as fusor
+    import cacheblend_rag.blend.fusor as fusor
 
     monkeypatch.setattr(fusor, "causal_mask", lambda pos, n, dtype: torch.zeros(1, 1, len(pos), n, dtype=dtype))
     assert _prefix_kv_gap(engine, None, cfg) > 1e-3

@@ -14,7 +14,7 @@ from cacheblend_rag.store.eviction import (
     make_policy,
     set_disk_policy,
 )
-from cacheblend_rag.store.tiers import MemoryTier
+from cacheblend_rag.store.memory import MemoryTier
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_engine
 
 LAYERS = 2

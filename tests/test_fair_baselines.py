@@ -140,8 +140,8 @@ def test_prefix_caching_writes_back_on_the_writer_thread(engine, monkeypatch):
 
 
 def test_bench_runs_the_saved_full_prefill_and_reports_the_ratio_to_it():
-    from cacheblend_rag.bench.methods import parse_methods
-    from cacheblend_rag.bench.summary import markdown_table, summarize
+    from cacheblend_bench.methods import parse_methods
+    from cacheblend_bench.summary import markdown_table, summarize
 
     (m,) = parse_methods(["full_recompute_saved"])
     assert (m.name, m.kind, m.mode) == ("full_recompute_saved", "kv", "full_recompute_saved")

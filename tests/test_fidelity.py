@@ -9,8 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from cacheblend_rag import BlendConfig
-from cacheblend_rag.bench.fidelity import (
+from cacheblend_bench.fidelity import (
     FidelityConfig,
     agreement_f1,
     bootstrap_mean_ci,
@@ -20,7 +19,8 @@ from cacheblend_rag.bench.fidelity import (
     summarize,
     teacher_forced_loglik,
 )
-from cacheblend_rag.bench.methods import parse_methods
+from cacheblend_bench.methods import parse_methods
+from cacheblend_rag import BlendConfig
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION
 
 
@@ -81,8 +81,8 @@ def test_method_specs_with_strategies_and_options():
 
 
 def test_fidelity_run_scores_an_exact_method_as_agreeing(tmp_path, monkeypatch):
-    from cacheblend_rag.bench import fidelity
-    from cacheblend_rag.bench.runner import tiny_engine
+    from cacheblend_bench import fidelity
+    from cacheblend_bench.runner import tiny_engine
 
     engine = tiny_engine(str(tmp_path / "kv"))
     cfg = FidelityConfig(
@@ -160,7 +160,7 @@ def test_neighbours_in_prompt_counts_the_neighbours_that_are_chunks_of_the_promp
 
 
 def test_fidelity_with_corpus_neighbours_records_the_pool_and_keeps_it_apart(tmp_path):
-    from cacheblend_rag.bench.runner import tiny_engine
+    from cacheblend_bench.runner import tiny_engine
 
     engine = tiny_engine(str(tmp_path / "kv"))
     cfg = FidelityConfig(
@@ -189,8 +189,8 @@ def test_fidelity_with_corpus_neighbours_records_the_pool_and_keeps_it_apart(tmp
 
 
 def test_a_method_added_to_a_finished_run_reuses_full_prefills_answer(tmp_path, monkeypatch):
-    from cacheblend_rag.bench import fidelity
-    from cacheblend_rag.bench.runner import tiny_engine
+    from cacheblend_bench import fidelity
+    from cacheblend_bench.runner import tiny_engine
 
     cfg = FidelityConfig(
         model="tiny",
@@ -234,10 +234,10 @@ def test_a_method_added_to_a_finished_run_reuses_full_prefills_answer(tmp_path, 
 
 
 def test_calibrate_saves_the_cheapest_ratio_that_agrees_and_from_pretrained_uses_it(tmp_path, monkeypatch):
+    from cacheblend_bench.calibrate import calibrate, read_sample
+    from cacheblend_bench.runner import tiny_engine
     from cacheblend_rag import CacheBlendEngine
-    from cacheblend_rag.bench.calibrate import calibrate, read_sample
-    from cacheblend_rag.bench.runner import tiny_engine
-    from cacheblend_rag.calibration import QualityProfile, choose_ratio, quality_profile_path
+    from cacheblend_rag.control.calibration import QualityProfile, choose_ratio, quality_profile_path
     from cacheblend_rag.testing import make_model, make_tokenizer
 
     engine = tiny_engine(str(tmp_path / "kv"))
@@ -275,7 +275,7 @@ def test_calibrate_saves_the_cheapest_ratio_that_agrees_and_from_pretrained_uses
 def test_sign_test_and_paired_comparison_against_brute_force():
     from itertools import product
 
-    from cacheblend_rag.bench.fidelity import compare, pairwise, sign_test
+    from cacheblend_bench.fidelity import compare, pairwise, sign_test
 
     # Brute force: every +/- pattern of 9 untied questions, counting those at least as uneven as 7:2.
     extreme = sum(1 for signs in product((0, 1), repeat=9) if min(sum(signs), 9 - sum(signs)) <= 2)
@@ -342,7 +342,7 @@ def test_report_only_summarises_the_rows_and_times_only_the_quiet_questions(tmp_
 
 
 def test_fidelity_cli_reads_the_quiet_question_list_and_refuses_a_bad_one(tmp_path, capsys):
-    from cacheblend_rag.cli import main
+    from cacheblend_rag.cli.app import main
 
     out = tmp_path / "out"
     out.mkdir()

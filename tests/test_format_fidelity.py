@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from cacheblend_rag.bench import format_fidelity as ff
+from cacheblend_bench import format_fidelity as ff
 
 
 def _row(qid, method, answer_full, f1_full, agree, agree_f1, weights):

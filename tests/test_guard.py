@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
+from cacheblend_bench import guard_curve
 from cacheblend_rag import BlendConfig
-from cacheblend_rag.bench import guard_curve
-from cacheblend_rag.guard import escalates, first_token_margin
+from cacheblend_rag.blend.guard import escalates, first_token_margin
 from cacheblend_rag.testing import make_engine
 
 CHUNKS = [

@@ -1,5 +1,5 @@
-"""The package's import graph: no cycles, and the core builds on neither the benchmarks nor the
-integrations.
+"""The package's import graph: no cycles, layers that import only downwards, and nothing of the
+benchmarks or the integrations (which build on the package).
 
 The graph is read from the source (an AST scan), so it holds every import a module can run:
 module-level ones, those inside functions (imported lazily), those under ``TYPE_CHECKING`` and
@@ -10,15 +10,18 @@ Python at start-up, not from a reader: each edge counts.
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "cacheblend_rag"
-# The core may not import these: benchmarks build on the core, and so do the integrations (their
+# The package may not import these: the benchmarks build on it, and so do the integrations (their
 # own packages, which depend on cacheblend-rag).
-NOT_FROM_THE_CORE = (f"{PACKAGE}.bench", "langchain_cacheblend", "llama_index.cacheblend")
+NOT_FROM_THE_PACKAGE = ("cacheblend_bench", "langchain_cacheblend", "llama_index.cacheblend")
 # Known cycles, each with the work that removes it.
 KNOWN_CYCLES: set[frozenset[str]] = set()
 
@@ -127,48 +130,79 @@ def test_the_package_has_no_import_cycles() -> None:
     assert not found, "import cycles (make the dependency go one way):\n" + "\n".join(_describe(c, edges) for c in found)
 
 
-def test_the_core_imports_neither_the_benchmarks_nor_an_integration() -> None:
+def test_the_package_imports_neither_the_benchmarks_nor_an_integration() -> None:
     mods = modules(REPO)
-    bad = []
-    for name, path in mods.items():
-        if name == f"{PACKAGE}.bench" or name.startswith(f"{PACKAGE}.bench."):
-            continue
-        for target in sorted(imports(name, path, mods)):
-            if any(target == banned or target.startswith(banned + ".") for banned in NOT_FROM_THE_CORE):
-                bad.append(f"{path.relative_to(REPO)} imports {target}")
-    assert not bad, "the core (cacheblend_rag outside bench/) must not import these:\n" + "\n".join(bad)
-
-
-# The layers above the core, each of which may import the core but never the other way round:
-# the serving path every front end shares, the HTTP server, the replicas, the commands (``cli``
-# and the commands it dispatches to) and the benchmarks (and the integrations, outside the package).
-ABOVE_THE_CORE = tuple(
-    f"{PACKAGE}.{name}" for name in ("serving", "server", "cluster", "bench", "cli", "__main__", "store_cli", "ingest")
-)
-
-
-def _within(name: str, packages: tuple[str, ...]) -> bool:
-    return any(name == p or name.startswith(p + ".") for p in packages)
-
-
-def core_arrows_up(root: Path, package: str = PACKAGE, above: tuple[str, ...] = ABOVE_THE_CORE) -> list[str]:
-    """Every import from a core module (one of ``package`` outside ``above``) of a module in a
-    layer above it (``above``) or of an integration."""
-    mods = modules(root, package)
-    banned = above + NOT_FROM_THE_CORE
-    return [
-        f"{name} imports {target}"
+    bad = [
+        f"{path.relative_to(REPO)} imports {target}"
         for name, path in mods.items()
-        if name != package and not _within(name, above)
+        if name not in SHIMS
         for target in sorted(imports(name, path, mods))
-        if _within(target, banned)
+        if any(target == banned or target.startswith(banned + ".") for banned in NOT_FROM_THE_PACKAGE)
     ]
+    assert not bad, "cacheblend_rag must not import these (they build on it):\n" + "\n".join(bad)
 
 
-def test_no_arrow_runs_from_the_core_up_to_serving_the_server_or_the_benchmarks() -> None:
-    assert f"{PACKAGE}.serving.request" in modules(REPO) and f"{PACKAGE}.engine" in modules(REPO)
-    bad = core_arrows_up(REPO)
-    assert not bad, "the core must not import the layers above it (move the code down, or pass it in):\n" + "\n".join(bad)
+# The layers, lowest first: each folder of the package may import the folders below it and the
+# top-level modules (""), never one above it or a peer in its own tuple. Each folder's docstring
+# says the same in words ("May import: ..."); the README's "Layout" draws it.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("",),
+    ("store",),
+    ("model",),
+    ("decode",),
+    ("chat",),
+    ("neighbours",),
+    ("blend", "control"),
+    ("engine",),
+    ("serving",),
+    ("server",),
+    ("cluster",),
+    ("cli",),
+)
+# Modules above every layer: the package's façade, ``python -m``, the tiny test models (which build
+# an engine) and the deprecated aliases of modules that moved.
+SHIMS = {f"{PACKAGE}.controller", f"{PACKAGE}.bench"}
+ON_TOP = {PACKAGE, f"{PACKAGE}.__main__", f"{PACKAGE}.testing"} | SHIMS
+
+
+def layer(module: str, root: Path = REPO) -> str:
+    """The folder a module of the package lies in; "" for a top-level module."""
+    parts = module.split(".")
+    return parts[1] if (root / "/".join(parts[:2])).is_dir() else ""
+
+
+def arrows_up(edges: dict[str, set[str]], root: Path = REPO, layers=LAYERS) -> list[str]:
+    """Every import from a module to one in a higher layer or a peer folder."""
+    rank = {folder: i for i, folders in enumerate(layers) for folder in folders}
+    bad = []
+    for source, targets in sorted(edges.items()):
+        if source in ON_TOP or "." not in source:
+            continue
+        here = layer(source, root)
+        for target in sorted(targets):
+            if target in ON_TOP or "." not in target:  # the façade, the test models, an alias: above every layer
+                if here != layers[-1][0]:
+                    bad.append(f"{source} ({here or 'top level'}) imports {target}, which is above every layer")
+                continue
+            there = layer(target, root)
+            if there == here:
+                continue
+            if here not in rank or there not in rank:
+                bad.append(f"{source} -> {target}: a folder not in LAYERS (give it its place)")
+            elif rank[there] >= rank[here]:
+                bad.append(f"{source} ({here or 'top level'}) imports {target} ({there or 'top level'})")
+    return bad
+
+
+def test_every_folder_of_the_package_has_a_layer() -> None:
+    folders = {p.name for p in (REPO / PACKAGE).iterdir() if (p / "__init__.py").exists()}
+    listed = {f for fs in LAYERS for f in fs} - {""}
+    assert folders == listed, f"LAYERS and the package's folders differ: {sorted(folders ^ listed)}"
+
+
+def test_no_layer_imports_one_above_it_or_a_peer() -> None:
+    bad = arrows_up(graph(REPO))
+    assert not bad, "imports from a lower layer to a higher one or a peer (move the code down, or pass it in):\n" + "\n".join(bad)
 
 
 def test_the_layer_check_catches_an_arrow_up_however_it_is_written(tmp_path: Path) -> None:
@@ -176,12 +210,46 @@ def test_the_layer_check_catches_an_arrow_up_however_it_is_written(tmp_path: Pat
         tmp_path,
         {
             "__init__.py": "",
-            "engine.py": "def stream():\n    from .serving.request import answer_settings",  # lazily, as engine.py once did
+            "engine/__init__.py": "",
+            "engine/core.py": "def stream():\n    from ..serving.request import answer_settings",  # lazily
             "serving/__init__.py": "",
-            "serving/request.py": "from ..engine import stream",  # down: allowed
+            "serving/request.py": "from ..engine.core import stream",  # down: allowed
+            "blend/__init__.py": "",
+            "blend/fusor.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.control import c",
+            "control/__init__.py": "",
+            "control/c.py": "",
+            "config.py": "import importlib\nM = importlib.import_module('pkg.engine.core')",
         },
     )
-    assert core_arrows_up(root, "pkg", ("pkg.serving",)) == ["pkg.engine imports pkg.serving.request"]
+    layers = (("",), ("blend", "control"), ("engine",), ("serving",))
+    assert arrows_up(graph(root, "pkg"), root, layers) == [
+        "pkg.blend.fusor (blend) imports pkg.control.c (control)",
+        "pkg.config (top level) imports pkg.engine.core (engine)",
+        "pkg.engine.core (engine) imports pkg.serving.request (serving)",
+    ]
+
+
+@pytest.mark.parametrize("folder", sorted({f for fs in LAYERS for f in fs} - {""}))
+def test_each_folder_says_what_it_owns_and_may_import(folder: str) -> None:
+    text = (REPO / PACKAGE / folder / "__init__.py").read_text(encoding="utf-8")
+    doc = ast.get_docstring(ast.parse(text)) or ""
+    assert "May import:" in doc, f"{PACKAGE}/{folder}/__init__.py's docstring must say what the folder may import"
+
+
+def test_no_module_of_the_package_is_over_500_lines() -> None:
+    long = {
+        str(path.relative_to(REPO)): n
+        for path in modules(REPO).values()
+        if (n := len(path.read_text(encoding="utf-8").splitlines())) > 500
+    }
+    assert not long, f"modules over 500 lines (split them by concern): {long}"
+
+
+def test_the_benchmarks_are_released_with_the_package() -> None:
+    import cacheblend_rag
+
+    text = (REPO / "benchmarks" / "pyproject.toml").read_text(encoding="utf-8")
+    assert re.search(r'^version = "(.+)"', text, re.M).group(1) == cacheblend_rag.__version__
 
 
 # ------------------------------------------------------------------ the scanner itself
@@ -225,3 +293,24 @@ def test_the_scan_resolves_relative_imports_from_subpackages(tmp_path: Path) -> 
     assert edges["pkg.sub.leaf"] == {"pkg.util", "pkg.other"}
     assert edges["pkg.core"] == {"pkg.sub.leaf"}
     assert cycles(edges) == []
+
+
+@pytest.mark.parametrize(
+    ("statement", "moved_to"),
+    [
+        ("from cacheblend_rag.controller import LoadingController as X", "cacheblend_rag.control"),
+        ("from cacheblend_rag.bench import BenchConfig as X", "cacheblend_bench"),
+        ("from cacheblend_rag.bench.qwen import QWEN_05B as X", "cacheblend_bench"),
+    ],
+)
+def test_a_documented_import_that_moved_still_works_and_warns(statement: str, moved_to: str) -> None:
+    code = (
+        "import warnings\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        f"    {statement}\n"
+        "print(X is not None, [str(w.message) for w in caught if w.category is DeprecationWarning])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout
+    assert out.startswith("True"), out
+    assert moved_to in out.split("[", 1)[1], f"no DeprecationWarning naming {moved_to}: {out}"

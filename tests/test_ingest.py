@@ -1,4 +1,4 @@
-"""``cacheblend-rag ingest`` (cacheblend_rag/ingest.py): the corpus read as ``ask`` reads it, a plan
+"""``cacheblend-rag ingest`` (cacheblend_rag/cli/ingest.py): the corpus read as ``ask`` reads it, a plan
 whose bytes are what the store writes, refusals before anything is computed, and a run killed at
 a random point that finishes on the next run with every chunk cached once and readable."""
 
@@ -19,7 +19,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "reliability_helpers"))
 from rel_common import REPO, engine
 
-from cacheblend_rag import cli, ingest
+from cacheblend_rag.cli import app as cli
+from cacheblend_rag.cli import ingest
 from cacheblend_rag.store.disk import KVStore
 
 HELPER = Path(__file__).parent / "reliability_helpers" / "ingest_tiny.py"
@@ -133,7 +134,7 @@ def test_cli_dry_run_prints_the_plan_and_a_refusal_exits_3(eng, tmp_path, monkey
         eng.store = KVStore(kw["store_dir"], size_limit=kw["store_size_limit"], fingerprint=eng.fingerprint)
         return eng
 
-    from cacheblend_rag.engine import CacheBlendEngine
+    from cacheblend_rag.engine.core import CacheBlendEngine
 
     monkeypatch.setattr(CacheBlendEngine, "from_pretrained", staticmethod(fake))
     store = str(tmp_path / "kv2")

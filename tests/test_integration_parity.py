@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("langchain_cacheblend")
 pytest.importorskip("llama_index.cacheblend")
 
-from cacheblend_rag.matching import ChunkRegistry
+from cacheblend_rag.chat.matching import ChunkRegistry
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_engine
 from langchain_cacheblend import CacheBlendLLM as LangChainLLM
 from langchain_cacheblend import ChatCacheBlend, rag_message

@@ -15,14 +15,15 @@ import torch
 
 from cacheblend_rag import CacheBlendEngine
 from cacheblend_rag.metrics import next_token_kl
-from cacheblend_rag.models import model_fingerprint
+from cacheblend_rag.model.fingerprint import model_fingerprint
 from cacheblend_rag.store import record as record_module
 from cacheblend_rag.store.disk import KVStore
+from cacheblend_rag.store.memory import MemoryTier
 from cacheblend_rag.store.meta import ChunkMeta, encode_meta
 from cacheblend_rag.store.quant import KVFormat, chunk_name, format_of_name, parse_kv_format, roundtrip
 from cacheblend_rag.store.record import CorruptRecordError, decode_layer, encode_layer, layer_record_bytes
 from cacheblend_rag.store.spec import open_store
-from cacheblend_rag.store.tiers import MemoryTier, Tier, TieredStore
+from cacheblend_rag.store.tiers import Tier, TieredStore
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_model
 
 REPO = Path(__file__).resolve().parents[1]

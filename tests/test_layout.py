@@ -26,7 +26,7 @@ def listed_paths(cells: list[str]) -> set[str]:
     for cell in cells:
         folder = ""
         for name in re.findall(r"`([^`]+)`", cell):
-            if name.startswith(("cacheblend_rag/", "integrations/")):
+            if name.startswith(("cacheblend_rag/", "integrations/", "benchmarks/")):
                 folder = name if name.endswith("/") else name.rsplit("/", 1)[0] + "/"
                 found.add(name)
             else:
@@ -36,7 +36,8 @@ def listed_paths(cells: list[str]) -> set[str]:
 
 
 def package_modules() -> set[str]:
-    return {str(p.relative_to(REPO)) for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"}
+    sources = [*PACKAGE.rglob("*.py"), *(REPO / "benchmarks" / "cacheblend_bench").rglob("*.py")]
+    return {str(p.relative_to(REPO)) for p in sources if p.name != "__init__.py"}
 
 
 def test_the_readme_layout_table_lists_every_module():

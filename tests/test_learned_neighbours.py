@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from cacheblend_rag import CacheBlendEngine
-from cacheblend_rag.backbone import cache_layers
-from cacheblend_rag.coretrieval import CoRetrieval
-from cacheblend_rag.learned_neighbours import FILE, LearnConfig
-from cacheblend_rag.neighbour_index import NeighbourCache, NeighbourIndex
+from cacheblend_rag.model.backbone import cache_layers
+from cacheblend_rag.neighbours.coretrieval import CoRetrieval
+from cacheblend_rag.neighbours.index import NeighbourCache, NeighbourIndex
+from cacheblend_rag.neighbours.learned import FILE, LearnConfig
 from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.testing import make_model
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cacheblend_rag.matching import ChunkRegistry
+from cacheblend_rag.chat.matching import ChunkRegistry
 
 PARIS = "The Eiffel Tower is in Paris, the capital of France."
 CURIE = "Marie Curie won two Nobel prizes, in physics and in chemistry."

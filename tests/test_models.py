@@ -1,4 +1,4 @@
-"""Tests for cacheblend_rag.models: loading, RoPE checks, fingerprints, the GGUF conversion cache.
+"""Tests for cacheblend_rag.model.loading: loading, RoPE checks, fingerprints, the GGUF conversion cache.
 
 Everything except the `slow` test uses tiny random models built from configs (no download).
 """
@@ -23,8 +23,9 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from cacheblend_rag import models as M
-from cacheblend_rag.models import (
+from cacheblend_rag.model import loading as M
+from cacheblend_rag.model.dtypes import resolve_model_dtype
+from cacheblend_rag.model.loading import (
     LoadedModel,
     ModelLoadError,
     UnsupportedModelError,
@@ -155,7 +156,7 @@ def test_loaded_weights_match_saved_model(dirs):
     ],
 )
 def test_dtype_spellings(spelling, expected):
-    assert M._resolve_dtype(spelling) is expected
+    assert resolve_model_dtype(spelling) is expected
 
 
 def test_fingerprint_stable_and_discriminating(dirs):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from cacheblend_rag.bench import neighbour_replay as nr
+from cacheblend_bench import neighbour_replay as nr
 
 
 def test_stream_is_seeded_and_zipf_weighted():

@@ -9,12 +9,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from cacheblend_bench.throttle import ThrottledStore
 from cacheblend_rag import CacheBlendEngine
-from cacheblend_rag.bench.throttle import ThrottledStore
 from cacheblend_rag.store import loader as loader_module
 from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.store.loader import LayerAssembler, LoadSpec, thread_clock
-from cacheblend_rag.store.tiers import MemoryTier, Tier, TieredStore
+from cacheblend_rag.store.memory import MemoryTier
+from cacheblend_rag.store.tiers import Tier, TieredStore
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_model
 
 CHUNKS = SAMPLE_CHUNKS

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cacheblend_rag.config import SamplingParams
-from cacheblend_rag.plain import chat_text, plain_stream
+from cacheblend_rag.decode.sampling import SamplingParams
+from cacheblend_rag.engine.plain import chat_text, plain_stream
 from cacheblend_rag.testing import make_engine
 
 N = 6

@@ -6,9 +6,7 @@ import pytest
 import torch
 
 from cacheblend_rag import BlendConfig
-from cacheblend_rag.attention import row_groups
-from cacheblend_rag.neighbour_index import NeighbourCache, NeighbourIndex
-from cacheblend_rag.planner import (
+from cacheblend_rag.blend.planner import (
     COMPUTE,
     MASKED_KEY_COST,
     PREFIX,
@@ -20,7 +18,9 @@ from cacheblend_rag.planner import (
     plan_prefix,
     suffix_blocks_pay,
 )
-from cacheblend_rag.prompt import PromptLayout, Segment
+from cacheblend_rag.chat.prompt import PromptLayout, Segment
+from cacheblend_rag.model.attention import row_groups
+from cacheblend_rag.neighbours.index import NeighbourCache, NeighbourIndex
 from cacheblend_rag.store.keys import chunk_key
 
 FP = "planner-test-model"

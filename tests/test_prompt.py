@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cacheblend_rag import CacheBlendEngine
-from cacheblend_rag.prompt import DEFAULT_INSTRUCTION, SHORT_ANSWER_HINT, PromptBuilder
+from cacheblend_rag.chat.prompt import DEFAULT_INSTRUCTION, SHORT_ANSWER_HINT, PromptBuilder
 from cacheblend_rag.store import KVStore
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_model
 
@@ -62,7 +62,7 @@ def test_engines_with_other_hints_share_chunk_caches(tokenizer, tmp_path):
 
 
 def test_token_cache_keeps_the_most_recently_used_texts_within_its_bytes():
-    from cacheblend_rag.prompt import TokenCache
+    from cacheblend_rag.chat.prompt import TokenCache
 
     ids = tuple(range(10))
     size = TokenCache.entry_bytes("text-00", ids)

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from cacheblend_rag.bench import doc_tables, headline, provenance
-from cacheblend_rag.bench.breakdown import summarize as breakdown_summarize
-from cacheblend_rag.bench.fidelity import ttft_speedup
-from cacheblend_rag.bench.published.fmt import Stat, render
-from cacheblend_rag.bench.stats import speedup
-from cacheblend_rag.bench.summary import pooled, speedup_over
-from cacheblend_rag.bench.summary import summarize as bench_summarize
-from cacheblend_rag.bench.sweep import summarize as sweep_summarize
-from cacheblend_rag.bench.whole_answer import summarize as whole_summarize
+from cacheblend_bench import doc_tables, headline, provenance
+from cacheblend_bench.breakdown import summarize as breakdown_summarize
+from cacheblend_bench.fidelity import ttft_speedup
+from cacheblend_bench.published.fmt import Stat, render
+from cacheblend_bench.stats import speedup
+from cacheblend_bench.summary import pooled, speedup_over
+from cacheblend_bench.summary import summarize as bench_summarize
+from cacheblend_bench.sweep import summarize as sweep_summarize
+from cacheblend_bench.whole_answer import summarize as whole_summarize
 
 # Three questions where the ratio of means (12 / 4 = 3.0), the mean of ratios (2.33) and the
 # median of ratios (2.0) all differ, so a module using another statistic fails.
@@ -303,7 +303,7 @@ def test_pending_cases_are_listed_with_their_command_and_leave_the_list_once_rem
     remade = _verdict(tmp_path, [_default_row("1")], pending={CASE.name: CASE.file})
     assert remade.failures == [
         "agreement-x: the rows of docs/results/x.jsonl are today's defaults on today's engine: "
-        "delete its PENDING entry (cacheblend_rag.bench.headline)"
+        "delete its PENDING entry (cacheblend_bench.headline)"
     ]
 
 
@@ -349,7 +349,7 @@ def test_the_headline_command_makes_rows_that_pass_the_rule_and_resumes(tmp_path
     and settings, which the rule passes; a second run loads no model and changes no row."""
     from dataclasses import replace
 
-    import cacheblend_rag.bench.runner as runner
+    import cacheblend_bench.runner as runner
 
     tiny = dict(model="tiny", datasets=("crosschunk",), n=1, top_k=3, chunk_tokens=64)
     cases = [
@@ -383,7 +383,7 @@ def test_the_headline_command_makes_rows_that_pass_the_rule_and_resumes(tmp_path
 
 
 def test_the_headline_command_lists_its_cases_and_refuses_an_unknown_one(capsys):
-    from cacheblend_rag.cli import main
+    from cacheblend_rag.cli.app import main
 
     assert main(["headline", "--list"]) == 0
     listed = capsys.readouterr().out

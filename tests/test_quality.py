@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from cacheblend_rag import BlendConfig, CacheBlendEngine
-from cacheblend_rag.attention import PROBE_KWARG, AttentionProbe, blend_attention_forward
-from cacheblend_rag.fusor import causal_mask
-from cacheblend_rag.selector import pick_chunks, pick_tokens
+from cacheblend_rag.blend.fusor import causal_mask
+from cacheblend_rag.blend.selector import pick_chunks, pick_tokens
+from cacheblend_rag.model.attention import PROBE_KWARG, AttentionProbe, blend_attention_forward
 from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_model
 
@@ -157,7 +157,7 @@ def test_chunk_attention_is_absent_where_no_scoring_pass_runs(qengine, mode, con
 
 
 def test_reporting_chunk_attention_changes_no_answer(qengine, monkeypatch):
-    import cacheblend_rag.prefill as prefill_module
+    import cacheblend_rag.engine.prefill as prefill_module
 
     layout = qengine.build_layout(Q, CHUNKS)
     with_it = qengine.prefill(layout, "cacheblend")
@@ -245,7 +245,7 @@ def test_neighbour_caches_are_keyed_apart_and_hold_the_chunk_prefilled_behind_it
     assert plain.stats["neighbour_hits"] == 0 and aware.stats["neighbour_hits"] == len(CHUNKS) - 1
     # The first chunk keeps its exact plain cache; the others hold K/V computed behind their
     # neighbours, which a manual prefill reproduces.
-    from cacheblend_rag.neighbours import nearest
+    from cacheblend_rag.neighbours.choice import nearest
 
     near = nearest(CHUNKS, 2, _embed)
     for j in range(1, len(CHUNKS)):
@@ -253,7 +253,7 @@ def test_neighbour_caches_are_keyed_apart_and_hold_the_chunk_prefilled_behind_it
 
 
 def test_nearest_in_a_corpus_matches_brute_force():
-    from cacheblend_rag.neighbours import nearest
+    from cacheblend_rag.neighbours.choice import nearest
 
     corpus = [*CHUNKS, "Pierre Curie shared the first Nobel prize.", "Warsaw is the capital of Poland."]
     texts = [CHUNKS[1], CHUNKS[3], "A text that is not in the corpus."]
@@ -268,7 +268,7 @@ def test_nearest_in_a_corpus_matches_brute_force():
 
 
 def test_precompute_with_a_corpus_caches_only_the_texts_behind_neighbours_from_the_corpus(qengine):
-    from cacheblend_rag.neighbours import nearest
+    from cacheblend_rag.neighbours.choice import nearest
 
     eng = qengine
     extra = ["Marie Curie was born in Warsaw in 1867.", "The Sorbonne is a university in Paris."]
@@ -342,8 +342,8 @@ def _manual_attention(q, k, v, mask, spec, scaling):
 
 @pytest.mark.parametrize("rows", [None, 2])
 def test_context_attention_reweights_the_chunk_keys_of_the_question_rows_only(rows):
-    from cacheblend_rag.attention import APE_KWARG, ContextAttention, blend_attention_forward
-    from cacheblend_rag.fusor import causal_mask
+    from cacheblend_rag.blend.fusor import causal_mask
+    from cacheblend_rag.model.attention import APE_KWARG, ContextAttention, blend_attention_forward
 
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(1, 4, 5, 8, generator=g), torch.randn(1, 2, 12, 8, generator=g), torch.randn(1, 2, 12, 8, generator=g)

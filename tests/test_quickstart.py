@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cacheblend_rag.models import default_cache_dir
+from cacheblend_rag.model.loading import default_cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = (ROOT / "README.md", ROOT / "docs" / "quickstart.md")  # pages whose blocks run as written
@@ -42,7 +42,7 @@ FRAGMENTS = {
     ("sources.md", "from cacheblend_rag import CacheBlendEngine"): "your question and chunks",
     ("storage.md", 'engine = CacheBlendEngine.from_pretrained(kv_format="int8")'): "one argument shown",
     ("storage.md", "from cacheblend_rag.store import TieredStore"): "your model, tokenizer and fingerprint",
-    ("storage.md", "from cacheblend_rag.controller import LoadingController"): "continues an engine",
+    ("storage.md", "from cacheblend_rag.control.controller import LoadingController"): "continues an engine",
     ("throughput.md", "from cacheblend_rag import CacheBlendEngine"): "your corpus and questions",
     ("throughput.md", "llm = CacheBlendLLM(engine=engine, max_batch=8)"): "continues the block above",
 }

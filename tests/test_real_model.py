@@ -13,9 +13,9 @@ import statistics
 import pytest
 import torch
 
+from cacheblend_bench.datasets import Retriever, load_musique, musique_path
+from cacheblend_bench.sweep import SweepConfig, question_chunks
 from cacheblend_rag import BlendConfig, CacheBlendEngine
-from cacheblend_rag.bench.datasets import Retriever, load_musique, musique_path
-from cacheblend_rag.bench.sweep import SweepConfig, question_chunks
 from cacheblend_rag.metrics import next_token_kl
 
 pytestmark = pytest.mark.slow

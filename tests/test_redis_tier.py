@@ -26,11 +26,12 @@ redis = pytest.importorskip("redis", reason="redis-py is not installed (pip inst
 from cacheblend_rag import CacheBlendEngine  # noqa: E402
 from cacheblend_rag.store import tiers as tiers_module  # noqa: E402
 from cacheblend_rag.store.disk import KVStore  # noqa: E402
+from cacheblend_rag.store.memory import MemoryTier  # noqa: E402
 from cacheblend_rag.store.quant import KVFormat  # noqa: E402
 from cacheblend_rag.store.record import encode_layer  # noqa: E402
 from cacheblend_rag.store.redis_tier import RedisAuthError, RedisConfig, RedisStore  # noqa: E402
 from cacheblend_rag.store.spec import open_store  # noqa: E402
-from cacheblend_rag.store.tiers import MemoryTier, Tier, TieredStore  # noqa: E402
+from cacheblend_rag.store.tiers import Tier, TieredStore  # noqa: E402
 from cacheblend_rag.testing import make_model  # noqa: E402
 
 REDIS_SERVER = shutil.which("redis-server")
@@ -155,8 +156,10 @@ WORKER = textwrap.dedent(
     import json, sys
     import torch
     torch.set_num_threads(1)
-    from cacheblend_rag import CacheBlendEngine, models
-    from cacheblend_rag.models import LoadedModel, model_fingerprint
+    from cacheblend_rag import CacheBlendEngine
+    from cacheblend_rag.model import loading as models
+    from cacheblend_rag.model.fingerprint import model_fingerprint
+    from cacheblend_rag.model.loading import LoadedModel
     from cacheblend_rag.store.redis_tier import RedisConfig
     from cacheblend_rag.testing import make_model, make_tokenizer
 
@@ -213,7 +216,7 @@ def test_quantized_chunks_are_kept_apart_in_the_disk_stores_records(server, tmp_
 
 
 def test_store_stats_and_drop_count_redis_chunks_by_format(server):
-    from cacheblend_rag.store_cli import drop_redis, redis_stats
+    from cacheblend_rag.cli.store import drop_redis, redis_stats
 
     config = _config(server.url)
     kv = [(torch.randn(2, 50, 16), torch.randn(2, 50, 16))] * 3
@@ -599,8 +602,9 @@ def test_url_forms():
 
 
 def test_from_pretrained_store_forms(server, tmp_path, monkeypatch):
-    from cacheblend_rag import models
-    from cacheblend_rag.models import LoadedModel, model_fingerprint
+    from cacheblend_rag.model import loading as models
+    from cacheblend_rag.model.fingerprint import model_fingerprint
+    from cacheblend_rag.model.loading import LoadedModel
     from cacheblend_rag.testing import make_tokenizer
 
     def load_model(name, **kwargs):
@@ -659,7 +663,7 @@ def test_clear_removes_only_this_models_records(server):
 
 
 def test_profile_measures_a_redis_tier(server, tmp_path):
-    from cacheblend_rag.profile import default_tiers, measure_tier_read
+    from cacheblend_rag.control.profiler import default_tiers, measure_tier_read
 
     tiers = default_tiers(tmp_path / "kv", server.url)
     try:
@@ -673,8 +677,8 @@ def test_profile_measures_a_redis_tier(server, tmp_path):
 
 
 def test_controller_profiles_and_prices_the_engines_redis_tier(tokenizer, server, tmp_path, monkeypatch):
-    from cacheblend_rag.controller import LoadingController
-    from cacheblend_rag.profile import profile_engine
+    from cacheblend_rag.control.controller import LoadingController
+    from cacheblend_rag.control.profiler import profile_engine
 
     monkeypatch.setenv("CACHEBLEND_RAG_HOME", str(tmp_path / "home"))
     redis_store = RedisStore(_config(server.url))

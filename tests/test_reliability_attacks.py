@@ -278,7 +278,7 @@ def test_special_tokens_inside_chunks_and_question_stay_text(eng) -> None:
 
 
 def test_models_differing_only_outside_any_weight_sample_get_different_fingerprints() -> None:
-    from cacheblend_rag.models import model_fingerprint
+    from cacheblend_rag.model.fingerprint import model_fingerprint
     from cacheblend_rag.testing import make_model, make_tokenizer
 
     tok = make_tokenizer()

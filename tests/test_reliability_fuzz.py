@@ -3,7 +3,7 @@
 * a stateful test of KVStore (put / get_layer / contains / discard / reopen, plus outside damage:
   corrupted, garbage, pickled and deleted records) against a plain dict model;
 * the chunk meta record rejects every damaged byte;
-* the text-to-chunk matching of the framework drop-ins (cacheblend_rag.matching) equals a
+* the text-to-chunk matching of the framework drop-ins (cacheblend_rag.chat.matching) equals a
   brute-force reference of its documented rules, and never loses or invents prompt text.
 """
 
@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from cacheblend_rag.matching import ChunkRegistry
+from cacheblend_rag.chat.matching import ChunkRegistry
 from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.store.keys import chunk_key
 from cacheblend_rag.store.meta import ChunkMeta, decode_meta, encode_meta

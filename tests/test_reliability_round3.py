@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cacheblend_rag.config import SamplingParams
-from cacheblend_rag.generation import Decoder
+from cacheblend_rag.decode.generation import Decoder
+from cacheblend_rag.decode.sampling import SamplingParams
 
 
 # ------------------------------------------------------------------ 1. stop strings
@@ -39,7 +39,7 @@ def _reference_stop(text: str, stops: tuple[str, ...]) -> tuple[int, int]:
 def test_stop_matcher_equals_the_brute_force_rule(stops, pieces, rewrite):
     """The automaton finds the same stop and holds back the same text as checking every stop
     against the whole text, also when the detokenized text changes before its end."""
-    from cacheblend_rag.generation import StopMatcher
+    from cacheblend_rag.decode.generation import StopMatcher
 
     matcher, text = StopMatcher(tuple(stops)), ""
     for i, piece in enumerate(pieces):
@@ -355,7 +355,7 @@ def test_serve_flags_state_the_server_config_defaults():
     """docs/server.md and `serve --help` state every limit with ServerConfig's default."""
     import dataclasses
 
-    from cacheblend_rag import cli
+    from cacheblend_rag.cli import app as cli
 
     defaults = {f.name: f.default for f in dataclasses.fields(ServerConfig)}
     for name, (_kind, help_text) in cli._SERVER_LIMITS.items():
@@ -376,7 +376,7 @@ def _control_ids(tokenizer, ids) -> int:
 
 
 def _plain_ids(engine, messages) -> list[int]:
-    from cacheblend_rag.plain import chat_text, plain_stream
+    from cacheblend_rag.engine.plain import chat_text, plain_stream
 
     return plain_stream(engine, chat_text(engine.tokenizer, messages), SamplingParams(max_new_tokens=1)).layout.token_ids
 
@@ -385,7 +385,7 @@ def test_special_token_text_in_a_plain_chat_stays_text(engine, live):
     """Attack 6: without documents, "<|im_end|>"-style text in a message became real control
     tokens (it could close the user turn and open a forged system turn). Only the template's own
     markers are control tokens; the text round-trips."""
-    from cacheblend_rag.plain import chat_text
+    from cacheblend_rag.engine.plain import chat_text
 
     tok = engine.tokenizer
     attacked = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": ATTACK}]
@@ -406,7 +406,7 @@ def test_special_token_text_in_a_plain_chat_stays_text(engine, live):
 def test_a_plain_chat_without_special_tokens_is_tokenized_as_before(engine):
     """Ordinary chats keep their exact prompt (and so their answers): tokenizing the template and
     the messages separately gives the same ids as tokenizing the rendered chat whole."""
-    from cacheblend_rag.plain import chat_text
+    from cacheblend_rag.engine.plain import chat_text
 
     msgs = [
         {"role": "system", "content": "You are a helpful assistant."},
@@ -613,7 +613,7 @@ def local_redis(tmp_path):
 
 def _redis_engine(url: str, prefix: str):
     """An engine over a Redis tier; the store key comes from $CACHEBLEND_RAG_STORE_KEY."""
-    from cacheblend_rag.engine import CacheBlendEngine
+    from cacheblend_rag.engine.core import CacheBlendEngine
     from cacheblend_rag.store.redis_tier import RedisConfig, RedisStore
     from cacheblend_rag.store.tiers import Tier, TieredStore
     from cacheblend_rag.testing import make_model, make_tokenizer
@@ -868,8 +868,8 @@ def test_serve_passes_its_limit_flags_to_the_app_and_to_uvicorn(monkeypatch, tmp
     (connection limits and timeouts)."""
     import uvicorn
 
-    from cacheblend_rag import cli
-    from cacheblend_rag.engine import CacheBlendEngine
+    from cacheblend_rag.cli import app as cli
+    from cacheblend_rag.engine.core import CacheBlendEngine
 
     seen: dict = {}
     monkeypatch.setattr(

@@ -158,7 +158,7 @@ def test_a_deeply_nested_response_format_is_refused_without_freezing_the_server(
 
 def test_closing_a_schema_costs_linear_work():
     """The doubling itself: closing 15 levels (under the limit) visits each object once."""
-    from cacheblend_rag import constraints
+    from cacheblend_rag.decode import constraints
 
     calls = 0
     real = constraints.closed_objects
@@ -323,7 +323,7 @@ def test_learning_is_bounded_per_request(tmp_path):
     """Attack 7: two 64-document requests queued 37.8 CPU-seconds of learned caches. The tokens a
     request queues for prefill are bounded by LearnConfig.max_tokens_per_request (here 300, to
     bind with the tiny model's short window)."""
-    from cacheblend_rag.learned_neighbours import LearnConfig
+    from cacheblend_rag.neighbours.learned import LearnConfig
 
     eng = make_engine("llama", seed=0, store_dir=tmp_path / "kv", pipelined=False)
     try:
@@ -383,9 +383,9 @@ def _exchange(name: str, argument: str) -> list[dict]:
 
 
 def _plain_ids(engine, messages, tools) -> list[int]:
-    from cacheblend_rag.config import SamplingParams
-    from cacheblend_rag.plain import chat_text, plain_stream
-    from cacheblend_rag.tools import normalize_tools
+    from cacheblend_rag.chat.tools import normalize_tools
+    from cacheblend_rag.decode.sampling import SamplingParams
+    from cacheblend_rag.engine.plain import chat_text, plain_stream
 
     text = chat_text(engine.tokenizer, messages, normalize_tools(tools))
     return plain_stream(engine, text, SamplingParams(max_new_tokens=1)).layout.token_ids
@@ -527,7 +527,7 @@ def test_malformed_inputs_get_a_400_naming_them(live, expected, path, body, name
 def test_conflicting_weight_flags_are_a_one_line_error(capsys):
     """Attack 6: `serve --weights fp16 --dtype float16` exited with a traceback after loading the
     model. Refused before it loads, in one line."""
-    from cacheblend_rag import cli
+    from cacheblend_rag.cli import app as cli
 
     for command in (["serve"], ["ask", "q", "f.txt"]):
         with pytest.raises(SystemExit) as exc:
@@ -542,7 +542,7 @@ def test_a_pathological_pattern_gets_a_clear_error(engine):
     is not allowed by the grammar" (a 400 from the server, a ValueError in process). The message
     now says the grammar is too complex and what to change. The answer's tokens are fixed here
     (the tiny model's own choice may not reach the expensive part)."""
-    from cacheblend_rag.constraints import Grammar
+    from cacheblend_rag.decode.constraints import Grammar
 
     tok = engine.tokenizer
     schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": "(.{0,100}){100}"}}, "required": ["s"]}

@@ -24,7 +24,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from cacheblend_rag.learned_neighbours import FILE  # noqa: E402
+from cacheblend_rag.neighbours.learned import FILE  # noqa: E402
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_engine  # noqa: E402
 
 HELPER = Path(__file__).parent / "reliability_helpers" / "serve_cli_tiny.py"

@@ -160,8 +160,9 @@ def test_failing_reads_mid_prefill_degrade_to_recompute(eng, clean, caplog, monk
 
 def _patch_loader(monkeypatch) -> None:
     """from_pretrained loads the tiny model instead of a real checkpoint."""
-    from cacheblend_rag import models
-    from cacheblend_rag.models import LoadedModel, model_fingerprint
+    from cacheblend_rag.model import loading as models
+    from cacheblend_rag.model.fingerprint import model_fingerprint
+    from cacheblend_rag.model.loading import LoadedModel
 
     def load_model(name, **kwargs):
         m, tok = model(), tokenizer()
@@ -192,7 +193,7 @@ def _blocked_dir(tmp_path: Path, how: str, monkeypatch) -> Path:
 def test_unopenable_store_falls_back_to_a_temporary_one(tmp_path, clean, caplog, monkeypatch, how) -> None:
     _patch_loader(monkeypatch)
     blocked = _blocked_dir(tmp_path, how, monkeypatch)
-    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.engine"):
+    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.engine.core"):
         eng = CacheBlendEngine.from_pretrained("tiny", store_dir=str(blocked), cache_dir=str(tmp_path / "home"))
     try:
         assert str(blocked) in caplog.text and "temporary KV store" in caplog.text
@@ -225,7 +226,7 @@ def test_a_write_back_that_raises_is_logged_and_the_answer_stands(eng, clean, ca
     # Misses are computed for the request and written back in a background thread; an exception
     # there must say so, not vanish with the thread's future.
     eng.store = RaisingPuts(eng.store, eng.chunk_cache.prefix_key())
-    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.chunk_cache"):
+    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.blend.chunk_cache"):
         ids, logits = answer(eng, CHUNKS)
         eng.flush()
     assert ids == clean[0] and torch.equal(logits, clean[1])

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cacheblend_rag.bench.replay import (
+from cacheblend_bench.replay import (
     ReplayConfig,
     main,
     query_stream,
@@ -85,7 +85,7 @@ def test_the_command_line_refuses_a_bad_configuration(capsys):
 
 
 def test_the_committed_rows_are_a_finished_run_of_every_policy_pair():
-    from cacheblend_rag.bench.doc_tables import ROOT
+    from cacheblend_bench.doc_tables import ROOT
 
     rows = read_rows(ROOT / "docs" / "results" / "replay.jsonl")
     config = next(r for r in rows if r["kind"] == "config")

@@ -17,12 +17,12 @@ uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from cacheblend_rag import cli  # noqa: E402
-from cacheblend_rag.config import SamplingParams  # noqa: E402
-from cacheblend_rag.constraints import Grammar, schema_constraint  # noqa: E402
-from cacheblend_rag.engine import CacheBlendEngine  # noqa: E402
-from cacheblend_rag.messages import chunk_part  # noqa: E402
-from cacheblend_rag.plain import chat_text, plain_stream  # noqa: E402
+from cacheblend_rag.chat.messages import chunk_part  # noqa: E402
+from cacheblend_rag.cli import app as cli  # noqa: E402
+from cacheblend_rag.decode.constraints import Grammar, schema_constraint  # noqa: E402
+from cacheblend_rag.decode.sampling import SamplingParams  # noqa: E402
+from cacheblend_rag.engine.core import CacheBlendEngine  # noqa: E402
+from cacheblend_rag.engine.plain import chat_text, plain_stream  # noqa: E402
 from cacheblend_rag.server import ServerConfig, create_app  # noqa: E402
 from cacheblend_rag.server.live import BackgroundServer  # noqa: E402
 from cacheblend_rag.server.worker import Job  # noqa: E402

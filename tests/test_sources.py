@@ -1,4 +1,4 @@
-"""Sources: the question's attention share per chunk (``cacheblend_rag.sources``) and where it goes."""
+"""Sources: the question's attention share per chunk (``cacheblend_rag.blend.sources``) and where it goes."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import importlib.util
 import pytest
 import torch
 
-from cacheblend_rag.prompt import PromptLayout, Segment
-from cacheblend_rag.sources import attention_by_text, chunk_attention
+from cacheblend_rag.blend.sources import attention_by_text, chunk_attention
+from cacheblend_rag.chat.prompt import PromptLayout, Segment
 
 
 def _layout(*lengths: int) -> PromptLayout:
@@ -68,8 +68,8 @@ def test_the_chunk_holding_the_answer_draws_more_attention_than_a_neutral_one_in
     """Qwen2.5-Coder-0.5B: wherever the chunk holding the answer sits, its share is larger than
     a neutral chunk's at the same place (the share also grows with nearness to the question, so
     a position-paired comparison is the fair one). SmolLM2-135M fails it (docs/sources.md)."""
+    from cacheblend_bench.qwen import qwen_gguf_path
     from cacheblend_rag import BlendConfig, CacheBlendEngine
-    from cacheblend_rag.bench.qwen import qwen_gguf_path
 
     eng = CacheBlendEngine.from_pretrained(str(qwen_gguf_path()), store_dir=str(tmp_path / "kv"), config=BlendConfig())
     question = "Who painted the Harwick lighthouse blue?"

@@ -1,4 +1,4 @@
-"""``cacheblend-rag store stats`` and ``store drop`` (cacheblend_rag/store_cli.py) on a disk store:
+"""``cacheblend-rag store stats`` and ``store drop`` (cacheblend_rag/cli/store.py) on a disk store:
 counts by format that match what the records take, unpublished records counted apart, and drops
 that leave every other chunk readable."""
 
@@ -10,7 +10,7 @@ import diskcache
 import pytest
 import torch
 
-from cacheblend_rag import cli
+from cacheblend_rag.cli import app as cli
 from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.store.meta import ChunkMeta, encode_meta
 from cacheblend_rag.store.quant import parse_kv_format

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from cacheblend_rag.bench.runner import tiny_engine
-from cacheblend_rag.bench.sweep import SweepConfig, format_table, run_sweep, summarize
+from cacheblend_bench.runner import tiny_engine
+from cacheblend_bench.sweep import SweepConfig, format_table, run_sweep, summarize
 
 PASSAGES = [
     ("Ada Lovelace", "Ada Lovelace wrote the first program for the Analytical Engine in 1843."),

@@ -121,8 +121,8 @@ def test_async_hand_overs_release_the_loops_team(hand_over, tmp_path):
     # thread (the async wrappers, the HTTP server's batcher) first releases the loop's team.
     import asyncio
 
-    from cacheblend_rag.aio import iterate_in_thread
     from cacheblend_rag.server.worker import EngineWorker
+    from cacheblend_rag.serving.aio import iterate_in_thread
 
     def produce():
         yield 1
@@ -197,7 +197,7 @@ def test_model_threads_release_their_team_when_idle(monkeypatch, tmp_path):
 
 
 def test_bench_threads_reports_every_case(capsys):
-    from cacheblend_rag.bench.threads import CASES, main
+    from cacheblend_bench.threads import CASES, main
 
     main(["--repeats", "1", "--ops", "20"])
     lines = capsys.readouterr().out.splitlines()

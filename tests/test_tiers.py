@@ -7,11 +7,12 @@ import logging
 import pytest
 import torch
 
+from cacheblend_bench.throttle import ThrottledStore
 from cacheblend_rag import CacheBlendEngine
-from cacheblend_rag.bench.throttle import ThrottledStore
 from cacheblend_rag.store.disk import KVStore
+from cacheblend_rag.store.memory import MemoryTier
 from cacheblend_rag.store.spec import open_store
-from cacheblend_rag.store.tiers import MemoryTier, Tier, TieredStore
+from cacheblend_rag.store.tiers import Tier, TieredStore
 from cacheblend_rag.testing import make_model
 
 CHUNKS = [
@@ -284,7 +285,7 @@ def test_slow_tier_times_out_and_falls_back(tokenizer, tmp_path, clean):
 
 
 def test_throttled_store_sleeps_for_bytes_over_rate(monkeypatch):
-    import cacheblend_rag.bench.throttle as throttle
+    import cacheblend_bench.throttle as throttle
 
     naps = []
     monkeypatch.setattr(throttle.time, "sleep", naps.append)

@@ -9,10 +9,7 @@ import jsonschema
 import pytest
 import torch
 
-from cacheblend_rag.constraints import Grammar
-from cacheblend_rag.plain import chat_text
-from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_engine, make_tokenizer
-from cacheblend_rag.tools import (
+from cacheblend_rag.chat.tools import (
     NO_CALL,
     CallStream,
     ToolPlan,
@@ -25,6 +22,9 @@ from cacheblend_rag.tools import (
     supports_tools,
     tool_call_grammar,
 )
+from cacheblend_rag.decode.constraints import Grammar
+from cacheblend_rag.engine.plain import chat_text
+from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_engine, make_tokenizer
 
 pytest.importorskip("llguidance")
 
@@ -229,7 +229,7 @@ def test_neighbour_caches_are_keyed_behind_the_tools_prefix(tmp_path):
     """Learned and embedding neighbour caches of a tool set's requests are prefilled behind its own
     prefix and indexed under the chunks' keys behind it: full reuse of a learned prompt then equals
     full prefill, the plain prefix's chunks get none of them, and the cache-read count sees them."""
-    from cacheblend_rag.learned_neighbours import LearnConfig
+    from cacheblend_rag.neighbours.learned import LearnConfig
 
     eng = make_engine("llama", store_dir=tmp_path / "kv", tools=True, pipelined=False)
     try:

@@ -15,12 +15,13 @@ from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from cacheblend_rag import BlendConfig
-from cacheblend_rag.attention import _decode_sdpa
-from cacheblend_rag.engine import CacheBlendEngine
-from cacheblend_rag.models import ModelLoadError, model_fingerprint
+from cacheblend_rag.engine.core import CacheBlendEngine
+from cacheblend_rag.model.attention import _decode_sdpa
+from cacheblend_rag.model.fingerprint import model_fingerprint
+from cacheblend_rag.model.loading import ModelLoadError
+from cacheblend_rag.model.weights import FP16_GEMM_MAX_ROWS, Fp16Linear, apply_weight_format, resolve_weight_format, weight_format
 from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_model, make_tokenizer
-from cacheblend_rag.weights import FP16_GEMM_MAX_ROWS, Fp16Linear, apply_weight_format, resolve_weight_format, weight_format
 
 ARCHS = {
     "llama": dict(),
@@ -237,14 +238,14 @@ def test_fast_decode_step_gives_the_forwards_logits_and_tokens(arch, weights):
 def test_fast_decode_step_is_not_built_where_the_layers_differ(caplog):
     import logging
 
-    from cacheblend_rag.decode_step import FastDecodeStep
+    from cacheblend_rag.decode.step import FastDecodeStep
 
     assert FastDecodeStep.build(make_model("qwen3", head_dim=16), None) is None  # per-head q/k norms
     assert FastDecodeStep.build(_model("llama"), window=512) is None
     # A layer whose arithmetic differs from the pattern (here the MLP's output scaled, which the
     # fast step does not know) is caught by the check against the model's own forward.
     model = _model("llama")
-    with caplog.at_level(logging.INFO, logger="cacheblend_rag.decode_step"):
+    with caplog.at_level(logging.INFO, logger="cacheblend_rag.decode.step"):
         assert FastDecodeStep.build(model, None) is not None
         model.model.layers[1].mlp.register_forward_hook(lambda m, i, o: o * 1.5)
         assert FastDecodeStep.build(model, None) is None

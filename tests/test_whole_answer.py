@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from cacheblend_rag.bench.whole_answer import ROWS, WholeAnswerConfig, run_whole_answer, summarize, write_report
-from cacheblend_rag.cli import main
+from cacheblend_bench.whole_answer import ROWS, WholeAnswerConfig, run_whole_answer, summarize, write_report
+from cacheblend_rag.cli.app import main
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def test_summary_ratios_are_ratios_of_means_against_the_same_formats_full_prefil
 
 def test_a_finished_run_resumes_without_loading_a_model_and_rebuilds_the_report(run, monkeypatch):
     cfg, rows = run
-    import cacheblend_rag.bench.runner as runner
+    import cacheblend_bench.runner as runner
 
     monkeypatch.setattr(runner, "load_engine", lambda *a, **k: pytest.fail("a finished run loaded a model"))
     again = run_whole_answer(cfg)

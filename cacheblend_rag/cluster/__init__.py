@@ -3,6 +3,9 @@ routing (docs/cluster.md). Needs the ``ray`` extra: ``pip install 'cacheblend-ra
 
 ``build_app`` / ``app_builder`` (the Serve application) need Ray; the routing policy
 (``affinity``) and request parsing (``documents``) do not.
+
+May import: ``server`` (its app, called in-process), ``serving`` and every folder below them;
+never ``cli``.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ def __getattr__(name: str) -> Any:
     # Ray is imported only when the Serve application is asked for.
     if name in __all__:
         try:
-            from . import deployment
+            from cacheblend_rag.cluster import deployment
         except ImportError as exc:
             raise ImportError(
                 f"cacheblend_rag.cluster.{name} needs Ray Serve ({exc.name} is missing): pip install 'cacheblend-rag[ray]'"

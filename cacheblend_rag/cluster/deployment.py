@@ -28,9 +28,9 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from .affinity import AffinityPolicy, ResidentChunks
-from .asgi import ForwardedRequest, call_app
-from .documents import digest, digests, request_documents
+from cacheblend_rag.cluster.affinity import AffinityPolicy, ResidentChunks
+from cacheblend_rag.cluster.asgi import ForwardedRequest, call_app
+from cacheblend_rag.cluster.documents import digest, digests, request_documents
 
 __all__ = ["ClusterOptions", "EngineReplica", "EngineSpec", "Front", "app_builder", "build_app"]
 
@@ -77,7 +77,7 @@ class EngineSpec:
             module, _, name = self.factory.partition(":")
             fn: Callable[..., Any] = getattr(importlib.import_module(module), name)
             return fn(**self.factory_kwargs)
-        from ..engine import CacheBlendEngine
+        from cacheblend_rag.engine.core import CacheBlendEngine
 
         named = {name: getattr(self, name) for name in _FROM_PRETRAINED}
         return CacheBlendEngine.from_pretrained(self.model, **named, **self.engine_kwargs)
@@ -116,7 +116,7 @@ class EngineReplica:
     """One engine and its app (see the module docstring); a Serve deployment through ``build_app``."""
 
     def __init__(self, spec: EngineSpec, server: Mapping[str, Any], max_ongoing_requests: int) -> None:
-        from ..server import ServerConfig, create_app
+        from cacheblend_rag.server import ServerConfig, create_app
 
         self.engine = spec.build()
         config = ServerConfig(**{"max_queue": max_ongoing_requests, **server})
@@ -275,7 +275,7 @@ def build_app(
     if ray_actor_options is not None:
         engine_opts["ray_actor_options"] = dict(ray_actor_options)
     if options.affinity:
-        from .router import ChunkAffinityRouter
+        from cacheblend_rag.cluster.router import ChunkAffinityRouter
 
         engine_opts["request_router_config"] = RequestRouterConfig(
             request_router_class=ChunkAffinityRouter,

@@ -41,8 +41,8 @@ def request_documents(path: str, body: bytes) -> list[str]:
     if kind is None or not body:
         return []
     try:
-        from ..server.inputs import chat_request, completion_request
-        from ..server.schemas import ChatCompletionRequest, CompletionRequest
+        from cacheblend_rag.server.inputs import chat_request, completion_request
+        from cacheblend_rag.server.schemas import ChatCompletionRequest, CompletionRequest
 
         data = json.loads(body)
         if kind == "chat":

@@ -20,8 +20,8 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from .affinity import AffinityPolicy, AffinityTable
-from .asgi import ForwardedRequest
+from cacheblend_rag.cluster.affinity import AffinityPolicy, AffinityTable
+from cacheblend_rag.cluster.asgi import ForwardedRequest
 
 __all__ = ["ChunkAffinityRouter"]
 

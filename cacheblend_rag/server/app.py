@@ -24,12 +24,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from ..serving import Request
-from .config import ServerConfig
-from .inputs import chat_request, completion_request, message_chars, start_run
-from .limits import BodyLimit
-from .outputs import DONE, ChatFormat, CompletionFormat, sse
-from .schemas import (
+from cacheblend_rag.server.settings import ServerConfig
+from cacheblend_rag.server.inputs import chat_request, completion_request, message_chars, start_run
+from cacheblend_rag.server.limits import BodyLimit
+from cacheblend_rag.server.outputs import DONE, ChatFormat, CompletionFormat, sse
+from cacheblend_rag.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     ErrorInfo,
@@ -39,7 +38,8 @@ from .schemas import (
     ModelCard,
     ModelList,
 )
-from .worker import EngineWorker, Job, Overloaded
+from cacheblend_rag.server.worker import EngineWorker, Job, Overloaded
+from cacheblend_rag.serving import Request
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..bounds import parse_json
-from ..messages import is_chunk_part, split_messages
-from ..serving import Request, Run, tool_run
-from ..tools import check_choice
-from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationRequest
+from cacheblend_rag.bounds import parse_json
+from cacheblend_rag.chat.messages import is_chunk_part, split_messages
+from cacheblend_rag.chat.tools import check_choice
+from cacheblend_rag.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationRequest
+from cacheblend_rag.serving import Request, Run, tool_run
 
 
 def chat_request(body: ChatCompletionRequest) -> Request:

@@ -32,7 +32,7 @@ import uvicorn
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .config import ServerConfig
+from cacheblend_rag.server.settings import ServerConfig
 
 log = logging.getLogger(__name__)
 

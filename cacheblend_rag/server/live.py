@@ -12,7 +12,7 @@ import time
 
 import uvicorn
 
-from .limits import uvicorn_config
+from cacheblend_rag.server.limits import uvicorn_config
 
 
 class BackgroundServer:

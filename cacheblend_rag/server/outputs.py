@@ -15,9 +15,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from ..engine import GenerationResult
-from ..tools import ParsedAnswer
-from .schemas import (
+from cacheblend_rag.chat.tools import ParsedAnswer
+from cacheblend_rag.engine.core import GenerationResult
+from cacheblend_rag.server.schemas import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,

@@ -17,8 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from ..config import MODES
-from ..constraints import Grammar, check_response_format, response_format_constraint
+from cacheblend_rag.config import MODES
+from cacheblend_rag.decode.constraints import Grammar, check_response_format, response_format_constraint
 
 DEFAULT_MAX_TOKENS = 128  # the engine's default; OpenAI's "until the context is full" is rarely wanted
 
@@ -58,7 +58,7 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | list[Any] | None = None
     """A string or a list of parts; a ``{"type": "text", "text": ..., "extras":
-    {"cacheblend_chunk": true}}`` part is one retrieved document (``cacheblend_rag.messages``).
+    {"cacheblend_chunk": true}}`` part is one retrieved document (``cacheblend_rag.chat.messages``).
     None only for an assistant message with ``tool_calls``."""
     tool_calls: list[ToolCall] | None = None
     """An assistant's calls (the answer of a request with ``tools``)."""
@@ -205,7 +205,7 @@ class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage]
     tools: list[dict[str, Any]] | None = None
     """Function definitions (OpenAI's format), rendered by the model's chat template; the answer's
-    calls come back in ``message.tool_calls`` (``cacheblend_rag.tools``)."""
+    calls come back in ``message.tool_calls`` (``cacheblend_rag.chat.tools``)."""
     tool_choice: str | dict[str, Any] | None = None
     """"auto" (default), "none", "required" or ``{"type": "function", "function": {"name": ...}}``;
     a forced call is constrained to the tool's parameters."""

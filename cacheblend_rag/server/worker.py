@@ -20,8 +20,8 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
 
-from ..serving import Batcher
-from ..threads import release_team
+from cacheblend_rag.serving import Batcher
+from cacheblend_rag.threads import release_team
 
 T = TypeVar("T")
 _END = object()

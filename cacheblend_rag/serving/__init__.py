@@ -1,7 +1,7 @@
 """How a request is answered, whichever front end it came through.
 
 * :mod:`.request`: :class:`Request`, what the engine is asked (a question over chunks, or a plain
-  chat) and how (mode, ratio, one ``SamplingParams`` built by ``cacheblend_rag.sampling``), with
+  chat) and how (mode, ratio, one ``SamplingParams`` built by ``cacheblend_rag.decode.sampling``), with
   :func:`answer_settings`, which turns the settings' user-facing names into those fields, and
   :func:`open_stream`, the engine's stream for a request;
 * :mod:`.run`: :class:`Run`, one answer: text deltas, then the result with the engine's stats;
@@ -13,12 +13,14 @@
 
 The LangChain and LlamaIndex integrations and the HTTP server (``cacheblend_rag.server``) are
 adapters: they turn their framework's input into a ``Request`` and a ``Run``'s output back.
+
+May import: ``engine`` and every folder below it; never ``server``, ``cluster`` or ``cli``.
 """
 
-from .batcher import Batcher, Ticket
-from .decode_batch import DecodeBatch
-from .request import SETTINGS, Request, answer_settings, open_stream
-from .run import Run
-from .tool_run import ToolRun
+from cacheblend_rag.serving.batcher import Batcher, Ticket
+from cacheblend_rag.serving.decode_batch import DecodeBatch
+from cacheblend_rag.serving.request import SETTINGS, Request, answer_settings, open_stream
+from cacheblend_rag.serving.run import Run
+from cacheblend_rag.serving.tool_run import ToolRun
 
 __all__ = ["Batcher", "DecodeBatch", "Request", "Run", "SETTINGS", "Ticket", "ToolRun", "answer_settings", "open_stream"]

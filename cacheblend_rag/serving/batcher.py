@@ -26,14 +26,14 @@ from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..generation import DecodeState, decode
-from ..threads import release_team
-from .decode_batch import AnswerSink, DecodeBatch, cancelled_state
-from .request import Request, open_stream
+from cacheblend_rag.decode.generation import DecodeState, decode
+from cacheblend_rag.serving.decode_batch import AnswerSink, DecodeBatch, cancelled_state
+from cacheblend_rag.serving.request import Request, open_stream
+from cacheblend_rag.threads import release_team
 
 if TYPE_CHECKING:
-    from ..engine import CacheBlendEngine
-    from ..stream import GenerationResult, GenerationStream
+    from cacheblend_rag.engine.core import CacheBlendEngine
+    from cacheblend_rag.engine.stream import GenerationResult, GenerationStream
 
 __all__ = ["AnswerSink", "Batcher", "DecodeBatch", "Ticket"]
 

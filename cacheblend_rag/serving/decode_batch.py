@@ -27,13 +27,13 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from ..backbone import cache_kwarg
-from ..config import SamplingParams
-from ..decode_cache import stacked_cache
-from ..generation import Decoder, DecodeState, eos_token_ids
+from cacheblend_rag.decode.cache import stacked_cache
+from cacheblend_rag.decode.generation import Decoder, DecodeState, eos_token_ids
+from cacheblend_rag.decode.sampling import SamplingParams
+from cacheblend_rag.model.backbone import cache_kwarg
 
 if TYPE_CHECKING:
-    from ..decode_step import FastDecodeStep
+    from cacheblend_rag.decode.step import FastDecodeStep
 
 
 class AnswerSink(Protocol):

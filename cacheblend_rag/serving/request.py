@@ -12,14 +12,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..config import BlendConfig, SamplingParams, check_mode
-from ..engine_loading import check_config
-from ..plain import chat_text, plain_stream
-from ..sampling import SAMPLING_SETTINGS, sampling_params
+from cacheblend_rag.config import BlendConfig, check_mode
+from cacheblend_rag.decode.sampling import SAMPLING_SETTINGS, SamplingParams, sampling_params
+from cacheblend_rag.engine.plain import chat_text, plain_stream
+from cacheblend_rag.engine.setup import check_config
 
 if TYPE_CHECKING:
-    from ..engine import CacheBlendEngine
-    from ..stream import GenerationStream
+    from cacheblend_rag.engine.core import CacheBlendEngine
+    from cacheblend_rag.engine.stream import GenerationStream
 
 # The user-facing setting names answer_settings() takes (OpenAI's max_tokens is the adapters' to map):
 # how to prefill, then SamplingParams' own fields (sampling.SAMPLING_SETTINGS).

@@ -2,7 +2,7 @@
 
 A request over chunks is the engine's CacheBlend prefill (``engine.stream``); one without
 chunks is a plain chat, the engine's full prefill of the messages in the model's chat template
-(``cacheblend_rag.plain``). Either way the run streams text deltas and ends with a
+(``cacheblend_rag.engine.plain``). Either way the run streams text deltas and ends with a
 ``GenerationResult`` carrying the engine's stats.
 
 With a :class:`~.batcher.Batcher` the batcher's thread prefills the answer and decodes it
@@ -18,13 +18,13 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from .request import Request, open_stream
+from cacheblend_rag.serving.request import Request, open_stream
 
 if TYPE_CHECKING:
-    from ..engine import CacheBlendEngine
-    from ..prompt import PromptLayout
-    from ..stream import GenerationResult
-    from .batcher import Batcher
+    from cacheblend_rag.chat.prompt import PromptLayout
+    from cacheblend_rag.engine.core import CacheBlendEngine
+    from cacheblend_rag.engine.stream import GenerationResult
+    from cacheblend_rag.serving.batcher import Batcher
 
 
 class Run:

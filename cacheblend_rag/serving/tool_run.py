@@ -14,16 +14,16 @@ import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..constraints import Grammar
-from ..tools import CallStream, ParsedAnswer, plan_tools, tool_names
-from .request import Request
-from .run import Run
+from cacheblend_rag.chat.tools import CallStream, ParsedAnswer, plan_tools, tool_names
+from cacheblend_rag.decode.constraints import Grammar
+from cacheblend_rag.serving.request import Request
+from cacheblend_rag.serving.run import Run
 
 if TYPE_CHECKING:
-    from ..engine import CacheBlendEngine
-    from ..prompt import PromptLayout
-    from ..stream import GenerationResult
-    from .batcher import Batcher
+    from cacheblend_rag.chat.prompt import PromptLayout
+    from cacheblend_rag.engine.core import CacheBlendEngine
+    from cacheblend_rag.engine.stream import GenerationResult
+    from cacheblend_rag.serving.batcher import Batcher
 
 
 class ToolRun:

@@ -57,14 +57,14 @@ from typing import Any
 import diskcache
 import torch
 
-from .disk_db import WAL_BOUND, KVStoreOpenError, ReadOnlyCache, open_cache
-from .dtypes import dtype_name
-from .meta import MAX_META_BYTES, ChunkMeta, decode_chunk_layer, decode_meta, encode_meta
-from .protocol import KV, StoreStats
-from .quant import KVFormat, chunk_name, parse_kv_format
-from .record import CorruptRecordError, encode_layer, layer_record_bytes, validate_chunk
-from .safe_disk import SafeDisk, UnsafePathError, UnsafeRecordError, capped_reads
-from .seal import sealer
+from cacheblend_rag.store.disk_db import WAL_BOUND, KVStoreOpenError, ReadOnlyCache, open_cache
+from cacheblend_rag.store.dtypes import dtype_name
+from cacheblend_rag.store.meta import MAX_META_BYTES, ChunkMeta, decode_chunk_layer, decode_meta, encode_meta
+from cacheblend_rag.store.protocol import KV, StoreStats
+from cacheblend_rag.store.quant import KVFormat, chunk_name, parse_kv_format
+from cacheblend_rag.store.record import CorruptRecordError, encode_layer, layer_record_bytes, validate_chunk
+from cacheblend_rag.store.safe_disk import SafeDisk, UnsafePathError, UnsafeRecordError, capped_reads
+from cacheblend_rag.store.seal import sealer
 
 __all__ = ["KVStore", "KVStoreOpenError", "SafeDisk", "UnsafePathError", "UnsafeRecordError"]
 

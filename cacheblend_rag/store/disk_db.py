@@ -23,7 +23,7 @@ from typing import Any
 
 import diskcache
 
-from .safe_disk import SafeDisk
+from cacheblend_rag.store.safe_disk import SafeDisk
 
 __all__ = ["WAL_BOUND", "KVStoreOpenError", "ReadOnlyCache", "open_cache"]
 

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from ..rope import apply_rotation, rotation
-from ..threads import helper_pool
-from .protocol import KV, batched_reader
+from cacheblend_rag.rope import apply_rotation, rotation
+from cacheblend_rag.store.protocol import KV, batched_reader
+from cacheblend_rag.threads import helper_pool
 
 log = logging.getLogger(__name__)
 

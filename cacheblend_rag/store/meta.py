@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from .dtypes import DTYPE_CODES, dtype_from_code, dtype_from_name, dtype_name
-from .record import CorruptRecordError, decode_layer, identity_digest
+from cacheblend_rag.store.dtypes import DTYPE_CODES, dtype_from_code, dtype_from_name, dtype_name
+from cacheblend_rag.store.record import CorruptRecordError, decode_layer, identity_digest
 
 __all__ = ["ChunkMeta", "decode_chunk_layer", "decode_meta", "encode_meta", "peek_meta"]
 

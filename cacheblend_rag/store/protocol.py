@@ -22,7 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .meta import ChunkMeta
+from cacheblend_rag.store.meta import ChunkMeta
 
 __all__ = ["KV", "BatchedChunkStore", "ChunkStore", "StoreStats", "batched_reader", "kv_bytes", "read_layers"]
 

@@ -48,8 +48,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .dtypes import DTYPE_CODES, dtype_from_code, dtype_name
-from .quant import KVFormat, dequantize, quantize, quantized_bytes
+from cacheblend_rag.store.dtypes import DTYPE_CODES, dtype_from_code, dtype_name
+from cacheblend_rag.store.quant import KVFormat, dequantize, quantize, quantized_bytes
 
 __all__ = [
     "CorruptRecordError",

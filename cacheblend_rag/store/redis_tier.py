@@ -56,13 +56,13 @@ try:  # the `redis` extra: only a Redis tier needs it
 except ImportError:  # pragma: no cover - exercised only without the extra
     redis = None  # type: ignore[assignment]
 
-from . import redis_pool
-from .dtypes import dtype_name
-from .meta import ChunkMeta, decode_chunk_layer, decode_meta, encode_meta
-from .protocol import KV, StoreStats
-from .quant import KVFormat, chunk_name, parse_kv_format
-from .record import CorruptRecordError, encode_layer, validate_chunk
-from .seal import sealer
+from cacheblend_rag.store import redis_pool
+from cacheblend_rag.store.dtypes import dtype_name
+from cacheblend_rag.store.meta import ChunkMeta, decode_chunk_layer, decode_meta, encode_meta
+from cacheblend_rag.store.protocol import KV, StoreStats
+from cacheblend_rag.store.quant import KVFormat, chunk_name, parse_kv_format
+from cacheblend_rag.store.record import CorruptRecordError, encode_layer, validate_chunk
+from cacheblend_rag.store.seal import sealer
 
 __all__ = ["RedisAuthError", "RedisClusterError", "RedisConfig", "RedisStore", "is_redis_url"]
 

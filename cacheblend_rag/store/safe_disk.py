@@ -20,7 +20,7 @@ from typing import Any
 
 import diskcache
 
-from .record import HEADER_SIZE, CorruptRecordError, record_size
+from cacheblend_rag.store.record import HEADER_SIZE, CorruptRecordError, record_size
 
 __all__ = ["SafeDisk", "UnsafePathError", "UnsafeRecordError", "available_memory", "capped_reads"]
 

@@ -16,7 +16,7 @@ import hashlib
 import hmac
 import os
 
-from .record import CorruptRecordError
+from cacheblend_rag.store.record import CorruptRecordError
 
 __all__ = ["ENV_KEY", "MAC_SIZE", "Sealer", "sealer"]
 

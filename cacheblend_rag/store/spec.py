@@ -19,10 +19,11 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from .disk import KVStore, KVStoreOpenError
-from .quant import KVFormat, parse_kv_format
-from .redis_tier import RedisConfig, RedisStore, is_redis_url
-from .tiers import MemoryTier, Tier, TieredStore
+from cacheblend_rag.store.disk import KVStore, KVStoreOpenError
+from cacheblend_rag.store.memory import MemoryTier
+from cacheblend_rag.store.quant import KVFormat, parse_kv_format
+from cacheblend_rag.store.redis_tier import RedisConfig, RedisStore, is_redis_url
+from cacheblend_rag.store.tiers import Tier, TieredStore
 
 __all__ = ["StoreSpec", "open_store"]
 

@@ -1,6 +1,6 @@
 """MkDocs hook: replaces ``<!-- cli-help: NAME -->`` in a page with ``cacheblend-rag NAME --help``.
 
-The help text comes from the real argument parser (``cacheblend_rag.cli.build_parser``), so the
+The help text comes from the real argument parser (``cacheblend_rag.cli.app.build_parser``), so the
 command-line reference cannot drift from the code. ``<!-- cli-help: -->`` (no name) is the top level;
 ``<!-- cli-help: store stats -->`` a subcommand's own.
 """
@@ -15,7 +15,7 @@ MARKER = re.compile(r"<!-- cli-help: *([\w -]*?) *-->")
 
 
 def _help(name: str) -> str:
-    from cacheblend_rag.cli import build_parser
+    from cacheblend_rag.cli.app import build_parser
 
     os.environ["COLUMNS"] = "100"  # argparse wraps at the terminal width; fix it for the page
     parser = build_parser()

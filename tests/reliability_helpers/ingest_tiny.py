@@ -2,7 +2,7 @@
 
     python ingest_tiny.py STORE_DIR CORPUS_FOLDER [SECONDS_PER_CHUNK]
 
-Ingests the folder into a disk store in STORE_DIR with ``cacheblend_rag.ingest.run`` and prints
+Ingests the folder into a disk store in STORE_DIR with ``cacheblend_rag.cli.ingest.run`` and prints
 ``computed N`` on stdout. SECONDS_PER_CHUNK slows every store write down, so a test can stop the
 run part way (the tiny model computes a chunk in milliseconds).
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from rel_common import engine
 
-from cacheblend_rag import ingest
+from cacheblend_rag.cli import ingest
 
 
 def main() -> None:

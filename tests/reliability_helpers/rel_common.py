@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from cacheblend_rag import CacheBlendEngine
-from cacheblend_rag.models import model_fingerprint
+from cacheblend_rag.model.fingerprint import model_fingerprint
 from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.testing import make_model, make_tokenizer
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import sys
 
-from cacheblend_rag import cli
-from cacheblend_rag.engine import CacheBlendEngine
+from cacheblend_rag.cli import app as cli
+from cacheblend_rag.engine.core import CacheBlendEngine
 from cacheblend_rag.testing import make_engine
 
 

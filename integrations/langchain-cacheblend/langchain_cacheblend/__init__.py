@@ -1,6 +1,6 @@
 """LangChain integration of cacheblend-rag: swap the model, wrap the retriever, keep your chain."""
 
-from cacheblend_rag.matching import ChunkRegistry
+from cacheblend_rag.chat.matching import ChunkRegistry
 
 from .chains import create_cacheblend_rag_chain
 from .chat_models import ChatCacheBlend

@@ -11,8 +11,8 @@ from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, System
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from cacheblend_rag import CacheBlendEngine
-from cacheblend_rag.matching import ChunkRegistry
-from cacheblend_rag.messages import split_messages
+from cacheblend_rag.chat.matching import ChunkRegistry
+from cacheblend_rag.chat.messages import split_messages
 from cacheblend_rag.serving import Batcher, Request, Run
 from cacheblend_rag.serving.request import call_settings
 

@@ -15,7 +15,7 @@ from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable, RunnableConfig, RunnableGenerator, RunnableLambda, RunnableParallel
 from langchain_core.runnables.utils import AddableDict
 
-from cacheblend_rag.sources import STATS_KEY, attention_by_text
+from cacheblend_rag.blend.sources import STATS_KEY, attention_by_text
 
 from ._base import CacheBlendParams
 from .inputs import RAGPromptValue
@@ -45,7 +45,7 @@ def create_cacheblend_rag_chain(
     The chain takes a str or ``{"question": str}`` and returns the answer string, or with
     ``return_source_documents=True`` a dict ``{"question", "documents", "answer",
     "chunk_attention"}``: ``chunk_attention[i]`` is ``documents[i]``'s share of the question's
-    attention (``cacheblend_rag.sources``; the shares sum to 1), None for a blank document or a
+    attention (``cacheblend_rag.blend.sources``; the shares sum to 1), None for a blank document or a
     repeat of an earlier one (the model read neither as a chunk of its own). The whole entry is
     None when the answer's mode does not measure it (``full_recompute``, ``prefix_caching``,
     ``full_reuse``, ``strategy="hkvd"``).

@@ -12,8 +12,8 @@ from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.prompt_values import PromptValue
 
-from cacheblend_rag.aio import iterate_in_thread
 from cacheblend_rag.serving import Request, Run
+from cacheblend_rag.serving.aio import iterate_in_thread
 
 from ._base import CacheBlendParams
 from .inputs import RAGPromptValue

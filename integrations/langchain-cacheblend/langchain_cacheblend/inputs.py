@@ -19,7 +19,7 @@ from langchain_core.documents import Document
 from langchain_core.messages import BaseMessage, HumanMessage
 from langchain_core.prompt_values import PromptValue
 
-from cacheblend_rag.messages import CHUNK_FLAG, chunk_part, is_chunk_part  # noqa: F401 (CHUNK_FLAG re-exported)
+from cacheblend_rag.chat.messages import CHUNK_FLAG, chunk_part, is_chunk_part  # noqa: F401 (CHUNK_FLAG re-exported)
 
 QUESTION_KEYS = ("question", "input", "query")
 CONTEXT_KEYS = ("context", "documents", "docs")

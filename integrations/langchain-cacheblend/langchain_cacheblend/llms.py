@@ -12,8 +12,8 @@ from langchain_core.language_models import BaseLLM, LanguageModelInput
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from langchain_core.prompt_values import PromptValue
 
-from cacheblend_rag.aio import iterate_in_thread
 from cacheblend_rag.serving import Run
+from cacheblend_rag.serving.aio import iterate_in_thread
 
 from ._base import CALL_PARAMS, CacheBlendParams
 from .inputs import RAGPromptValue

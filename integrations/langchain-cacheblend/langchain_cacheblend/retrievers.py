@@ -17,8 +17,8 @@ from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 from tqdm.auto import tqdm
 
 from cacheblend_rag import CacheBlendEngine
-from cacheblend_rag.learned_neighbours import LearnConfig
-from cacheblend_rag.matching import ChunkRegistry
+from cacheblend_rag.chat.matching import ChunkRegistry
+from cacheblend_rag.neighbours.learned import LearnConfig
 from cacheblend_rag.threads import helper_pool
 
 from ._base import CacheBlendParams

@@ -25,9 +25,9 @@ from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 
-from cacheblend_rag.constraints import response_format_constraint
+from cacheblend_rag.chat.tools import check_choice, normalize_tools, require_tool_support
+from cacheblend_rag.decode.constraints import response_format_constraint
 from cacheblend_rag.serving import Request, ToolRun, tool_run
-from cacheblend_rag.tools import check_choice, normalize_tools, require_tool_support
 
 # What bind_tools / with_structured_output bind, and _start takes out of a call's arguments.
 TOOL_KWARGS = ("tools", "tool_choice", "response_format", "parallel_tool_calls")

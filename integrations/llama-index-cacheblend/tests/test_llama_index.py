@@ -21,7 +21,7 @@ from llama_index.core.llms import ChatMessage
 from llama_index.core.response_synthesizers import get_response_synthesizer
 from llama_index.core.schema import MetadataMode, NodeWithScore, TextNode
 
-from cacheblend_rag.matching import ChunkRegistry
+from cacheblend_rag.chat.matching import ChunkRegistry
 from cacheblend_rag.testing import make_engine
 from llama_index.cacheblend import (
     CacheBlendLLM,

@@ -12,9 +12,9 @@ from llama_index.core.prompts import PromptTemplate
 from llama_index.core.tools import FunctionTool
 from pydantic import BaseModel, Field
 
-from cacheblend_rag.matching import ChunkRegistry
+from cacheblend_rag.chat.matching import ChunkRegistry
+from cacheblend_rag.chat.tools import ToolsUnsupported
 from cacheblend_rag.testing import SAMPLE_CHUNKS, make_engine
-from cacheblend_rag.tools import ToolsUnsupported
 from llama_index.cacheblend import CacheBlendLLM
 
 pytest.importorskip("llguidance")

@@ -30,11 +30,11 @@ from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import default_completion_to_prompt
 
 from cacheblend_rag import MODES, CacheBlendEngine, GenerationResult
-from cacheblend_rag.aio import iterate_in_thread
+from cacheblend_rag.chat.matching import ChunkRegistry
 from cacheblend_rag.config import check_mode
-from cacheblend_rag.matching import ChunkRegistry
-from cacheblend_rag.plain import chat_text
+from cacheblend_rag.engine.plain import chat_text
 from cacheblend_rag.serving import Batcher, Request, Run
+from cacheblend_rag.serving.aio import iterate_in_thread
 from cacheblend_rag.serving.request import call_settings
 
 from .tools import TOOL_ARGUMENTS, FunctionCallingMixin, call_kwargs, tool_run, wants_tools

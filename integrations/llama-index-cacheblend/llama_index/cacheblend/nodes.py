@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore
 
 from cacheblend_rag import CacheBlendEngine
-from cacheblend_rag.matching import ChunkRegistry
+from cacheblend_rag.chat.matching import ChunkRegistry
 
 log = logging.getLogger(__name__)
 

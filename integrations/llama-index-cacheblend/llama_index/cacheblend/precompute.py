@@ -9,7 +9,7 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle
 
 from cacheblend_rag import CacheBlendEngine
-from cacheblend_rag.learned_neighbours import LearnConfig
+from cacheblend_rag.neighbours.learned import LearnConfig
 
 from .llm import CacheBlendLLM
 from .nodes import DEFAULT_METADATA_MODE, node_chunks

@@ -13,8 +13,8 @@ from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import MetadataMode, QueryBundle
 
 from cacheblend_rag import CacheBlendEngine
-from cacheblend_rag.learned_neighbours import LearnConfig
-from cacheblend_rag.prompt import validate_question
+from cacheblend_rag.chat.prompt import validate_question
+from cacheblend_rag.neighbours.learned import LearnConfig
 
 from .llm import CacheBlendLLM
 from .nodes import DEFAULT_METADATA_MODE

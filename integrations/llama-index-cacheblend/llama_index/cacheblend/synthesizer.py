@@ -24,9 +24,9 @@ from llama_index.core.prompts.prompt_type import PromptType
 from llama_index.core.response_synthesizers.base import BaseSynthesizer, QueryTextType
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
-from cacheblend_rag.prompt import validate_question
-from cacheblend_rag.sources import STATS_KEY as SOURCES_KEY
-from cacheblend_rag.sources import attention_by_text
+from cacheblend_rag.blend.sources import STATS_KEY as SOURCES_KEY
+from cacheblend_rag.blend.sources import attention_by_text
+from cacheblend_rag.chat.prompt import validate_question
 
 from .llm import CacheBlendLLM
 from .nodes import DEFAULT_METADATA_MODE, has_text, node_chunks, node_text
@@ -82,7 +82,7 @@ class CacheBlendSynthesizer(BaseSynthesizer):
             ``update_prompts({"text_qa_template": ...})``.
         source_scores: what ``response.source_nodes[i].score`` holds. ``"retriever"`` (default):
             the retriever's score; the nodes are returned as retrieved. ``"attention"``: the
-            node's share of the question's attention (``cacheblend_rag.sources``; the retrieved
+            node's share of the question's attention (``cacheblend_rag.blend.sources``; the retrieved
             nodes' shares sum to 1, None for a node without text or repeating an earlier node's
             text), the way a reranker replaces the retriever's score. Each such node is a copy
             whose ``metadata["retriever_score"]`` keeps the retriever's score, left out of the

@@ -23,10 +23,10 @@ from llama_index.core.base.llms.types import ChatMessage, ChatResponse, MessageR
 from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.types import PydanticProgramMode
 
-from cacheblend_rag.constraints import schema_constraint
+from cacheblend_rag.chat.tools import require_tool_support, supports_tools
+from cacheblend_rag.decode.constraints import schema_constraint
 from cacheblend_rag.serving import Request, ToolRun
 from cacheblend_rag.serving import tool_run as serving_tool_run
-from cacheblend_rag.tools import require_tool_support, supports_tools
 
 if TYPE_CHECKING:
     from llama_index.core.prompts.base import BasePromptTemplate

@@ -1,0 +1,97 @@
+"""The README's results table: what a user gets by default, each figure against its baseline,
+from the headline cases' rows (``bench.headline``: the rows it reads and the rule they are held to)."""
+
+from __future__ import annotations
+
+import statistics
+
+from cacheblend_bench import headline
+from cacheblend_bench.fidelity import FidelityConfig
+from cacheblend_bench.fidelity import summarize as fidelity_summarize
+from cacheblend_bench.published.fmt import pct_ci, x_ci
+from cacheblend_bench.published.results import Results, Table
+from cacheblend_bench.whole_answer import summarize as whole_summarize
+
+LONGEST = max(headline.CASES[0].lengths)
+NAMES = {"smollm2": "SmolLM2-135M", "qwen2.5-coder-0.5b": "Qwen2.5-Coder-0.5B"}
+REFERENCE = "llama_cpp:q8_0"
+
+
+def _settings(rows: list[dict]) -> str:
+    """The rows' settings in a few words: "the defaults", or how they differ."""
+    if all(not headline.problems(r, headline.provenance.engine_source_now()) for r in rows):
+        return "the defaults"
+    blend = [r for r in rows if "llama_cpp" not in r["method"]]
+    shown = [headline.legacy_settings(r) if r.get("settings") is None else r["settings"] for r in blend]
+    formats = sorted({s.get("weight_format") or s.get("weights") or "?" for s in shown})
+    caches = sorted(
+        {
+            ("neighbour caches (" + ("the corpus" if s.get("neighbour_pool") == "corpus" else "the prompt's chunks") + ")")
+            if s.get("neighbour_caches")
+            else "plain caches"
+            for s in shown
+            if s.get("mode") == "cacheblend"
+        }
+    )
+    engines = {r.get("engine_source") for r in rows}
+    engine = "an older engine" if engines - {headline.provenance.engine_source_now()} else "today's engine"
+    return f"{'/'.join(formats)}, {', '.join(caches)}, {engine}"
+
+
+def _cpu(rows: list[dict]) -> str:
+    machines = {(m["cpu"], tuple(m["cpu_flags"]), m["threads"]) for r in rows if (m := r.get("machine"))}
+    if len(machines) != 1 or any("machine" not in r for r in rows):
+        return "not recorded"
+    cpu, flags, threads = machines.pop()
+    return f"{cpu} ({', '.join(flags) or 'no AVX2'}), {threads} threads"
+
+
+def _whole_rows(res: Results, case: headline.Case) -> list[list[str]]:
+    rows = headline.headline_rows(case, res.rows(headline.rows_file(case)))
+    blend = headline.pick_default({r["method"] for r in rows})
+    entry = next(e for e in whole_summarize(rows, case.lengths, REFERENCE) if e["method"] == blend)
+    model = NAMES.get(case.model, case.model)
+    prompt = f"{statistics.mean(r['prompt_tokens'] for r in rows) / 1000:.1f}k"
+    qs = f"{entry['n']}"
+    settings, cpu = _settings(rows), _cpu(rows)
+
+    def cell(field: str, digits: int = 2) -> str:
+        return x_ci(entry[field], entry[f"{field}_ci"], digits) + " sooner"
+
+    return [
+        [model, f"first token ({prompt}-token prompt)", "saved full prefill", cell("ttft_vs_full_prefill", 1), qs, settings, cpu],
+        [model, f"whole {LONGEST}-token answer", "saved full prefill", cell(f"t{LONGEST}_vs_full_prefill"), qs, settings, cpu],
+        [model, f"whole {LONGEST}-token answer", "llama.cpp Q8_0", cell(f"t{LONGEST}_vs_{REFERENCE}"), qs, settings, cpu],
+    ]
+
+
+def _agreement_rows(res: Results, case: headline.Case) -> list[list[str]]:
+    rows = headline.headline_rows(case, res.rows(headline.rows_file(case)))
+    entry = next(e for e in fidelity_summarize(rows) if e["dataset"] == "all")
+    tokens = FidelityConfig.max_new_tokens
+    return [
+        [
+            NAMES.get(case.model, case.model),
+            f"same {tokens}-token answer (HotpotQA, MuSiQue)",
+            "full prefill",
+            pct_ci(entry["agree"], entry["agree_ci"]) + " of questions",
+            f"{entry['n']}",
+            _settings(rows),
+            _cpu(rows),
+        ]
+    ]
+
+
+def readme_table(res: Results) -> str:
+    out: list[list[str]] = []
+    for case in headline.CASES:
+        out += _whole_rows(res, case) if case.kind == "whole_answer" else _agreement_rows(res, case)
+    head = ["model", "measured", "against", "CacheBlend, default settings", "questions", "rows made with", "CPU"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in out])
+
+
+TABLES = {
+    "readme-results": Table(tuple(dict.fromkeys(headline.rows_file(c) for c in headline.CASES)), readme_table),
+}
+VALUES: dict = {}

@@ -1,0 +1,89 @@
+"""``pipeline-bench``: loading chunk caches from each tier, pipelined or not, with the loading
+controller's choices (docs/storage.md, docs/pipeline.md) and a Redis tier (docs/sharing.md)."""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+from cacheblend_bench.pipeline_bench import report, tiers_table
+from cacheblend_bench.published.results import Results, Table, Values
+
+CALIBRATED = "pipeline_bench_calibrated.json"  # the loading controller, calibrated (docs/storage.md)
+UNCALIBRATED = "pipeline_bench_quiet.json"  # the same before the calibration (docs/pipeline.md)
+REDIS = "pipeline_bench_redis.json"
+# The options of the commands the pages show, which the JSON does not record.
+CALIBRATED_ARGS = types.SimpleNamespace(stored_dtype=None, dtype="float32", repeats=2)
+REDIS_LABELS = {
+    "memory": "memory",
+    "disk": "local disk (warm page cache)",
+    "redis": "local Redis",
+    "throttled100": "disk throttled to 100 MB/s",
+    "redis_throttled100": "Redis throttled to 100 MB/s",
+}
+
+
+def _calibrated_block(res: Results) -> str:
+    return "```\n" + report(res.json(CALIBRATED), CALIBRATED_ARGS) + "\n```"
+
+
+def _tier_values(res: Results, name: str) -> dict[str, Any]:
+    run = res.json(name)
+    full = run["full_recompute_s"]
+    v: dict[str, Any] = {
+        "full_s": full,
+        "chunks": run["chunks"],
+        "context_tokens": run["context_tokens"],
+        "prompt_tokens": run["prompt_tokens"],
+    }
+    for tier, r in run["tiers"].items():
+        v[f"{tier}.ratio"] = r["ratio"]
+        v[f"{tier}.pure_load"] = r["pure_load_s"] / full
+        v[f"{tier}.pure_load_s"] = r["pure_load_s"]
+        v[f"{tier}.sequential"] = r["sequential_s"] / full
+        v[f"{tier}.pipelined"] = r["pipelined_s"] / full
+        v[f"{tier}.vs_load"] = r["pipelined_s"] / r["pure_load_s"]
+        v[f"{tier}.floor_vs_load"] = r["pipelined_floor_s"] / r["pure_load_s"]
+        v[f"{tier}.seq_over_pipe"] = r["sequential_s"] / r["pipelined_s"]
+        v[f"{tier}.pipe_over_seq"] = r["pipelined_s"] / r["sequential_s"]
+        v[f"{tier}.hidden"] = r["load_hidden_s"] / r["load_s"] if r["load_s"] else 0.0
+        v[f"{tier}.speedup"] = full / r["pipelined_s"]  # pipelined CacheBlend's speed-up over full recompute
+        if "est_recompute_s" in r:
+            v[f"{tier}.est_under"] = 1 - r["est_recompute_s"] / r["seq_prefill_minus_load_s"]
+    fast = [t for t in run["tiers"] if not t.startswith(("throttled", "redis_throttled"))]
+    slow = [t for t in run["tiers"] if t.startswith(("throttled", "redis_throttled"))]
+    v["fast.pipelined"] = [v[f"{t}.pipelined"] for t in fast]
+    v["fast.hidden"] = [v[f"{t}.hidden"] for t in fast]
+    v["floor_tiers.pipelined"] = [v[f"{t}.pipelined"] for t in run["tiers"] if run["tiers"][t]["ratio"] <= 0.15 + 1e-9]
+    v["floor_tiers.hidden"] = [v[f"{t}.hidden"] for t in run["tiers"] if run["tiers"][t]["ratio"] <= 0.15 + 1e-9]
+    v["slow.pipelining_gain"] = [v[f"{t}.seq_over_pipe"] - 1 for t in slow]
+    v["fast.speedup"] = [v[f"{t}.speedup"] for t in fast]
+    v["est_under"] = [v[f"{t}.est_under"] for t in run["tiers"] if f"{t}.est_under" in v]
+    prefill = run["profile"]["prefill_points"][-1]  # (context tokens, full prefill s) the profile measured
+    v["profiled_prefill_s"] = prefill[1]
+    return v
+
+
+def _replay_block(name: str):
+    def render(res: Results) -> str:
+        from cacheblend_bench.replay import summary_table
+
+        rows = res.rows(name)
+        stream = next(r["stream"] for r in rows if r["kind"] == "config")
+        return summary_table([r for r in rows if r["stream"] == stream])
+
+    return render
+
+
+TABLES = {
+    "replay": Table(("replay.jsonl",), _replay_block("replay.jsonl")),
+    "replay-drift": Table(("replay_drift.jsonl",), _replay_block("replay_drift.jsonl")),
+    "pipeline-bench-calibrated": Table((CALIBRATED,), _calibrated_block),
+    "pipeline-bench-redis": Table((REDIS,), lambda res: tiers_table(res.json(REDIS), REDIS_LABELS)),
+}
+
+VALUES = {
+    "tiers": Values((CALIBRATED,), lambda res: _tier_values(res, CALIBRATED)),
+    "tiers0": Values((UNCALIBRATED,), lambda res: _tier_values(res, UNCALIBRATED)),
+    "redis": Values((REDIS,), lambda res: _tier_values(res, REDIS)),
+}

@@ -1,0 +1,350 @@
+"""``cacheblend-rag``: ask questions over documents, run the sweep, benchmarks and profiles."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from importlib.metadata import entry_points
+from pathlib import Path
+
+from cacheblend_rag import __version__
+from cacheblend_rag.cli.paths import DataFileError
+from cacheblend_rag.config import ADAPTIVE_ESCALATION, FUSED_MODES, MODES, BlendConfig
+from cacheblend_rag.errors import ModelLoadError
+from cacheblend_rag.model.weights import AUTO, WEIGHT_CHOICES
+
+# Commands beyond ask and serve come from entry points of this group (pyproject.toml: ingest and
+# store, which build on this module's reading and flags, and the benchmarks' sweep, bench,
+# fidelity, calibrate, profile, pipeline-bench), so this module imports none of them. Each names
+# a function ``register(subparsers)``.
+COMMANDS_GROUP = "cacheblend_rag.commands"
+
+
+def split_text(text: str, tokenizer, max_tokens: int) -> list[str]:
+    """Split a document into chunks of at most ``max_tokens`` of the model's tokens, at paragraph
+    breaks first, then lines, then words (langchain-text-splitters' recursive splitter)."""
+    from langchain_text_splitters import RecursiveCharacterTextSplitter
+
+    splitter = RecursiveCharacterTextSplitter.from_huggingface_tokenizer(tokenizer, chunk_size=max_tokens, chunk_overlap=0)
+    return [chunk for chunk in splitter.split_text(text) if chunk.strip()]
+
+
+def read_chunks(paths: list[str], tokenizer, max_tokens: int) -> list[str]:
+    chunks: list[str] = []
+    for p in paths:
+        path = Path(p)
+        if not path.is_file():
+            raise SystemExit(f"error: {p}: no such file (pass text files or a .json list of chunks)")
+        if path.suffix == ".json":
+            data = json.loads(path.read_text())
+            if not isinstance(data, list):
+                raise SystemExit(f"error: {p}: expected a JSON list of strings or of {{'text': ...}} objects")
+            chunks += [d["text"] if isinstance(d, dict) else d for d in data]
+        else:
+            chunks += split_text(path.read_text(encoding="utf-8"), tokenizer, max_tokens)
+    return chunks
+
+
+def retrieve(question: str, chunks: list[str], top_k: int) -> list[str]:
+    """The ``top_k`` chunks most similar to ``question`` (bundled all-MiniLM-L6-v2), best first;
+    every chunk when ``top_k`` is 0 or at least their number."""
+    if top_k == 0 or top_k >= len(dict.fromkeys(chunks)):
+        return chunks
+    from cacheblend_rag.embedder import most_similar
+
+    return most_similar(question, chunks, top_k)
+
+
+def _ask(args: argparse.Namespace) -> int:
+    from cacheblend_rag.engine.core import CacheBlendEngine
+    from cacheblend_rag.serving import Request, Run
+
+    if args.top_k < 0:
+        raise SystemExit(f"error: --top-k {args.top_k}: pass a number of chunks >= 1, or 0 to send every chunk")
+    _check_guard(args.guard_margin)
+    check_weights(args)
+    engine = CacheBlendEngine.from_pretrained(
+        args.model, device=args.device, dtype=args.dtype, weights=args.weights, store=store_tiers(args.store)
+    )
+    try:
+        _guarded(engine, args.guard_margin, args.adaptive)
+        corpus = read_chunks(args.files, engine.tokenizer, args.chunk_tokens)
+        chunks = retrieve(args.question, corpus, args.top_k)
+        if not args.no_neighbours and args.mode in FUSED_MODES:
+            # Each retrieved chunk also cached behind its most similar chunks of all the files: the
+            # neighbour index lives in this process, so this runs (cheaply, once cached) every time.
+            engine.precompute(chunks, neighbours=ASK_NEIGHBOURS, corpus=corpus, progress=not args.json)
+        elif args.precompute:
+            engine.precompute(chunks, progress=not args.json)
+        # The request path every front end takes (the settings checked as the server checks them).
+        request = Request.over_chunks(args.question, chunks).with_settings(
+            mode=args.mode, recompute_ratio=args.ratio, max_new_tokens=args.max_new_tokens, temperature=args.temperature
+        )
+        run = Run(engine, request)
+        for delta in run:
+            if not args.json:
+                print(delta, end="", flush=True)
+        res = run.result
+        assert res is not None
+    finally:
+        engine.close()
+    s = res.stats
+    if args.json:
+        out = {
+            "question": args.question,
+            "answer": res.text,
+            "finish_reason": res.finish_reason,
+            "ttft_s": res.ttft_s,
+            "total_s": res.total_s,
+            "chunks": chunks,
+            "stats": s,
+        }
+        print(json.dumps(out, indent=1, default=_jsonable))
+        return 0
+    print()
+    print(
+        f"[{s['mode']}] time to first token {res.ttft_s:.2f}s, {s['chunks']} chunks "
+        f"({s['chunk_hits']} cached, {s['chunk_misses']} computed now, {s.get('neighbour_hits', 0)} behind their neighbours), "
+        f"recomputed {100 * s['recompute_fraction']:.0f}% of token-layers",
+        file=sys.stderr,
+    )
+    return 0
+
+
+# How many chunks ask caches each retrieved chunk behind (the engine's precompute(neighbours=n)).
+ASK_NEIGHBOURS = 2
+WEIGHTS_HELP = (
+    "linear layers' format: fp32, fp16 (CPU only: half the weight bytes per decoded token) or auto "
+    "(default: fp16 for a float32 model on the CPU, else fp32)"
+)
+# ServerConfig's request limits and connection timeouts as `serve` flags (docs/server.md). The
+# defaults are ServerConfig's (this module must not import the server extra to build its parser);
+# tests/test_reliability_round3.py checks that the help text states them.
+_SERVER_LIMITS: dict[str, tuple[type, str]] = {
+    "max_body_bytes": (int, "largest request body in bytes; larger gets 413 (default 8388608)"),
+    "max_documents": (int, "most documents per request; more gets 400 (default 64)"),
+    "max_document_chars": (int, "most characters per document; more gets 400 (default 100000)"),
+    "max_stop_strings": (int, "most stop strings per request; more gets 400 (default 16)"),
+    "max_stop_chars": (int, "most characters per stop string; more gets 400 (default 256)"),
+    "max_message_chars": (
+        int,
+        "most characters of a request's messages, tool calls and prompt together, documents apart; more gets 400 "
+        "(default 100000)",
+    ),
+    "timeout_header_s": (float, "seconds a connection may take to send a request's headers (default 10.0)"),
+    "timeout_body_s": (float, "seconds a request body may take to arrive; then 408 (default 30.0)"),
+    "timeout_keep_alive_s": (int, "seconds an idle keep-alive connection stays open (default 5)"),
+    "max_connections": (int, "most open connections; one more closes the oldest idle one (default 128)"),
+    "max_header_bytes": (int, "largest request header block in bytes (default 16384)"),
+    "timeout_drain_s": (float, "seconds a shutdown (SIGTERM) waits for open requests, then cancels them (default 30.0)"),
+}
+
+STORE_HELP = (
+    "chunk cache tiers below memory, fastest first, comma-separated: disk, redis://host:6379/0 "
+    "(rediss:// for TLS); e.g. disk,redis://cache:6379/0 shares caches through Redis (default: disk)"
+)
+
+
+GUARD_HELP = (
+    "the fidelity guard (BlendConfig.guard_margin): answer from a full prefill, on top of the blended one, "
+    "whenever the blended first-token margin (log-probability of the first token minus its runner-up's) is "
+    "below this, e.g. 0.5 (default: off); measure the trade with python -m cacheblend_bench.guard_curve"
+)
+
+
+def _check_guard(margin: float | None) -> None:
+    """Refuse a bad ``--guard-margin`` before the model loads, with the config's own message."""
+    try:
+        BlendConfig(guard_margin=margin)
+    except ValueError as exc:
+        raise SystemExit(f"error: --guard-margin: {exc}") from None
+
+
+def check_weights(args: argparse.Namespace) -> None:
+    """Refuse ``--weights fp16`` where it cannot run, before the model loads, in one line (the
+    load would refuse it only after loading, with a traceback)."""
+    if args.weights == "fp16" and (args.dtype not in ("float32", "fp32") or args.device != "cpu"):
+        raise SystemExit(
+            f"error: --weights fp16 keeps activations in float32 on the CPU: it needs --dtype float32 and --device cpu, "
+            f"not --dtype {args.dtype} --device {args.device} (or leave --weights auto)"
+        )
+
+
+ADAPTIVE_HELP = (
+    "adaptive recompute (BlendConfig.escalation = cacheblend_rag.config.ADAPTIVE_ESCALATION): blend a prompt "
+    "whose first-token margin is below 0.1 again at ratio 0.3, then 0.6 (default: off; docs/choosing.md)"
+)
+
+
+def _guarded(engine, margin: float | None, adaptive: bool = False) -> None:
+    """Give ``engine``'s config (calibrated or default) the guard's threshold and, with
+    ``adaptive``, the adaptive recompute preset."""
+    if adaptive:
+        engine.config = replace(engine.config, escalation=ADAPTIVE_ESCALATION)
+    if margin is not None:
+        engine.config = replace(engine.config, guard_margin=margin)
+
+
+def store_tiers(text: str | None) -> list[str] | None:
+    """``--store disk,redis://...`` -> the tier list ``from_pretrained(store=...)`` takes."""
+    return None if text is None else [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from cacheblend_rag.server import ServerConfig, create_app
+        from cacheblend_rag.server.limits import uvicorn_settings
+    except ImportError as exc:
+        raise SystemExit(
+            f"error: serve needs the server extra ({exc.name} is missing): pip install 'cacheblend-rag[server]'"
+        ) from None
+    from cacheblend_rag.engine.core import CacheBlendEngine
+
+    if args.max_queue < 0:
+        raise SystemExit(f"error: --max-queue {args.max_queue}: pass how many requests may wait (>= 0)")
+    if args.max_batch < 1:
+        raise SystemExit(
+            f"error: --max-batch {args.max_batch}: pass how many answers to decode together (>= 1; 1: one at a time)"
+        )
+    try:
+        config = ServerConfig(
+            model_name=args.served_model_name,
+            max_batch=args.max_batch,
+            max_queue=args.max_queue,
+            learn_neighbours=not args.no_neighbours,
+            **{name: getattr(args, name) for name in _SERVER_LIMITS if getattr(args, name) is not None},
+        )
+    except ValueError as exc:  # checked before the model loads
+        raise SystemExit(f"error: {exc}") from None
+    _check_guard(args.guard_margin)
+    check_weights(args)
+    engine = CacheBlendEngine.from_pretrained(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        weights=args.weights,
+        store_dir=args.store_dir,
+        store=store_tiers(args.store),
+    )
+    app = None
+    try:
+        _guarded(engine, args.guard_margin, args.adaptive)
+        # uvicorn stops on SIGINT/SIGTERM gracefully: it stops accepting connections, lets open
+        # requests finish (--timeout-drain), then runs the app's shutdown, which drains the batcher
+        # and closes the engine (saves learned neighbours). It must: after a SIGTERM uvicorn raises
+        # the signal again once it has shut down, and nothing after uvicorn.run runs.
+        app = create_app(engine, config, close_engine=True)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, **uvicorn_settings(config))
+    finally:
+        if app is None or not app.state.engine_closed:  # uvicorn never started, or failed
+            engine.close()
+    return 0
+
+
+def _jsonable(value: object) -> object:
+    """Numbers and arrays among the stats (numpy / torch scalars) as plain JSON values."""
+    for attr in ("tolist", "item"):
+        if hasattr(value, attr):
+            return getattr(value, attr)()
+    return str(value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cacheblend-rag", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    ask = sub.add_parser("ask", help="answer a question over text files or a JSON list of chunks")
+    ask.add_argument("question")
+    ask.add_argument("files", nargs="+", help="text files (split into paragraph chunks) or .json lists of chunks")
+    ask.add_argument(
+        "--top-k",
+        type=int,
+        default=6,
+        help="answer over the K chunks most similar to the question (bundled MiniLM embedder; default 6; 0: every chunk)",
+    )
+    ask.add_argument(
+        "--json", action="store_true", help="print one JSON object (answer, chunks used, stats) instead of streaming"
+    )
+    ask.add_argument("--model", default=None, help="model dir, .gguf file or hub id (default: bundled SmolLM2-135M-Instruct)")
+    ask.add_argument("--mode", default="cacheblend", choices=list(MODES))
+    ask.add_argument("--ratio", type=float, default=None, help="recompute ratio (default 0.15)")
+    ask.add_argument("--chunk-tokens", type=int, default=256, help="max tokens per chunk when splitting text files")
+    ask.add_argument("--max-new-tokens", type=int, default=64)
+    ask.add_argument("--temperature", type=float, default=0.0)
+    ask.add_argument("--device", default="cpu")
+    ask.add_argument("--dtype", default="float32")
+    ask.add_argument("--weights", default=AUTO, choices=WEIGHT_CHOICES, help=WEIGHTS_HELP)
+    ask.add_argument(
+        "--precompute",
+        action="store_true",
+        help="precompute the plain chunk caches first (not counted in TTFT) where the default neighbour-aware "
+        "precompute does not run (--no-neighbours, or a --mode other than cacheblend and full_reuse); without it "
+        "missing caches are computed during the answer",
+    )
+    ask.add_argument(
+        "--no-neighbours",
+        action="store_true",
+        help="cache each chunk alone only. By default (--mode cacheblend or full_reuse), before the question is "
+        "timed, each retrieved chunk is also "
+        f"cached behind its {ASK_NEIGHBOURS} most similar chunks of all the files (bundled MiniLM), which brings "
+        f"answers much closer to full prefill's: about {ASK_NEIGHBOURS + 1} chunk prefills per new chunk and one "
+        "more chunk cache of storage each; later calls reuse them",
+    )
+    ask.add_argument("--store", default=None, help=STORE_HELP)
+    ask.add_argument("--guard-margin", type=float, default=None, help=GUARD_HELP)
+    ask.add_argument("--adaptive", action="store_true", help=ADAPTIVE_HELP)
+    ask.set_defaults(func=_ask)
+    serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (docs/server.md)")
+    serve.add_argument("--model", default=None, help="model dir, .gguf file or hub id (default: bundled SmolLM2-135M-Instruct)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--store-dir", default=None, help="chunk KV store directory (default: <cache home>/kv)")
+    serve.add_argument("--store", default=None, help=STORE_HELP)
+    serve.add_argument(
+        "--max-batch",
+        type=int,
+        default=8,
+        help="answers decoded together, sharing each decode step (default 8; 1: one answer at a time)",
+    )
+    serve.add_argument(
+        "--max-queue", type=int, default=8, help="requests that may wait while --max-batch answers run; more get 503 (default 8)"
+    )
+    for name, (kind, help_text) in _SERVER_LIMITS.items():
+        serve.add_argument("--" + name.removesuffix("_s").replace("_", "-"), dest=name, type=kind, default=None, help=help_text)
+    serve.add_argument(
+        "--no-neighbours",
+        action="store_true",
+        help="do not learn neighbour-aware chunk caches from the requests. By default each request's chunks are "
+        "also cached behind the chunks in front of them, in the background between requests (one more chunk "
+        "prefill behind up to 2 chunks per new cache; storage: up to 4 more caches per chunk), answers come "
+        "closer to full prefill's, and a repeated request may be answered differently once its caches exist",
+    )
+    serve.add_argument("--guard-margin", type=float, default=None, help=GUARD_HELP)
+    serve.add_argument("--adaptive", action="store_true", help=ADAPTIVE_HELP)
+    serve.add_argument("--served-model-name", default=None, help="the name clients pass as model (default: the model's id)")
+    serve.add_argument("--device", default="cpu")
+    serve.add_argument("--dtype", default="float32")
+    serve.add_argument("--weights", default=AUTO, choices=WEIGHT_CHOICES, help=WEIGHTS_HELP)
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.set_defaults(func=_serve)
+    for entry in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
+        entry.load()(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (DataFileError, ModelLoadError) as err:
+        # A model the flags cannot load (its path, its format): one line, not a traceback.
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
