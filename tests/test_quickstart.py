@@ -42,7 +42,7 @@ FRAGMENTS = {
     ("sources.md", "from cacheblend_rag import CacheBlendEngine"): "your question and chunks",
     ("storage.md", 'engine = CacheBlendEngine.from_pretrained(kv_format="int8")'): "one argument shown",
     ("storage.md", "from cacheblend_rag.store import TieredStore"): "your model, tokenizer and fingerprint",
-    ("storage.md", "from cacheblend_rag.control.controller import LoadingController"): "continues an engine",
+    ("storage.md", "from cacheblend_rag.control import LoadingController"): "continues an engine",
     ("throughput.md", "from cacheblend_rag import CacheBlendEngine"): "your corpus and questions",
     ("throughput.md", "llm = CacheBlendLLM(engine=engine, max_batch=8)"): "continues the block above",
 }

@@ -112,9 +112,10 @@ def _from_rows(path: Path) -> Provenance | None:
 def engine_stamp() -> str:
     """This engine: its version and, in a git checkout, the commit (``0.2.0.dev0+gabc1234``, with
     ``.dirty`` when the package has uncommitted changes). Benchmarks write it into every row."""
+    import cacheblend_rag
     from cacheblend_rag import __version__
 
-    package = Path(__file__).resolve().parents[1]
+    package = Path(cacheblend_rag.__file__).resolve().parent
     try:
         commit = _git(package, "rev-parse", "--short=7", "HEAD").strip()
         dirty = bool(_git(package, "status", "--porcelain", "--", str(package)).strip())

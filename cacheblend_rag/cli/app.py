@@ -8,12 +8,16 @@ import sys
 from dataclasses import replace
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from cacheblend_rag import __version__
 from cacheblend_rag.cli.paths import DataFileError
 from cacheblend_rag.config import ADAPTIVE_ESCALATION, FUSED_MODES, MODES, BlendConfig
 from cacheblend_rag.errors import ModelLoadError
 from cacheblend_rag.model.weights import AUTO, WEIGHT_CHOICES
+
+if TYPE_CHECKING:
+    from cacheblend_rag.engine.core import CacheBlendEngine
 
 # Commands beyond ask and serve come from entry points of this group (pyproject.toml: ingest and
 # store, which build on this module's reading and flags, and the benchmarks' sweep, bench,
@@ -58,16 +62,12 @@ def retrieve(question: str, chunks: list[str], top_k: int) -> list[str]:
 
 
 def _ask(args: argparse.Namespace) -> int:
-    from cacheblend_rag.engine.core import CacheBlendEngine
     from cacheblend_rag.serving import Request, Run
 
     if args.top_k < 0:
         raise SystemExit(f"error: --top-k {args.top_k}: pass a number of chunks >= 1, or 0 to send every chunk")
     _check_guard(args.guard_margin)
-    check_weights(args)
-    engine = CacheBlendEngine.from_pretrained(
-        args.model, device=args.device, dtype=args.dtype, weights=args.weights, store=store_tiers(args.store)
-    )
+    engine = open_engine(args)
     try:
         _guarded(engine, args.guard_margin, args.adaptive)
         corpus = read_chunks(args.files, engine.tokenizer, args.chunk_tokens)
@@ -192,6 +192,24 @@ def store_tiers(text: str | None) -> list[str] | None:
     return None if text is None else [part.strip() for part in text.split(",") if part.strip()]
 
 
+def open_engine(args: argparse.Namespace, **options: Any) -> CacheBlendEngine:
+    """The engine a command's flags name (``--model``, ``--device``, ``--dtype``, ``--weights``,
+    ``--store`` and, where the command has it, ``--store-dir``), with ``options`` for
+    ``from_pretrained``; ``--weights`` is checked before the model loads."""
+    from cacheblend_rag.engine.core import CacheBlendEngine
+
+    check_weights(args)
+    return CacheBlendEngine.from_pretrained(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        weights=args.weights,
+        store_dir=getattr(args, "store_dir", None),
+        store=store_tiers(args.store),
+        **options,
+    )
+
+
 def _serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
@@ -202,7 +220,6 @@ def _serve(args: argparse.Namespace) -> int:
         raise SystemExit(
             f"error: serve needs the server extra ({exc.name} is missing): pip install 'cacheblend-rag[server]'"
         ) from None
-    from cacheblend_rag.engine.core import CacheBlendEngine
 
     if args.max_queue < 0:
         raise SystemExit(f"error: --max-queue {args.max_queue}: pass how many requests may wait (>= 0)")
@@ -221,15 +238,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:  # checked before the model loads
         raise SystemExit(f"error: {exc}") from None
     _check_guard(args.guard_margin)
-    check_weights(args)
-    engine = CacheBlendEngine.from_pretrained(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        weights=args.weights,
-        store_dir=args.store_dir,
-        store=store_tiers(args.store),
-    )
+    engine = open_engine(args)
     app = None
     try:
         _guarded(engine, args.guard_margin, args.adaptive)

@@ -226,8 +226,7 @@ def run(
 
 
 def _ingest(args: argparse.Namespace) -> int:
-    from cacheblend_rag.cli.app import check_weights, store_tiers
-    from cacheblend_rag.engine.core import CacheBlendEngine
+    from cacheblend_rag.cli.app import open_engine
     from cacheblend_rag.store.quant import parse_kv_format
 
     if args.neighbours < 0:
@@ -236,15 +235,9 @@ def _ingest(args: argparse.Namespace) -> int:
         parse_kv_format(args.kv_format)
     except ValueError as exc:
         raise SystemExit(f"error: --kv-format: {exc}") from None
-    check_weights(args)
-    engine = CacheBlendEngine.from_pretrained(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        weights=args.weights,
-        store_dir=args.store_dir,
+    engine = open_engine(
+        args,
         store_size_limit=args.store_size_limit,
-        store=store_tiers(args.store),
         memory_bytes=0,  # every chunk is written once: a memory tier would only hold the last ones
         kv_format=args.kv_format,
     )

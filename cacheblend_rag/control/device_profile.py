@@ -185,8 +185,16 @@ class DeviceProfile:
 
 # The code whose speed a fused calibration measures, relative to the package: a saved calibration
 # is stale once any of it changes, although the model fingerprint does not.
-FUSED_CODE = ("fusor.py", "store/loader.py", "attention.py", "engine.py", "planner.py", "chunk_cache.py")
-_PACKAGE = Path(__file__).parent
+FUSED_CODE = (
+    "blend/fusor.py",
+    "store/loader.py",
+    "model/attention.py",
+    "engine/core.py",
+    "engine/prefill.py",
+    "blend/planner.py",
+    "blend/chunk_cache.py",
+)
+_PACKAGE = Path(__file__).parents[1]
 
 
 def device_tag(device: torch.device | str) -> str:

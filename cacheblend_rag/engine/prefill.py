@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -38,7 +39,7 @@ from cacheblend_rag.chat.prompt import PromptLayout
 from cacheblend_rag.config import BlendConfig
 from cacheblend_rag.model.attention import APE_KWARG
 from cacheblend_rag.model.backbone import cache_from
-from cacheblend_rag.store.loader import ChunkLost, LayerAssembler
+from cacheblend_rag.store.loader import ChunkLost, LayerAssembler, LoadSpec
 from cacheblend_rag.store.lookup import Lookup
 from cacheblend_rag.store.protocol import ChunkStore
 
@@ -156,16 +157,7 @@ def _causal_prefill(
     layer runs attention and the MLP for the last position only; the cache adopts the buffers.
     Segments computed here are written back in the background for the next request with the
     same prefix (the answer does not wait for the copies either)."""
-    loader = LayerAssembler(
-        store,
-        req.loads,
-        len(layout),
-        eng.kv_shape,
-        eng.dtype,
-        eng.device,
-        eng.backbone.rotary_emb,
-        eng.num_layers,
-    )
+    loader = _assembler(eng, store, req.loads, len(layout))
     try:
         out = fuse(eng.backbone, req.plan, loader)
     finally:
@@ -213,17 +205,7 @@ def _fused_prefill(
         device=eng.device,
     )
     specs, miss_s = eng.chunk_cache.fill(req.loads, store, prefix)
-    loader = LayerAssembler(
-        store,
-        specs,
-        len(layout),
-        eng.kv_shape,
-        eng.dtype,
-        eng.device,
-        eng.backbone.rotary_emb,
-        eng.num_layers,
-        pipelined=eng.pipelined if pipelined is None else pipelined,
-    )
+    loader = _assembler(eng, store, specs, len(layout), pipelined=eng.pipelined if pipelined is None else pipelined)
     plan, scoring_s, sources = req.plan, 0.0, None
     criterion = resolve_criterion(config.criterion)
     # Adaptive recompute (BlendConfig.escalation): the partial steps run here, over this pass's
@@ -291,6 +273,23 @@ def _fused_prefill(
         stats,
         out.selected,
         attention_kwargs={} if context is None else {APE_KWARG: context.with_rows(None)},
+    )
+
+
+def _assembler(
+    eng: Prefills, store: ChunkStore, loads: Sequence[LoadSpec], prompt_len: int, *, pipelined: bool = False
+) -> LayerAssembler:
+    """The loader of a prompt's K/V, layer by layer, in the engine's K/V shape, dtype and device."""
+    return LayerAssembler(
+        store,
+        loads,
+        prompt_len,
+        eng.kv_shape,
+        eng.dtype,
+        eng.device,
+        eng.backbone.rotary_emb,
+        eng.num_layers,
+        pipelined=pipelined,
     )
 
 

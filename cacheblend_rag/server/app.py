@@ -24,7 +24,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from cacheblend_rag.server.settings import ServerConfig
 from cacheblend_rag.server.inputs import chat_request, completion_request, message_chars, start_run
 from cacheblend_rag.server.limits import BodyLimit
 from cacheblend_rag.server.outputs import DONE, ChatFormat, CompletionFormat, sse
@@ -38,6 +37,7 @@ from cacheblend_rag.server.schemas import (
     ModelCard,
     ModelList,
 )
+from cacheblend_rag.server.settings import ServerConfig
 from cacheblend_rag.server.worker import EngineWorker, Job, Overloaded
 from cacheblend_rag.serving import Request
 
