@@ -588,13 +588,15 @@ def _guard_table(res: Results) -> str:
 
 # ----------------------------------------------------------------------------- adaptive recompute's trade
 ADAPTIVE_DEV = "adaptive_dev_qwen05.jsonl"
+# The same methods on questions the preset was not chosen on (HotpotQA dev from 5000, MuSiQue 15-49).
+ADAPTIVE_HELDOUT = "adaptive_heldout_qwen05.jsonl"
 ADAPTIVE_CHAIN = [f"question@{r:g}/nb" for r in (0.05, 0.1, 0.15, 0.3, 0.6)] + ["full_recompute_saved"]
 
 
-def _adaptive(res: Results, dataset: str) -> dict[str, Any]:
+def _adaptive(res: Results, dataset: str, file: str = ADAPTIVE_DEV) -> dict[str, Any]:
     """Fixed ratios, the preset cascade (the default ratio, then ``config.ADAPTIVE_ESCALATION``)
     and the frontier."""
-    qs = by_question(res.rows(ADAPTIVE_DEV), ADAPTIVE_CHAIN, dataset)
+    qs = by_question(res.rows(file), ADAPTIVE_CHAIN, dataset)
     methods, margins = escalation_cascade(f"question@{BlendConfig().recompute_ratio:g}/nb", ADAPTIVE_ESCALATION)
     return {
         "fixed": [cascade(qs, [m], ()) for m in ADAPTIVE_CHAIN],
@@ -615,6 +617,17 @@ def _adaptive_table(dataset: str) -> Callable[[Results], str]:
         )
 
     return render
+
+
+def _adaptive_heldout_table(res: Results) -> str:
+    a = _adaptive(res, "all", ADAPTIVE_HELDOUT)
+    fixed = next(e for e in a["fixed"] if e["methods"] == a["preset"]["methods"][:1])
+    better = sum(p and not f for p, f in zip(a["preset"]["agrees"], fixed["agrees"]))
+    worse = sum(f and not p for p, f in zip(a["preset"]["agrees"], fixed["agrees"]))
+    return (
+        f"Fixed ratios and the preset on {a['preset']['n']} held-out questions (the preset against the fixed "
+        f"default ratio: {better} better, {worse} worse):\n\n" + cascade_table([*a["fixed"], a["preset"]])
+    )
 
 
 def _adaptive_values(res: Results) -> dict[str, Any]:
@@ -693,6 +706,7 @@ TABLES = {
     "guard-qwen05-dev": Table((GUARD,), _guard_table),
     "adaptive-qwen05-dev": Table((ADAPTIVE_DEV,), _adaptive_table("all")),
     "adaptive-qwen05-dev-musique": Table((ADAPTIVE_DEV,), _adaptive_table("musique")),
+    "adaptive-qwen05-heldout": Table((ADAPTIVE_HELDOUT,), _adaptive_heldout_table),
     "batch-step-smollm2": Table((BATCH_STEP,), lambda res: batch_step_table(res.json(BATCH_STEP))),
     "server-load-smollm2": Table((SERVER_LOAD,), lambda res: server_load_table(res.json(SERVER_LOAD)["summary"])),
     "reliability-load-tiny": Table((RELIABILITY,), lambda res: "```\n" + res.text(RELIABILITY).strip() + "\n```"),
