@@ -96,6 +96,7 @@ EXEMPT = {"server.md", "changelog.md", "design.md"}
 # Tables that hold no measured numbers, by page and header row, with the reason.
 ALLOWED_TABLES = {
     ("README.md", "| file | concept |"): "a map of the source files",
+    ("how-it-works.md", "| step | where |"): "where each step lives in the code",
     ("benchmarks.md", "| name | source | task / metric | context |"): "the datasets and where they come from",
     ("choosing.md", "| | models |"): "which model families load",
     ("choosing.md", "| entry point | default | turn it off |"): "which neighbour-cache default each entry point has",

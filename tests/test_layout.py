@@ -85,3 +85,11 @@ def test_every_logger_is_named_after_its_module():
     assert not bad, "loggers not named logging.getLogger(__name__):\n" + "\n".join(bad)
     assert hand_named_loggers('import logging\nlog = logging.getLogger("cacheblend_rag.kv_store")')
     assert not hand_named_loggers("import logging\nlog = logging.getLogger(__name__)")
+
+
+def test_how_it_works_points_at_files_that_exist():
+    text = (REPO / "docs" / "how-it-works.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"`(cacheblend_rag/[^`]+)`", text))
+    assert len(named) >= 10, f"docs/how-it-works.md names too few files of the package: {sorted(named)}"
+    gone = sorted(p for p in named if not (REPO / p).exists())
+    assert not gone, "docs/how-it-works.md names files that do not exist: " + ", ".join(gone)
