@@ -2,14 +2,14 @@
 
 Owns the engine's parts and its public API, and delegates each concern to its module:
 
-* ``engine_loading``: ``from_pretrained``'s model and store loading, the calibrated config, and
+* ``engine.setup``: ``from_pretrained``'s model and store loading, the calibrated config, and
   :meth:`CacheBlendEngine.answer_settings` (what decides its answers besides the request);
-* ``chunk_cache``: computing, precomputing and writing back chunk caches (the methods under
+* ``blend.chunk_cache``: computing, precomputing and writing back chunk caches (the methods under
   "chunk caches" below are its public face);
-* ``prefill``: the prefill modes (``config.MODES``), the retry on lost chunk records and the
+* ``engine.prefill``: the prefill modes (``config.MODES``), the retry on lost chunk records and the
   fidelity guard, behind :meth:`CacheBlendEngine.prefill`;
-* ``sampling``: the decoding settings by name, built into one ``SamplingParams``;
-* ``stream``: one answer as it is produced (:class:`GenerationStream`) and its
+* ``decode.sampling``: the decoding settings by name, built into one ``SamplingParams``;
+* ``engine.stream``: one answer as it is produced (:class:`GenerationStream`) and its
   :class:`GenerationResult`.
 
 The adapter (``backbone``) runs the model, the planner decides what each prompt position loads,
@@ -41,7 +41,7 @@ from cacheblend_rag.chat.prompt import (
 from cacheblend_rag.config import BlendConfig, check_mode
 from cacheblend_rag.decode.sampling import SamplingParams, sampling_params
 from cacheblend_rag.decode.step import FastDecodeStep
-from cacheblend_rag.engine import setup as engine_loading
+from cacheblend_rag.engine import setup
 from cacheblend_rag.engine.prefill import PrefillResult, run_prefill
 from cacheblend_rag.engine.stream import GenerationResult, GenerationStream
 from cacheblend_rag.model.backbone import Backbone
@@ -92,7 +92,7 @@ class CacheBlendEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.model_id = model_id
-        self.config = engine_loading.check_config(config) or BlendConfig()
+        self.config = setup.check_config(config) or BlendConfig()
         # Read layer i+1.. from the store while layer i computes (paper section 5). None: decide per
         # request from how layer 0's read went (store.loader.LayerAssembler).
         self.pipelined = pipelined
@@ -173,7 +173,7 @@ class CacheBlendEngine:
         ``kv_format`` is the format the disk and Redis tiers keep chunk caches in: None or "float"
         (the default), "int8" or "int4" (docs/storage.md, "Quantized chunk records").
         """
-        loaded, opened = engine_loading.open_pretrained(
+        loaded, opened = setup.open_pretrained(
             model,
             device=device,
             dtype=dtype,
@@ -186,7 +186,7 @@ class CacheBlendEngine:
             kv_format=kv_format,
         )
         if kwargs.get("config") is None:
-            kwargs["config"] = engine_loading.calibrated_config(loaded.fingerprint)
+            kwargs["config"] = setup.calibrated_config(loaded.fingerprint)
         return cls(
             loaded.model,
             loaded.tokenizer,
@@ -201,7 +201,7 @@ class CacheBlendEngine:
         tokenizer and dtype, by fingerprint), the prompt text around the chunks and the blend
         config. Plain values that are the same in every process, so a cache of answers keyed on
         them (LangChain's LLM cache) never serves one engine's answer for another's."""
-        return engine_loading.answer_settings(self)
+        return setup.answer_settings(self)
 
     # ------------------------------------------------------------------ chunk caches
     def chunk_key(self, segment: Segment, context_ids: Sequence[int] | None = None) -> str:
@@ -334,7 +334,7 @@ class CacheBlendEngine:
         config: BlendConfig | None = None,
     ) -> torch.Tensor:
         layout = self.build_layout(question, chunks)
-        config = engine_loading.check_config(config) or self.config
+        config = setup.check_config(config) or self.config
         return self.prefill(layout, mode, config.with_ratio(recompute_ratio)).logits
 
     def stream(
@@ -375,7 +375,7 @@ class CacheBlendEngine:
         sampling = sampling_params(sampling, **decoding)
         layout = self.build_layout(question, chunks, tools=tools, turns=turns)
         self.backbone.check_fits(len(layout), "the prompt (instruction + chunks + question)", reserve=sampling.max_new_tokens)
-        config = (engine_loading.check_config(config) or self.config).with_ratio(recompute_ratio)
+        config = (setup.check_config(config) or self.config).with_ratio(recompute_ratio)
         controller = self.controller if controller is None else controller
         decision = None
         if recompute_ratio is None and mode == "cacheblend" and controller is not None and config.schedule is None:
