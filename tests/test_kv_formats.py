@@ -295,6 +295,23 @@ def _answer(eng):
     return res.token_ids, eng.next_token_logits(SAMPLE_QUESTION, SAMPLE_CHUNKS)
 
 
+@pytest.mark.parametrize("spec", ["int8", "int4"])
+def test_a_chunk_computed_now_answers_as_its_record_will(tokenizer, tmp_path, spec) -> None:
+    """A quantized store's chunk computed during a request is used as its record reads back, so
+    the answer does not depend on whether the background write-back had finished."""
+    eng = _engine(tokenizer, KVStore(tmp_path, kv_format=spec))
+    eng.precompute(SAMPLE_CHUNKS, progress=False)
+    key = eng.chunk_key(eng.prompts.chunk_segment(SAMPLE_CHUNKS[1]))
+    eng.store.discard(key)
+    computed = eng.prefill(eng.build_layout(SAMPLE_QUESTION, SAMPLE_CHUNKS), "cacheblend")
+    assert computed.stats["chunk_misses"] == 1
+    eng.flush()
+    cached = eng.prefill(eng.build_layout(SAMPLE_QUESTION, SAMPLE_CHUNKS), "cacheblend")
+    assert cached.stats["chunk_misses"] == 0
+    assert torch.equal(computed.logits, cached.logits)
+    eng.close()
+
+
 @pytest.mark.parametrize(
     "damage",
     [lambda b: b[:-5], lambda b: b[:150] + bytes([b[150] ^ 0x20]) + b[151:], lambda b: b[:100]],

@@ -31,6 +31,7 @@ from cacheblend_rag.store.keys import chunk_key
 from cacheblend_rag.store.loader import LoadSpec
 from cacheblend_rag.store.lookup import contains_many
 from cacheblend_rag.store.protocol import KV, ChunkStore
+from cacheblend_rag.store.quant import roundtrip
 from cacheblend_rag.threads import helper_pool
 
 __all__ = ["ChunkCache"]
@@ -205,12 +206,21 @@ class ChunkCache:
                 kv = self.compute(load.segment, prefix_ids=prefix_ids)
                 miss_s += time.perf_counter() - t0
                 self.write_back(store, load.spec.key, kv)
-                specs.append(replace(load.spec, kv=kv))
+                specs.append(replace(load.spec, kv=self._as_read_back(store, kv)))
             elif load.source == PREFIX:
                 specs.append(replace(load.spec, kv=self.prefix_layers(prefix_ids)))
             else:
                 specs.append(load.spec)
         return specs, miss_s
+
+    def _as_read_back(self, store: ChunkStore, kv: list[KV]) -> list[KV]:
+        """``kv`` as ``store``'s records will read it back: a quantized store's chunk computed now
+        answers as it will once cached, so an answer does not depend on whether the background
+        write-back had finished (the tiers keep the same invariant, ``store.tiers``)."""
+        fmt = getattr(store, "kv_format", None)
+        if fmt is None:
+            return kv
+        return [tuple(t.to(self.device) for t in roundtrip(fmt, k, v)) for k, v in kv]
 
     def write_back(self, store: ChunkStore, key: str, kv: Sequence[KV]) -> None:
         """Store a chunk computed during a request, in the background (the answer does not wait)."""
