@@ -40,7 +40,9 @@ def docs(tmp_path) -> Path:
 
 @pytest.fixture
 def tiny_from_pretrained(monkeypatch, tmp_path):
-    """``ask`` loads a tiny random engine (seed 0) instead of the bundled model."""
+    """``ask`` loads a tiny random engine (seed 0) instead of the bundled model; what it keeps
+    between runs (``ask.sqlite``) goes to this test's own folder."""
+    monkeypatch.setenv("CACHEBLEND_RAG_HOME", str(tmp_path / "home"))
     loaded = []
 
     def fake(cls, model=None, **kwargs):

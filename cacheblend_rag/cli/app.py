@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import logging
+import sqlite3
 import sys
 from dataclasses import replace
 from importlib.metadata import entry_points
@@ -13,7 +16,9 @@ from typing import TYPE_CHECKING, Any
 from cacheblend_rag import __version__
 from cacheblend_rag.cli.paths import DataFileError
 from cacheblend_rag.config import ADAPTIVE_ESCALATION, FUSED_MODES, MODES, BlendConfig
+from cacheblend_rag.embedder import CachedEmbedder, Embedder
 from cacheblend_rag.errors import ModelLoadError
+from cacheblend_rag.model.loading import default_cache_dir
 from cacheblend_rag.model.weights import AUTO, WEIGHT_CHOICES
 
 if TYPE_CHECKING:
@@ -25,6 +30,8 @@ if TYPE_CHECKING:
 # a function ``register(subparsers)``.
 COMMANDS_GROUP = "cacheblend_rag.commands"
 
+log = logging.getLogger(__name__)
+
 
 def split_text(text: str, tokenizer, max_tokens: int) -> list[str]:
     """Split a document into chunks of at most ``max_tokens`` of the model's tokens, at paragraph
@@ -35,7 +42,63 @@ def split_text(text: str, tokenizer, max_tokens: int) -> list[str]:
     return [chunk for chunk in splitter.split_text(text) if chunk.strip()]
 
 
-def read_chunks(paths: list[str], tokenizer, max_tokens: int) -> list[str]:
+# What ``ask`` keeps between runs besides the chunk caches, in CACHEBLEND_RAG_HOME: each text
+# file's split and the MiniLM vector of each chunk and question, by content (SplitCache,
+# embedder.CachedEmbedder). Deleting the file only costs the next run the splitting and embedding.
+ASK_CACHE = "ask.sqlite"
+
+
+class SplitCache:
+    """Each text's chunks by its content, the tokenizer's model (``model``: the engine's
+    fingerprint) and ``--chunk-tokens``, in an SQLite table: a second ``ask`` over unchanged files
+    does not split (tokenize) them again. A file that cannot be used is reported once in the log
+    and the texts are split as without it."""
+
+    TABLE = "splits"
+
+    def __init__(self, path: str | Path, model: str) -> None:
+        self.path, self.model = Path(path), model
+        self._db: sqlite3.Connection | None = None
+        self._broken = False
+
+    def split(self, text: str, tokenizer, max_tokens: int) -> list[str]:
+        key = hashlib.sha256(f"{self.model}\0{max_tokens}\0{text}".encode()).hexdigest()
+        row = self._query(f"SELECT chunks FROM {self.TABLE} WHERE key = ?", (key,))
+        if row is not None:
+            try:
+                chunks = json.loads(row[0])
+                if isinstance(chunks, list) and all(isinstance(c, str) for c in chunks):
+                    return chunks
+            except (TypeError, ValueError):
+                pass  # unreadable: split again and replace it
+        chunks = split_text(text, tokenizer, max_tokens)
+        self._query(f"INSERT OR REPLACE INTO {self.TABLE} VALUES (?, ?)", (key, json.dumps(chunks)))
+        return chunks
+
+    def _query(self, sql: str, params: tuple) -> tuple | None:
+        if self._broken:
+            return None
+        try:
+            if self._db is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+                self._db.execute(f"CREATE TABLE IF NOT EXISTS {self.TABLE} (key TEXT PRIMARY KEY, chunks TEXT) WITHOUT ROWID")
+            return self._db.execute(sql, params).fetchone()
+        except (sqlite3.Error, OSError) as exc:
+            log.warning("could not use the split cache %s (files are split again): %r", self.path, exc)
+            self._broken = True
+            self.close()
+            return None
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+
+def read_chunks(paths: list[str], tokenizer, max_tokens: int, splits: SplitCache | None = None) -> list[str]:
+    """The chunks of ``paths``: text files split by :func:`split_text` (through ``splits`` when
+    given), ``.json`` lists taken as they are."""
     chunks: list[str] = []
     for p in paths:
         path = Path(p)
@@ -47,18 +110,19 @@ def read_chunks(paths: list[str], tokenizer, max_tokens: int) -> list[str]:
                 raise SystemExit(f"error: {p}: expected a JSON list of strings or of {{'text': ...}} objects")
             chunks += [d["text"] if isinstance(d, dict) else d for d in data]
         else:
-            chunks += split_text(path.read_text(encoding="utf-8"), tokenizer, max_tokens)
+            text = path.read_text(encoding="utf-8")
+            chunks += split_text(text, tokenizer, max_tokens) if splits is None else splits.split(text, tokenizer, max_tokens)
     return chunks
 
 
-def retrieve(question: str, chunks: list[str], top_k: int) -> list[str]:
-    """The ``top_k`` chunks most similar to ``question`` (bundled all-MiniLM-L6-v2), best first;
-    every chunk when ``top_k`` is 0 or at least their number."""
+def retrieve(question: str, chunks: list[str], top_k: int, embed: Embedder | None = None) -> list[str]:
+    """The ``top_k`` chunks most similar to ``question`` (``embed``, default the bundled
+    all-MiniLM-L6-v2), best first; every chunk when ``top_k`` is 0 or at least their number."""
     if top_k == 0 or top_k >= len(dict.fromkeys(chunks)):
         return chunks
     from cacheblend_rag.embedder import most_similar
 
-    return most_similar(question, chunks, top_k)
+    return most_similar(question, chunks, top_k, embed)
 
 
 def _ask(args: argparse.Namespace) -> int:
@@ -68,14 +132,19 @@ def _ask(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: --top-k {args.top_k}: pass a number of chunks >= 1, or 0 to send every chunk")
     _check_guard(args.guard_margin)
     engine = open_engine(args)
+    # Splits and vectors from earlier runs (by content): a second ask over unchanged files
+    # neither splits nor embeds them again, and loads MiniLM only for a question it has not seen.
+    cache = default_cache_dir() / ASK_CACHE
+    splits, embed = SplitCache(cache, engine.fingerprint), CachedEmbedder(cache)
     try:
         _guarded(engine, args.guard_margin, args.adaptive)
-        corpus = read_chunks(args.files, engine.tokenizer, args.chunk_tokens)
-        chunks = retrieve(args.question, corpus, args.top_k)
+        corpus = read_chunks(args.files, engine.tokenizer, args.chunk_tokens, splits)
+        chunks = retrieve(args.question, corpus, args.top_k, embed)
         if not args.no_neighbours and args.mode in FUSED_MODES:
             # Each retrieved chunk also cached behind its most similar chunks of all the files: the
-            # neighbour index lives in this process, so this runs (cheaply, once cached) every time.
-            engine.precompute(chunks, neighbours=ASK_NEIGHBOURS, corpus=corpus, progress=not args.json)
+            # neighbour index lives in this process, so this runs every time, from the stored
+            # vectors (only chunks not seen before are embedded) and the stored caches.
+            engine.precompute(chunks, neighbours=ASK_NEIGHBOURS, corpus=corpus, embed=embed, progress=not args.json)
         elif args.precompute:
             engine.precompute(chunks, progress=not args.json)
         # The request path every front end takes (the settings checked as the server checks them).
@@ -89,6 +158,8 @@ def _ask(args: argparse.Namespace) -> int:
         res = run.result
         assert res is not None
     finally:
+        splits.close()
+        embed.close()
         engine.close()
     s = res.stats
     if args.json:
