@@ -133,13 +133,13 @@ class Case:
     """One headline run. ``kind``: ``whole_answer`` (first token and whole answers against the
     saved full prefill and llama.cpp) or ``fidelity`` (the answer against full prefill's).
     ``file``: what it writes, the file a headline table reads once it is in ``docs/results``.
-    ``n``: questions per dataset."""
+    ``n``: questions per dataset (whole answers: 15 of each, 30 in all)."""
 
     name: str
     kind: str
     model: str
     file: str
-    n: int = 30
+    n: int = 15
     datasets: tuple[str, ...] = ("hotpotqa", "musique")
     offset: dict[str, int] = field(default_factory=dict)
     lengths: tuple[int, ...] = (32, 128, 256)
@@ -459,7 +459,7 @@ def listing() -> str:
             if c.kind == "whole_answer"
             else f"answers of {spec} vs full prefill's"
         )
-        lines.append(f"{c.name}: {c.model}, {fmt} weights, {c.n} questions of {' and '.join(c.datasets)}; {what} -> {c.file}")
+        lines.append(f"{c.name}: {c.model}, {fmt} weights, {c.n} questions of each of {' and '.join(c.datasets)}; {what} -> {c.file}")
     return "\n".join(lines)
 
 

@@ -8,8 +8,8 @@ import statistics
 from cacheblend_bench import headline
 from cacheblend_bench.fidelity import FidelityConfig
 from cacheblend_bench.fidelity import summarize as fidelity_summarize
-from cacheblend_bench.published.fmt import pct_ci, x_ci
-from cacheblend_bench.published.results import Results, Table
+from cacheblend_bench.published.fmt import Stat, pct_ci, x_ci
+from cacheblend_bench.published.results import Results, Table, Values
 from cacheblend_bench.whole_answer import summarize as whole_summarize
 
 LONGEST = max(headline.CASES[0].lengths)
@@ -91,7 +91,33 @@ def readme_table(res: Results) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in out])
 
 
-TABLES = {
-    "readme-results": Table(tuple(dict.fromkeys(headline.rows_file(c) for c in headline.CASES)), readme_table),
-}
-VALUES: dict = {}
+# Short names of the cases' models in the values' keys (``headline.smollm2.first_token``).
+SHORT = {"smollm2": "smollm2", "qwen2.5-coder-0.5b": "qwen05"}
+
+
+def headline_values(res: Results) -> dict[str, Stat]:
+    """The README table's figures, for prose elsewhere (the tutorials, how-it-works): per model
+    ``<model>.first_token``, ``<model>.whole`` (the longest answer, against the saved full prefill)
+    and ``<model>.vs_llama`` (against llama.cpp Q8_0); ``agreement`` (the default's answers)."""
+    v: dict[str, Stat] = {}
+    for case in headline.CASES:
+        rows = headline.headline_rows(case, res.rows(headline.rows_file(case)))
+        if case.kind == "whole_answer":
+            blend = headline.pick_default({r["method"] for r in rows})
+            e = next(e for e in whole_summarize(rows, case.lengths, REFERENCE) if e["method"] == blend)
+            m = SHORT[case.model]
+            for key, field in (
+                ("first_token", "ttft_vs_full_prefill"),
+                ("whole", f"t{LONGEST}_vs_full_prefill"),
+                ("vs_llama", f"t{LONGEST}_vs_{REFERENCE}"),
+            ):
+                v[f"{m}.{key}"] = Stat(e[field], e[f"{field}_ci"])
+        else:
+            e = next(e for e in fidelity_summarize(rows) if e["dataset"] == "all")
+            v["agreement"] = Stat(e["agree"], e["agree_ci"])
+    return v
+
+
+FILES = tuple(dict.fromkeys(headline.rows_file(c) for c in headline.CASES))
+TABLES = {"readme-results": Table(FILES, readme_table)}
+VALUES = {"headline": Values(FILES, headline_values)}
