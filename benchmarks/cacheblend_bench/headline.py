@@ -459,7 +459,9 @@ def listing() -> str:
             if c.kind == "whole_answer"
             else f"answers of {spec} vs full prefill's"
         )
-        lines.append(f"{c.name}: {c.model}, {fmt} weights, {c.n} questions of each of {' and '.join(c.datasets)}; {what} -> {c.file}")
+        lines.append(
+            f"{c.name}: {c.model}, {fmt} weights, {c.n} questions of each of {' and '.join(c.datasets)}; {what} -> {c.file}"
+        )
     return "\n".join(lines)
 
 
