@@ -9,6 +9,7 @@ import pytest
 
 from cacheblend_bench.replay import (
     ReplayConfig,
+    formats_table,
     main,
     query_stream,
     read_rows,
@@ -93,3 +94,47 @@ def test_the_committed_rows_are_a_finished_run_of_every_policy_pair():
     assert runs == {f"{m}/{d}" for m in config["memory_policies"] for d in config["disk_policies"]}
     assert config["queries"] >= 1000 and config["store_fraction"] == 0.25
     assert json.dumps(config)  # plain JSON
+
+
+def test_quantized_records_hold_more_chunks_in_the_same_bytes_and_hit_more(tmp_path):
+    shape = dict(TINY, corpus=60, chunk_tokens=128, kv_shape=(4, 3, 64), queries=150, warmup=50, window=50)
+    out = tmp_path / "formats.jsonl"
+    cfgs, summaries = {}, {}
+    for fmt in ("float", "int8", "int4"):
+        cfg = ReplayConfig(
+            **shape,
+            store_fraction=0.2,
+            memory_fraction=0.05,
+            kv_format=fmt,
+            memory_policies=("lfu",),
+            disk_policies=("least-recently-used",),
+        )
+        rows = run_all(cfg, out, progress=False, where=str(tmp_path))
+        cfgs[fmt], summaries[fmt] = cfg, next(r for r in rows if r["kind"] == "summary")
+    f, i8, i4 = cfgs["float"], cfgs["int8"], cfgs["int4"]
+    assert f.disk_bytes == i8.disk_bytes == i4.disk_bytes  # the same store bytes
+    assert f.disk_chunks < i8.disk_chunks < i4.disk_chunks
+    assert summaries["float"]["hit_rate"] < summaries["int8"]["hit_rate"] <= summaries["int4"]["hit_rate"]
+    oracle = [static_oracle_hit_rate(c, list(query_stream(c))) for c in (f, i8, i4)]
+    assert oracle == sorted(oracle) and oracle[0] < oracle[2]
+    assert len({c.stream_key() for c in (f, i8, i4)}) == 3
+    table = formats_table(read_rows(out)).splitlines()
+    assert [line.split("|")[1].strip() for line in table[2:]] == ["float", "int8", "int4"]
+    assert f"{i4.disk_chunks} of 60" in table[4] and f"{summaries['int4']['hit_rate']:.3f}" in table[4]
+    assert "int4 records on disk" in summary_table([r for r in read_rows(out) if r["stream"] == i4.stream_key()])
+    with pytest.raises(ValueError, match="int3"):
+        ReplayConfig(kv_format="int3")
+    other = ReplayConfig(
+        **{**shape, "seed": 1}, kv_format="int8", memory_policies=("lfu",), disk_policies=("least-recently-used",)
+    )
+    run_all(other, out, progress=False, where=str(tmp_path))
+    with pytest.raises(ValueError, match="more than its format"):
+        formats_table(read_rows(out))
+
+
+def test_the_float_stream_keeps_the_key_of_the_committed_rows():
+    from cacheblend_bench.doc_tables import ROOT
+
+    config = next(r for r in read_rows(ROOT / "docs" / "results" / "replay.jsonl") if r["kind"] == "config")
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items() if k not in ("stream", "kind", "run")}
+    assert ReplayConfig(**fields).stream_key() == config["stream"]

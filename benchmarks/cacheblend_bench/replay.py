@@ -40,6 +40,8 @@ import torch
 from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.store.eviction import DISK_POLICIES, MEMORY_POLICIES, set_disk_policy
 from cacheblend_rag.store.memory import MemoryTier
+from cacheblend_rag.store.quant import parse_kv_format
+from cacheblend_rag.store.record import layer_record_bytes
 from cacheblend_rag.store.tiers import Tier, TieredStore
 
 __all__ = ["ReplayConfig", "query_stream", "replay", "run_all", "summary_table"]
@@ -69,6 +71,9 @@ class ReplayConfig:
     memory_policies: tuple[str, ...] = tuple(sorted(MEMORY_POLICIES))
     disk_policies: tuple[str, ...] = DISK_POLICIES
     kv_shape: tuple[int, int, int] = SMOLLM2_KV
+    # The disk tier's record format (``store.quant``): at the same bytes, int8 and int4 records
+    # hold more chunks. The memory tier keeps decoded tensors, float16, whatever the format.
+    kv_format: str = "float"
 
     def __post_init__(self) -> None:
         if not 1 <= self.per_query <= self.corpus:
@@ -81,6 +86,7 @@ class ReplayConfig:
             raise ValueError(f"need 0 < memory_fraction ({self.memory_fraction}) <= store_fraction ({self.store_fraction}) <= 1")
         if self.shift_at is not None and not 0 < self.shift_at < self.queries:
             raise ValueError(f"shift_at={self.shift_at} must be a query index between 0 and queries={self.queries}")
+        parse_kv_format(self.kv_format)  # raises on an unknown format
         for p in self.memory_policies:
             if p not in MEMORY_POLICIES:
                 raise ValueError(f"unknown memory policy {p!r}: use {sorted(MEMORY_POLICIES)}")
@@ -97,12 +103,30 @@ class ReplayConfig:
     def chunk_bytes(self) -> int:
         return self.kv_shape[0] * self.layer_bytes
 
+    @property
+    def disk_layer_bytes(self) -> int:
+        """One layer's record in the disk tier's format (header and scales included)."""
+        _, heads, dim = self.kv_shape
+        return layer_record_bytes((heads, self.chunk_tokens, dim), torch.float16, parse_kv_format(self.kv_format))
+
+    @property
+    def disk_bytes(self) -> int:
+        """The disk tier's size: ``store_fraction`` of the corpus in float16, whatever the format."""
+        return int(self.store_fraction * self.corpus * self.chunk_bytes)
+
+    @property
+    def disk_chunks(self) -> int:
+        """Chunks the disk tier holds in its format."""
+        return min(self.corpus, self.disk_bytes // (self.kv_shape[0] * self.disk_layer_bytes))
+
     def stream_key(self) -> str:
         """Names the stream and sizes: rows of another configuration are never mixed in."""
         fields = {
             k: v
             for k, v in asdict(self).items()
-            if k not in ("memory_policies", "disk_policies") and not (k == "shift_at" and v is None)
+            if k not in ("memory_policies", "disk_policies")
+            and not (k == "shift_at" and v is None)
+            and not (k == "kv_format" and v == "float")  # rows made before the field keep their key
         }
         return hashlib.blake2b(json.dumps(fields, sort_keys=True).encode(), digest_size=6).hexdigest()
 
@@ -132,7 +156,7 @@ def query_stream(cfg: ReplayConfig) -> Iterator[list[int]]:
 def static_oracle_hit_rate(cfg: ReplayConfig, queries: Sequence[list[int]]) -> float:
     """Hit rate after warm-up of a store always holding the most popular chunks that fit (the
     ones popular at the time, when the stream drifts)."""
-    fit = int(cfg.store_fraction * cfg.corpus)
+    fit = cfg.disk_chunks
     tops = [set(np.argsort(-popularity(cfg, phase))[:fit].tolist()) for phase in (0, 1)]
     asked = [(c, _phase(cfg, i)) for i, q in enumerate(queries) if i >= cfg.warmup for c in q]
     return sum(c in tops[phase] for c, phase in asked) / len(asked)
@@ -144,7 +168,7 @@ def _key(chunk: int) -> str:
 
 def _open(cfg: ReplayConfig, memory_policy: str, disk_policy: str, directory: str) -> TieredStore:
     corpus_bytes = cfg.corpus * cfg.chunk_bytes
-    disk = KVStore(directory, size_limit=int(cfg.store_fraction * corpus_bytes) + _DISK_SLACK)
+    disk = KVStore(directory, size_limit=cfg.disk_bytes + _DISK_SLACK, kv_format=cfg.kv_format)
     set_disk_policy(disk, disk_policy)
     memory = MemoryTier(int(cfg.memory_fraction * corpus_bytes), policy=memory_policy)
     return TieredStore([Tier(memory, "memory"), Tier(disk, "disk")])
@@ -229,7 +253,7 @@ class _Window:
             "memory_layer_reads": self.reads.get("memory", 0),
             "disk_layer_reads": self.reads.get("disk", 0),
             "memory_bytes": self.reads.get("memory", 0) * cfg.layer_bytes,
-            "disk_bytes": self.reads.get("disk", 0) * cfg.layer_bytes,
+            "disk_bytes": self.reads.get("disk", 0) * cfg.disk_layer_bytes,
             "read_s_per_query_smoke": self.read_s / self.queries,
             "ttft_model_s": self.ttft_s / self.queries,
         }
@@ -336,8 +360,37 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
         + (f"; from query {config['shift_at']} on, other chunks are popular" if config.get("shift_at") else "")
         + f"; disk tier {config['store_fraction']:.0%} and memory tier "
         f"{config['memory_fraction']:.0%} of the corpus's bytes; synthetic {config['chunk_tokens']}-token chunks of "
-        f"SmolLM2-135M's KV shape in float16; TTFT modeled for {config['model_chunk_tokens']}-token chunks."
+        f"SmolLM2-135M's KV shape in float16"
+        + (f", {config['kv_format']} records on disk" if config.get("kv_format", "float") != "float" else "")
+        + f"; TTFT modeled for {config['model_chunk_tokens']}-token chunks."
     )
+    return "\n".join(lines)
+
+
+def formats_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: one line per disk record format (streams that differ only in ``kv_format``), the
+    same store bytes: chunks the disk tier holds, hit rate and modeled TTFT per policy pair run."""
+    configs = {r["stream"]: r for r in rows if r["kind"] == "config"}
+    lines = [
+        "| disk records | bytes per chunk | chunks the disk tier holds | policies | chunk hit rate "
+        "| static oracle | modeled TTFT (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    first = None
+    for stream, config in configs.items():
+        fields = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items() if k not in ("stream", "kind", "run")}
+        cfg = ReplayConfig(**fields)
+        same = {k: v for k, v in asdict(cfg).items() if k != "kv_format"}
+        if first is None:
+            first = same
+        elif same != first:
+            raise ValueError(f"stream {stream} differs from the first in more than its format: not comparable")
+        oracle = next(r["hit_rate"] for r in rows if r["stream"] == stream and r["run"] == "static oracle")
+        for r in (r for r in rows if r["stream"] == stream and r["kind"] == "summary"):
+            lines.append(
+                f"| {cfg.kv_format} | {cfg.kv_shape[0] * cfg.disk_layer_bytes:,} | {cfg.disk_chunks} of {cfg.corpus} "
+                f"| {r['memory_policy']} / {r['disk_policy']} | {r['hit_rate']:.3f} | {oracle:.3f} | {r['ttft_model_s']:.2f} |"
+            )
     return "\n".join(lines)
 
 
@@ -384,6 +437,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--shift-at", type=int, default=None, help="query index from which other chunks are popular (default: never)")
     for name in ("zipf", "store_fraction", "memory_fraction"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))
+    p.add_argument(
+        "--kv-format", default=defaults.kv_format, help="the disk tier's record format: float, int8 or int4 (default float)"
+    )
     p.add_argument("--memory-policies", default=",".join(defaults.memory_policies))
     p.add_argument("--disk-policies", default=",".join(defaults.disk_policies))
     args = p.parse_args(argv)
@@ -400,6 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             warmup=args.warmup,
             seed=args.seed,
             shift_at=args.shift_at,
+            kv_format=args.kv_format,
             memory_policies=tuple(args.memory_policies.split(",")),
             disk_policies=tuple(args.disk_policies.split(",")),
         )

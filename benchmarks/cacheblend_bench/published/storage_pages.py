@@ -8,10 +8,12 @@ from typing import Any
 
 from cacheblend_bench.pipeline_bench import report, tiers_table
 from cacheblend_bench.published.results import Results, Table, Values
+from cacheblend_bench.replay import formats_table
 
 CALIBRATED = "pipeline_bench_calibrated.json"  # the loading controller, calibrated (docs/storage.md)
 UNCALIBRATED = "pipeline_bench_quiet.json"  # the same before the calibration (docs/pipeline.md)
 REDIS = "pipeline_bench_redis.json"
+REPLAY_FORMATS = "replay_formats.jsonl"  # the replay's stream, one run per disk record format (docs/storage.md)
 # The options of the commands the pages show, which the JSON does not record.
 CALIBRATED_ARGS = types.SimpleNamespace(stored_dtype=None, dtype="float32", repeats=2)
 REDIS_LABELS = {
@@ -78,6 +80,7 @@ def _replay_block(name: str):
 TABLES = {
     "replay": Table(("replay.jsonl",), _replay_block("replay.jsonl")),
     "replay-drift": Table(("replay_drift.jsonl",), _replay_block("replay_drift.jsonl")),
+    "replay-formats": Table((REPLAY_FORMATS,), lambda res: formats_table(res.rows(REPLAY_FORMATS))),
     "pipeline-bench-calibrated": Table((CALIBRATED,), _calibrated_block),
     "pipeline-bench-redis": Table((REDIS,), lambda res: tiers_table(res.json(REDIS), REDIS_LABELS)),
 }
