@@ -20,6 +20,7 @@ layer (``serving``, ``server``) above it.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -80,15 +81,26 @@ class CacheBlendEngine:
         fingerprint: str | None = None,
         pipelined: bool | None = None,
         controller: LoadingController | None = None,
+        checks_home: str | os.PathLike[str] | None = None,
     ):
-        from cacheblend_rag.model.fingerprint import model_fingerprint
+        from cacheblend_rag.model.fingerprint import PassedChecks, model_fingerprint
 
         # Refused here, before anything is cached, if the fused path cannot be exact for it.
-        self.backbone = Backbone.adapt(model.eval())
-        self_test(self.backbone)
+        self.backbone = Backbone.adapt(model.eval())  # sets the attention the checks run
+        # ``checks_home`` (with the ``fingerprint`` of ``model`` as loaded): where the load-time
+        # checks below that passed are remembered, keyed by the fingerprint, torch, code, CPU and
+        # threads, so a later load of the same model skips them; a failure is never remembered.
+        passed = PassedChecks(checks_home, fingerprint, model) if checks_home is not None and fingerprint else None
+        if passed is None or not passed.passed("self_test"):
+            self_test(self.backbone)
+            if passed is not None:
+                passed.record_pass("self_test")
         # One decoded token in few operations where the model's layers allow it (checked against
         # the model's own forward here, else None: decoding uses the forward).
-        self.fast_step = FastDecodeStep.build(model, self.backbone.window)
+        step_checked = passed is not None and passed.passed("fast_decode_step")
+        self.fast_step = FastDecodeStep.build(model, self.backbone.window, checked=step_checked)
+        if passed is not None and self.fast_step is not None and not step_checked:
+            passed.record_pass("fast_decode_step")
         self.model = model
         self.tokenizer = tokenizer
         self.model_id = model_id
@@ -187,6 +199,7 @@ class CacheBlendEngine:
         )
         if kwargs.get("config") is None:
             kwargs["config"] = setup.calibrated_config(loaded.fingerprint)
+        kwargs.setdefault("checks_home", setup.cache_home(cache_dir))
         return cls(
             loaded.model,
             loaded.tokenizer,

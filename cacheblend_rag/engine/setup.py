@@ -57,6 +57,13 @@ def open_pretrained(
     return loaded, opened
 
 
+def cache_home(cache_dir: str | None) -> str:
+    """The cache home ``from_pretrained`` keeps converted models and passed load checks in."""
+    from cacheblend_rag.model.loading import default_cache_dir
+
+    return str(default_cache_dir() if cache_dir is None else cache_dir)
+
+
 def calibrated_config(fingerprint: str) -> BlendConfig | None:
     from cacheblend_rag.control.calibration import QualityProfile, quality_profile_path
 

@@ -167,7 +167,8 @@ def load_model(
             hf_model, tokenizer = _load_local_dir(source, torch_dtype, shown=model_id)
         elif path.is_dir():
             model_id = str(path)
-            hf_model, tokenizer = _load_local_dir(_model_dir_or_gguf(path, cache_root), torch_dtype, shown=model_id)
+            source = _model_dir_or_gguf(path, cache_root)
+            hf_model, tokenizer = _load_local_dir(source, torch_dtype, shown=model_id)
         elif path.exists():
             raise ModelLoadError(
                 f"{text!r} is a file but not a .gguf file; pass a Hugging Face model directory "
@@ -175,6 +176,7 @@ def load_model(
             )
         elif _HUB_ID_RE.match(text) and not text.lower().endswith(".gguf"):
             model_id = text
+            source = None  # files in the hub cache: fingerprinted on every load
             hf_model, tokenizer = _load_hub(text, torch_dtype)
         else:
             raise ModelLoadError(
@@ -193,12 +195,20 @@ def load_model(
         raise ModelLoadError(f"Could not move the model to device {str(torch_device)!r}: {e}") from e
     apply_weight_format(hf_model, weights)
 
-    return LoadedModel(
-        model=hf_model,
-        tokenizer=tokenizer,
-        model_id=model_id,
-        fingerprint=model_fingerprint(hf_model, tokenizer, torch_dtype),
-    )
+    def fingerprint() -> str:
+        return model_fingerprint(hf_model, tokenizer, torch_dtype)
+
+    if source is not None:
+        # Hashing every weight byte costs ~0.5 s a load: kept per directory, keyed by its files.
+        from cacheblend_rag.model.fingerprint import cached_fingerprint
+        from cacheblend_rag.model.weights import weight_format
+
+        fp = cached_fingerprint(
+            cache_root, source, dtype=torch_dtype, device=torch_device, weights=weight_format(hf_model), compute=fingerprint
+        )
+    else:
+        fp = fingerprint()
+    return LoadedModel(model=hf_model, tokenizer=tokenizer, model_id=model_id, fingerprint=fp)
 
 
 def _model_dir_or_gguf(path: Path, cache_root: Path) -> Path:
