@@ -17,7 +17,8 @@ import cacheblend_rag.model.loading as loading
 from cacheblend_rag.decode.step import FastDecodeStep
 from cacheblend_rag.engine.core import CacheBlendEngine
 from cacheblend_rag.errors import UnsupportedModelError
-from cacheblend_rag.model.fingerprint import PassedChecks, model_fingerprint
+from cacheblend_rag.model.fingerprint import model_fingerprint
+from cacheblend_rag.model.load_cache import PassedChecks
 from cacheblend_rag.model.weights import apply_weight_format
 from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_model, make_tokenizer

@@ -112,7 +112,7 @@ class FastDecodeStep:
         """The fast step for ``model``, or None where it would not be the model's own arithmetic.
 
         ``checked``: the numerical check against the model's forward already passed for this very
-        model, torch, code and CPU (``model.fingerprint.PassedChecks``), so only the structural one
+        model, torch, code and CPU (``model.load_cache.PassedChecks``), so only the structural one
         runs."""
         reason = _unsupported(model, window)
         if reason is None:

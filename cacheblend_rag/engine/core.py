@@ -83,7 +83,8 @@ class CacheBlendEngine:
         controller: LoadingController | None = None,
         checks_home: str | os.PathLike[str] | None = None,
     ):
-        from cacheblend_rag.model.fingerprint import PassedChecks, model_fingerprint
+        from cacheblend_rag.model.fingerprint import model_fingerprint
+        from cacheblend_rag.model.load_cache import PassedChecks
 
         # Refused here, before anything is cached, if the fused path cannot be exact for it.
         self.backbone = Backbone.adapt(model.eval())  # sets the attention the checks run

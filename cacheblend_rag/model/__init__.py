@@ -8,8 +8,9 @@
   APE reweighting).
 * ``weights``: weight formats chosen at load (float16 linear weights on a CPU by default);
   ``dtypes``: the dtypes ``load_model`` accepts.
-* ``fingerprint``: what names a model's chunk caches, so no other model reads them; and what a
-  later load does not redo (a directory's fingerprint, the load-time checks that passed).
+* ``fingerprint``: what names a model's chunk caches, so no other model reads them;
+  ``load_cache``: what a later load does not redo (a directory's fingerprint, the load-time
+  checks that passed).
 
 May import: the top-level modules (``config``, ``errors``, ``rope``, ...) and ``store``.
 """

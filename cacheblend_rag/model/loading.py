@@ -200,7 +200,7 @@ def load_model(
 
     if source is not None:
         # Hashing every weight byte costs ~0.5 s a load: kept per directory, keyed by its files.
-        from cacheblend_rag.model.fingerprint import cached_fingerprint
+        from cacheblend_rag.model.load_cache import cached_fingerprint
         from cacheblend_rag.model.weights import weight_format
 
         fp = cached_fingerprint(
