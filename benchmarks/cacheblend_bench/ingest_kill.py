@@ -27,6 +27,7 @@ from typing import Any
 from cacheblend_bench import provenance
 
 PLAN = re.compile(r"([\d,]+) chunks \(([\d,]+) cached, ([\d,]+) to compute\), ([\d,]+) tokens")
+WHOLE = re.compile(r"bytes to store in (\S+) \([\d,.]+ bytes per token\), ([\d,]+) for the whole corpus")
 DONE = re.compile(r"computed ([\d,]+) chunk caches in ([\d.]+) s")
 
 
@@ -40,6 +41,9 @@ def parse_log(text: str) -> dict[str, Any]:
     if m is None:
         raise ValueError("no plan line in the ingest log: did the command start?")
     out: dict[str, Any] = dict(zip(("chunks", "cached", "to_compute", "tokens"), map(_int, m.groups())))
+    whole = WHOLE.search(text)
+    if whole is not None:
+        out.update(kv_format=whole.group(1), corpus_bytes=_int(whole.group(2)))
     done = DONE.search(text)
     if done is not None:
         out.update(computed=_int(done.group(1)), seconds=float(done.group(2)))
@@ -47,7 +51,13 @@ def parse_log(text: str) -> dict[str, Any]:
 
 
 def _ingest(command: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return subprocess.Popen(
+        command,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
 
 
 def check_store(store_dir: str, corpus: str, ingest_args: Sequence[str]) -> dict[str, Any]:
@@ -56,7 +66,12 @@ def check_store(store_dir: str, corpus: str, ingest_args: Sequence[str]) -> dict
     from cacheblend_rag.cli.ingest import read_corpus
 
     args = build_parser().parse_args(["ingest", corpus, "--store-dir", store_dir, *ingest_args])
-    engine = open_engine(args, store_size_limit=args.store_size_limit, memory_bytes=0, kv_format=args.kv_format)
+    engine = open_engine(
+        args,
+        store_size_limit=args.store_size_limit,
+        memory_bytes=0,
+        kv_format=args.kv_format,
+    )
     try:
         chunks = read_corpus(args.paths, engine.tokenizer, args.chunk_tokens)
         keys = list(dict.fromkeys(engine.chunk_key(engine.prompts.chunk_segment(c)) for c in chunks))
@@ -66,11 +81,26 @@ def check_store(store_dir: str, corpus: str, ingest_args: Sequence[str]) -> dict
     return {"distinct_chunks": len(keys), "unreadable": len(unreadable)}
 
 
-def run(corpus: str, store_dir: str, out: Path, *, kill_after: float, threads: int, ingest_args: Sequence[str]) -> dict:
+def run(
+    corpus: str,
+    store_dir: str,
+    out: Path,
+    *,
+    kill_after: float,
+    threads: int,
+    ingest_args: Sequence[str],
+) -> dict:
     folder = out.parent
     folder.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    command = ["cacheblend-rag", "ingest", corpus, "--store-dir", store_dir, *ingest_args]
+    command = [
+        "cacheblend-rag",
+        "ingest",
+        corpus,
+        "--store-dir",
+        store_dir,
+        *ingest_args,
+    ]
     first = _ingest(command, folder / "ingest.1.log", env)
     try:
         first.wait(timeout=kill_after)
@@ -113,14 +143,43 @@ def summarize(
     if "computed" not in second:
         raise ValueError("the second ingestion has no summary line: it did not finish")
     dry = subprocess.run(
-        ["cacheblend-rag", "ingest", corpus, "--store-dir", store_dir, *ingest_args, "--dry-run"],
+        [
+            "cacheblend-rag",
+            "ingest",
+            corpus,
+            "--store-dir",
+            store_dir,
+            *ingest_args,
+            "--dry-run",
+        ],
         capture_output=True,
         text=True,
         check=True,
     )
     after = parse_log(dry.stdout + dry.stderr)
+    # What the same corpus takes in float records (the default), from the plan of a dry run.
+    float_plan = subprocess.run(
+        [
+            "cacheblend-rag",
+            "ingest",
+            corpus,
+            "--store-dir",
+            store_dir,
+            *ingest_args,
+            "--kv-format",
+            "float",
+            "--dry-run",
+        ],
+        check=False,  # the store's limit may refuse the float corpus: the plan comes first
+        capture_output=True,
+        text=True,
+    )
+    in_float = parse_log(float_plan.stdout + float_plan.stderr).get("corpus_bytes")
     stats = subprocess.run(
-        ["cacheblend-rag", "store", "stats", "--store-dir", store_dir, "--json"], capture_output=True, text=True, check=True
+        ["cacheblend-rag", "store", "stats", "--store-dir", store_dir, "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     row = {
         "corpus": Path(corpus).name,
@@ -128,8 +187,12 @@ def summarize(
         "threads": threads,
         "kill_after_s": kill_after,
         "first": first,
-        "second": {**second, **({"wall_s": second_wall_s} if second_wall_s is not None else {})},
+        "second": {
+            **second,
+            **({"wall_s": second_wall_s} if second_wall_s is not None else {}),
+        },
         "after": after,
+        "float_corpus_bytes": in_float,
         # What the killed run stored is what the second found cached; together they computed each chunk once.
         "stored_by_killed_run": second["cached"],
         "computed_in_all": second["cached"] + second["computed"],
@@ -143,24 +206,76 @@ def summarize(
     return row
 
 
+def hotpotqa_corpus(path: Path, docs: int, hotpotqa: str | None = None) -> Path:
+    """Write the first ``docs`` distinct paragraphs of HotpotQA's dev set (title, then text) as a
+    JSONL corpus, one document a line."""
+    from cacheblend_bench.datasets import hotpotqa_path
+
+    seen: set[str] = set()
+    with path.open("w", encoding="utf-8") as out:
+        for ex in json.loads(Path(hotpotqa or hotpotqa_path()).read_text(encoding="utf-8")):
+            for title, sentences in ex["context"]:
+                if title not in seen and len(seen) < docs:
+                    seen.add(title)
+                    out.write(json.dumps({"text": title + "\n" + "".join(sentences)}) + "\n")
+            if len(seen) >= docs:
+                return path
+    raise ValueError(f"HotpotQA's dev set has only {len(seen)} distinct paragraphs, fewer than {docs}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cacheblend_bench.ingest_kill", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m cacheblend_bench.ingest_kill",
+        description=__doc__.split("\n\n")[0],
+    )
     p.add_argument("corpus", help="what ingest reads: a folder, files or a JSONL corpus")
-    p.add_argument("--store-dir", required=True, help="a store directory of its own (the run fills it)")
+    p.add_argument(
+        "--store-dir",
+        required=True,
+        help="a store directory of its own (the run fills it)",
+    )
     p.add_argument("--out", required=True, type=Path, help="the row (JSON); the logs go next to it")
-    p.add_argument("--kill-after", default="600:1800", help="seconds before the kill, or a range MIN:MAX to draw from")
+    p.add_argument(
+        "--kill-after",
+        default="600:1800",
+        help="seconds before the kill, or a range MIN:MAX to draw from",
+    )
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--summarize-only", action="store_true", help="write the row from the logs already next to --out")
+    p.add_argument(
+        "--summarize-only",
+        action="store_true",
+        help="write the row from the logs already next to --out",
+    )
+    p.add_argument(
+        "--hotpotqa-docs",
+        type=int,
+        default=None,
+        help="first write CORPUS: this many distinct HotpotQA dev paragraphs as JSONL (9,000 make 10,256 chunks)",
+    )
     args, rest = p.parse_known_args(argv)
     ingest_args = [a for a in rest if a != "--"]
+    if args.hotpotqa_docs:
+        hotpotqa_corpus(Path(args.corpus), args.hotpotqa_docs)
     lo, _, hi = args.kill_after.partition(":")
     kill_after = random.uniform(float(lo), float(hi or lo))
     if args.summarize_only:
         row = summarize(
-            args.corpus, args.store_dir, args.out, kill_after=kill_after, threads=args.threads, ingest_args=ingest_args
+            args.corpus,
+            args.store_dir,
+            args.out,
+            kill_after=kill_after,
+            threads=args.threads,
+            ingest_args=ingest_args,
         )
     else:
-        row = run(args.corpus, args.store_dir, args.out, kill_after=kill_after, threads=args.threads, ingest_args=ingest_args)
+        row = run(
+            args.corpus,
+            args.store_dir,
+            args.out,
+            kill_after=kill_after,
+            threads=args.threads,
+            ingest_args=ingest_args,
+        )
     json.dump(row, sys.stdout, indent=1)
     print()
     return 0

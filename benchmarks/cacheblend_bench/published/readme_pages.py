@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 
 from cacheblend_bench import headline
+from cacheblend_bench.ask_cost import table as ask_cost_table
 from cacheblend_bench.fidelity import FidelityConfig
 from cacheblend_bench.fidelity import summarize as fidelity_summarize
 from cacheblend_bench.published.fmt import Stat, pct_ci, x_ci
@@ -119,5 +120,9 @@ def headline_values(res: Results) -> dict[str, Stat]:
 
 
 FILES = tuple(dict.fromkeys(headline.rows_file(c) for c in headline.CASES))
-TABLES = {"readme-results": Table(FILES, readme_table)}
+ASK_COST = "ask_cost_smollm2.jsonl"  # what a first and a later ask cost (docs/cli.md)
+TABLES = {
+    "readme-results": Table(FILES, readme_table),
+    "ask-cost": Table((ASK_COST,), lambda res: ask_cost_table(res.rows(ASK_COST))),
+}
 VALUES = {"headline": Values(FILES, headline_values)}

@@ -13,6 +13,7 @@ from cacheblend_bench.replay import formats_table
 CALIBRATED = "pipeline_bench_calibrated.json"  # the loading controller, calibrated (docs/storage.md)
 UNCALIBRATED = "pipeline_bench_quiet.json"  # the same before the calibration (docs/pipeline.md)
 REDIS = "pipeline_bench_redis.json"
+INGEST = "ingest_kill_smollm2.json"  # a corpus ingestion killed and resumed (docs/storage.md)
 REPLAY_FORMATS = "replay_formats.jsonl"  # the replay's stream, one run per disk record format (docs/storage.md)
 # The options of the commands the pages show, which the JSON does not record.
 CALIBRATED_ARGS = types.SimpleNamespace(stored_dtype=None, dtype="float32", repeats=2)
@@ -85,7 +86,33 @@ TABLES = {
     "pipeline-bench-redis": Table((REDIS,), lambda res: tiers_table(res.json(REDIS), REDIS_LABELS)),
 }
 
+
+def _ingest_values(res: Results) -> dict[str, Any]:
+    row = res.json(INGEST)
+    disk = next(t for t in row["store"] if t["tier"] == "disk")
+    ((fmt, held),) = disk["formats"].items()
+    second = row["second"]
+    return {
+        "chunks": row["after"]["chunks"],
+        "tokens": row["after"]["tokens"],
+        "format": fmt,
+        "stored_chunks": held["chunks"],
+        "gb": held["bytes"] / 1e9,
+        "float_gb": row["float_corpus_bytes"] / 1e9,
+        "bytes_per_token": held["bytes_per_token"],
+        "killed_at": row["stored_by_killed_run"],
+        "computed_in_all": row["computed_in_all"],
+        "to_compute_after": row["after"]["to_compute"],
+        "unreadable": row["check"]["unreadable"],
+        "resumed_chunks": second["computed"],
+        "resumed_min": second["seconds"] / 60,
+        "chunks_per_s": second["computed"] / second["seconds"],
+        "threads": row["threads"],
+    }
+
+
 VALUES = {
+    "ingest": Values((INGEST,), _ingest_values),
     "tiers": Values((CALIBRATED,), lambda res: _tier_values(res, CALIBRATED)),
     "tiers0": Values((UNCALIBRATED,), lambda res: _tier_values(res, UNCALIBRATED)),
     "redis": Values((REDIS,), lambda res: _tier_values(res, REDIS)),
