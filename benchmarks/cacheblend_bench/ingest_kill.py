@@ -50,6 +50,19 @@ def parse_log(text: str) -> dict[str, Any]:
     return out
 
 
+def ingest_command(corpus: str, store_dir: str, ingest_args: Sequence[str], *extra: str) -> list[str]:
+    """The ``cacheblend-rag ingest`` command every step of the run shares (``extra`` last, so it wins)."""
+    return ["cacheblend-rag", "ingest", corpus, "--store-dir", store_dir, *ingest_args, *extra]
+
+
+def _plan_of(corpus: str, store_dir: str, ingest_args: Sequence[str], *extra: str, check: bool) -> dict[str, Any]:
+    """The plan a dry run prints (``check`` False: a refusal still prints the plan first)."""
+    done = subprocess.run(
+        ingest_command(corpus, store_dir, ingest_args, *extra, "--dry-run"), capture_output=True, text=True, check=check
+    )
+    return parse_log(done.stdout + done.stderr)
+
+
 def _ingest(command: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen(
         command,
@@ -93,14 +106,7 @@ def run(
     folder = out.parent
     folder.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    command = [
-        "cacheblend-rag",
-        "ingest",
-        corpus,
-        "--store-dir",
-        store_dir,
-        *ingest_args,
-    ]
+    command = ingest_command(corpus, store_dir, ingest_args)
     first = _ingest(command, folder / "ingest.1.log", env)
     try:
         first.wait(timeout=kill_after)
@@ -142,39 +148,9 @@ def summarize(
     second = parse_log((folder / "ingest.2.log").read_text(encoding="utf-8", errors="replace"))
     if "computed" not in second:
         raise ValueError("the second ingestion has no summary line: it did not finish")
-    dry = subprocess.run(
-        [
-            "cacheblend-rag",
-            "ingest",
-            corpus,
-            "--store-dir",
-            store_dir,
-            *ingest_args,
-            "--dry-run",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    after = parse_log(dry.stdout + dry.stderr)
-    # What the same corpus takes in float records (the default), from the plan of a dry run.
-    float_plan = subprocess.run(
-        [
-            "cacheblend-rag",
-            "ingest",
-            corpus,
-            "--store-dir",
-            store_dir,
-            *ingest_args,
-            "--kv-format",
-            "float",
-            "--dry-run",
-        ],
-        check=False,  # the store's limit may refuse the float corpus: the plan comes first
-        capture_output=True,
-        text=True,
-    )
-    in_float = parse_log(float_plan.stdout + float_plan.stderr).get("corpus_bytes")
+    after = _plan_of(corpus, store_dir, ingest_args, check=True)
+    # What the same corpus takes in float records (the default): the store's limit may refuse it.
+    in_float = _plan_of(corpus, store_dir, ingest_args, "--kv-format", "float", check=False).get("corpus_bytes")
     stats = subprocess.run(
         ["cacheblend-rag", "store", "stats", "--store-dir", store_dir, "--json"],
         capture_output=True,
