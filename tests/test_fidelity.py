@@ -99,8 +99,8 @@ def test_fidelity_run_scores_an_exact_method_as_agreeing(tmp_path, monkeypatch):
     answered = []  # (method, question, first-token logits) of every answer the run computed
     real_answer = fidelity.answer_once
 
-    def spy(engine, method, question, chunks, budget):
-        got = real_answer(engine, method, question, chunks, budget)
+    def spy(engine, method, question, chunks, budget, **kw):
+        got = real_answer(engine, method, question, chunks, budget, **kw)
         answered.append((method.name, question, got["prefill"].logits.reshape(-1).clone()))
         return got
 
@@ -206,9 +206,9 @@ def test_a_method_added_to_a_finished_run_reuses_full_prefills_answer(tmp_path, 
     answered: list[str] = []
     real_answer = fidelity.answer_once
 
-    def spy(engine, method, question, chunks, budget):
+    def spy(engine, method, question, chunks, budget, **kw):
         answered.append(method.name)
-        return real_answer(engine, method, question, chunks, budget)
+        return real_answer(engine, method, question, chunks, budget, **kw)
 
     monkeypatch.setattr(fidelity, "answer_once", spy)
     engine = tiny_engine(str(tmp_path / "kv"))
@@ -355,3 +355,50 @@ def test_fidelity_cli_reads_the_quiet_question_list_and_refuses_a_bad_one(tmp_pa
     assert json.loads((out / "summary.json").read_text())["summary"][0]["ttft_questions"] == 1
     assert main([*args, "--ttft-questions", str(bad)]) == 2
     assert 'expected a JSON list of "dataset/qid" strings' in capsys.readouterr().err
+
+
+def test_more_kv_formats_in_one_run_give_each_formats_own_run_and_compute_each_chunk_once(tmp_path, monkeypatch):
+    from cacheblend_bench.runner import tiny_engine
+
+    base = FidelityConfig(
+        model="tiny",
+        datasets=("hotpotqa",),
+        n=2,
+        methods=("full_reuse/nb", "question@0.3/nb"),
+        neighbours=1,
+        neighbour_pool="corpus",
+        max_new_tokens=3,
+        progress=False,
+        plots=False,
+    )
+    alone = {}
+    for fmt in ("float", "int8"):
+        engine = tiny_engine(str(tmp_path / f"kv-alone-{fmt}"), kv_format=None if fmt == "float" else fmt)
+        try:
+            alone[fmt] = run_fidelity(replace(base, kv_format=fmt, out_dir=str(tmp_path / f"alone-{fmt}")), engine=engine)
+        finally:
+            engine.close()
+
+    engine = tiny_engine(str(tmp_path / "kv-shared"))
+    computed = []
+    compute = engine.chunk_cache.compute
+    monkeypatch.setattr(engine.chunk_cache, "compute", lambda *a, **k: computed.append(1) or compute(*a, **k))
+    shared = replace(base, also_kv_formats=("int8",), out_dir=str(tmp_path / "shared"))
+    try:
+        rows = run_fidelity(shared, engine=engine)
+    finally:
+        engine.close()
+    int8_rows = [json.loads(line) for line in (tmp_path / "shared" / "kv-int8" / "results.jsonl").read_text().splitlines()]
+    # Two questions, six chunks at most each: a plain and a neighbour-aware cache per chunk, once.
+    assert 0 < len(computed) <= 2 * 6 * 2
+    for got, want in ((rows, alone["float"]), (int8_rows, alone["int8"])):
+        assert [(r["qid"], r["method"], r["kv_format"]) for r in got] == [(r["qid"], r["method"], r["kv_format"]) for r in want]
+        for g, w in zip(got, want):
+            assert g["answer"] == w["answer"] and g["answer_full"] == w["answer_full"]
+            assert g["kl"] == pytest.approx(w["kl"], rel=1e-4, abs=1e-7)
+    assert any(a["kl"] != b["kl"] for a, b in zip(rows, int8_rows))  # the formats did differ
+    assert json.loads((tmp_path / "shared" / "kv-int8" / "summary.json").read_text())["summary"]
+    with pytest.raises(ValueError, match="repeats a format"):
+        replace(base, also_kv_formats=("float",))
+    with pytest.raises(ValueError, match="measured with kv_format='int8', not 'int4'"):
+        run_fidelity(replace(shared, kv_format="int4", also_kv_formats=(), out_dir=str(tmp_path / "shared" / "kv-int8")))

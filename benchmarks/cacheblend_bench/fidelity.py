@@ -31,6 +31,7 @@ import json
 import math
 import time
 from collections.abc import Collection, Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from itertools import zip_longest
 from pathlib import Path
@@ -50,6 +51,7 @@ from cacheblend_rag.blend.guard import first_token_margin
 from cacheblend_rag.metrics import next_token_kl, normalize_answer, qa_f1, token_f1
 from cacheblend_rag.model.weights import WEIGHT_FORMATS
 from cacheblend_rag.neighbours.choice import nearest
+from cacheblend_rag.store.quant import parse_kv_format
 
 NEIGHBOUR_POOLS = ("retrieved", "corpus")
 DEFAULT_FIDELITY_METHODS = (
@@ -85,6 +87,9 @@ class FidelityConfig:
     answer_hint: str = ""  # a line after each question (CacheBlendEngine(answer_hint=...)); rows record it
     weights: str = "fp32"  # the engine's weight format (weights.WEIGHT_FORMATS); rows record it
     kv_format: str = "float"  # the format its store keeps chunk caches in (store.quant); rows record it
+    # More record formats answered in the same run: each question's chunk caches are computed once
+    # and stored in every format; each format's rows go to <out>/kv-<format>/results.jsonl.
+    also_kv_formats: tuple[str, ...] = ()
     out_dir: str = "fidelity-results"
     musique: str | None = None
     hotpotqa: str | None = None
@@ -103,6 +108,9 @@ class FidelityConfig:
             raise ValueError("methods with /nb need neighbour-aware caches: pass --neighbours N (N >= 1)")
         if self.neighbour_pool not in NEIGHBOUR_POOLS:
             raise ValueError(f"neighbour_pool={self.neighbour_pool!r}: choose one of {', '.join(NEIGHBOUR_POOLS)}")
+        formats = [str(parse_kv_format(f) or "float") for f in (self.kv_format, *self.also_kv_formats)]
+        if len(set(formats)) != len(formats):
+            raise ValueError(f"kv formats {formats}: --also-kv-formats repeats a format (or --kv-format's)")
 
 
 def teacher_forced_loglik(
@@ -130,9 +138,15 @@ def teacher_forced_loglik(
     return sum(logp) / len(logp)
 
 
-def answer_once(engine, method: Method, question: str, chunks: list[str], budget: int) -> dict[str, Any]:
+def answer_once(engine, method: Method, question: str, chunks: list[str], budget: int, store=None) -> dict[str, Any]:
     stream = engine.stream(
-        question, chunks, mode=method.mode, config=method.blend_config(engine.config), max_new_tokens=budget, temperature=0.0
+        question,
+        chunks,
+        mode=method.mode,
+        config=method.blend_config(engine.config),
+        max_new_tokens=budget,
+        temperature=0.0,
+        store=store,
     )
     for _ in stream:
         pass
@@ -201,30 +215,73 @@ def reference(engine, full: Method, ex: ds.Example, chunks: list[str], budget: i
     return ref
 
 
+@dataclass
+class _Target:
+    """One chunk-record format's rows: ``--kv-format``'s (the engine's own store, ``store`` None)
+    or one of ``--also-kv-formats`` (a store of that format beside it)."""
+
+    kv_format: str
+    results: Path
+    rows: list[dict]
+    store: Any = None
+
+    @property
+    def done(self) -> set[tuple[str, str, str, str]]:
+        return {(r["model"], r["dataset"], r["qid"], r["method"]) for r in self.rows}
+
+
+class _Tee:
+    """Every store of ``stores`` at once: a chunk is cached when all of them hold it, and is
+    written to each (in its own format). Each question's chunk caches are computed once, whatever
+    the number of formats compared."""
+
+    kv_format = None  # computed chunks stay float here; each store quantizes its own records
+
+    def __init__(self, stores: Sequence[Any]):
+        self.stores = list(stores)
+
+    def contains(self, key: str) -> bool:
+        return all(s.contains(key) for s in self.stores)
+
+    def put(self, key: str, layers) -> bool:
+        return all([s.put(key, layers) for s in self.stores])  # a list: every store is written
+
+
+def _check_rows(rows: list[dict], path: Path, cfg: FidelityConfig, kv_format: str) -> None:
+    """Rows of another prompt, neighbour pool or format would be summarised as if they measured the
+    same. Rows from before the pool was recorded used the retrieved chunks."""
+    for key, value, flag in (
+        ("answer_hint", cfg.answer_hint, "--answer-hint"),
+        ("neighbour_pool", cfg.neighbour_pool, "--neighbour-pool"),
+        ("weights", cfg.weights, "--weights"),
+        ("kv_format", kv_format, "--kv-format"),
+    ):
+        other = {r.get(key, FidelityConfig.__dataclass_fields__[key].default) for r in rows} - {value}
+        if other:
+            raise ValueError(
+                f"{path} holds rows measured with {key}={sorted(other)[0]!r}, not {value!r}: pass the same {flag} or another --out"
+            )
+
+
 def run_fidelity(cfg: FidelityConfig, *, engine=None) -> list[dict]:
+    """Run (or resume) ``cfg``; returns the rows of ``--kv-format`` (those of ``--also-kv-formats``
+    are in their own folders, each with its summary)."""
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.jsonl"
     methods = parse_methods(cfg.methods)
     full = parse_methods(["full_recompute"])[0]
-    rows = read_results(results_path)
-    # Rows of another prompt or neighbour pool would be summarised as if they measured the same.
-    # Rows from before the pool was recorded used the retrieved chunks.
-    for key, value, flag in (
-        ("answer_hint", cfg.answer_hint, "--answer-hint"),
-        ("neighbour_pool", cfg.neighbour_pool, "--neighbour-pool"),
-        ("weights", cfg.weights, "--weights"),
-        ("kv_format", cfg.kv_format, "--kv-format"),
-    ):
-        other = {r.get(key, FidelityConfig.__dataclass_fields__[key].default) for r in rows} - {value}
-        if other:
-            raise ValueError(
-                f"{results_path} holds rows measured with {key}={sorted(other)[0]!r}, not "
-                f"{value!r}: pass the same {flag} or another --out"
-            )
-    if cfg.report_only and not rows:
+    targets = [
+        _Target(fmt, path, read_results(path))
+        for fmt, path in [
+            (cfg.kv_format, results_path),
+            *((f, out / f"kv-{f}" / "results.jsonl") for f in cfg.also_kv_formats),
+        ]
+    ]
+    for t in targets:
+        _check_rows(t.rows, t.results, cfg, t.kv_format)
+    if cfg.report_only and not targets[0].rows:
         raise ValueError(f"{results_path} holds no results to report: run without --report-only first")
-    done = {(r["model"], r["dataset"], r["qid"], r["method"]) for r in rows}
     per_dataset = (
         []
         if cfg.report_only
@@ -242,7 +299,8 @@ def run_fidelity(cfg: FidelityConfig, *, engine=None) -> list[dict]:
     )
     # Round-robin over datasets, so a run stopped early has covered each about equally.
     examples = [ex for group in zip_longest(*per_dataset) for ex in group if ex is not None]
-    todo = [ex for ex in examples if any((cfg.model, ex.dataset, ex.qid, m.name) not in done for m in methods)]
+    dones = [t.done for t in targets]
+    todo = [ex for ex in examples if any((cfg.model, ex.dataset, ex.qid, m.name) not in d for d in dones for m in methods)]
     if todo:
         own = engine is None
         if own:
@@ -251,18 +309,27 @@ def run_fidelity(cfg: FidelityConfig, *, engine=None) -> list[dict]:
                 weights=cfg.weights,
                 kv_format=cfg.kv_format,
             )
+        from cacheblend_rag.store.disk import KVStore
+
+        for t in targets[1:]:
+            t.store = KVStore(
+                t.results.parent / "kv", size_limit=2 * 2**30, fingerprint=engine.fingerprint, kv_format=t.kv_format
+            )
         try:
-            rows += _run(cfg, engine, methods, full, todo, results_path, done, examples)
+            _run(cfg, engine, methods, full, todo, targets, examples)
         finally:
+            for t in targets[1:]:
+                t.store.close()
             if own:
                 engine.close()
     names = {m.name for m in methods}
-    rows = [r for r in rows if r["model"] == cfg.model and r["method"] in names]
-    summary = summarize(rows, cfg.ttft_questions)
-    write_summary(summary, out, cfg, pairwise(rows))
-    if cfg.plots and summary:
-        plot(summary, out / "plots")
-    return rows
+    for t in targets:
+        t.rows = [r for r in t.rows if r["model"] == cfg.model and r["method"] in names]
+        summary = summarize(t.rows, cfg.ttft_questions)
+        write_summary(summary, t.results.parent, cfg, pairwise(t.rows))
+        if cfg.plots and summary:
+            plot(summary, t.results.parent / "plots")
+    return targets[0].rows
 
 
 def _run(
@@ -271,10 +338,9 @@ def _run(
     methods: list[Method],
     full: Method,
     todo,
-    results_path: Path,
-    done,
+    targets: list[_Target],
     examples: Sequence[ds.Example],
-) -> list[dict]:
+) -> None:
     retriever = ds.Retriever()
     count = ds.token_counter(engine.tokenizer)
     pools: dict[str, list[str]] = {}  # dataset -> every chunk of the run's questions ("corpus" pool)
@@ -282,9 +348,13 @@ def _run(
         for ex in examples:
             pools.setdefault(ex.dataset, []).extend(ds.chunk_documents(ex.documents, count, cfg.chunk_tokens))
         pools = {name: list(dict.fromkeys(chunks)) for name, chunks in pools.items()}
-    new_rows: list[dict] = []
+    tee = _Tee([engine.store, *(t.store for t in targets[1:])]) if len(targets) > 1 else None
+    done = [t.done for t in targets]
+    for t in targets:
+        t.results.parent.mkdir(parents=True, exist_ok=True)
     bar = tqdm(todo, desc=f"fidelity {cfg.model}", unit="question", disable=not cfg.progress)
-    with results_path.open("a", encoding="utf-8") as sink:
+    with ExitStack() as stack:
+        sinks = [stack.enter_context(t.results.open("a", encoding="utf-8")) for t in targets]
         for ex in bar:
             chunks = ds.retrieve(ex, retriever, count, cfg.chunk_tokens, cfg.top_k)
             bar.set_postfix_str(f"{ex.dataset} precompute")
@@ -295,11 +365,12 @@ def _run(
                 chunks,
                 neighbours=cfg.neighbours,
                 progress=False,
+                store=tee,
                 **({} if pool is None else {"corpus": pool, "embed": retriever.embed}),
             )
             engine.flush()
             bar.set_postfix_str(f"{ex.dataset} full_recompute")
-            ref = reference(engine, full, ex, chunks, cfg.max_new_tokens, results_path.parent / "references")
+            ref = reference(engine, full, ex, chunks, cfg.max_new_tokens, targets[0].results.parent / "references")
             start, target = ref.prompt_tokens, ref.token_ids
             base = {
                 "model": cfg.model,
@@ -322,35 +393,36 @@ def _run(
                 if pool is None
                 else neighbours_in_prompt(chunks, pool, cfg.neighbours, retriever.embed),
             }
-            for m in methods:
-                if (cfg.model, ex.dataset, ex.qid, m.name) in done:
-                    continue
-                bar.set_postfix_str(f"{ex.dataset} {m.name}")
-                got = answer_once(engine, m, ex.question, chunks, cfg.max_new_tokens)
-                res, pre = got["result"], got["prefill"]
-                s = res.stats
-                row = dict(
-                    base,
-                    method=m.name,
-                    answer=res.text.strip(),
-                    agree=normalize_answer(res.text) == normalize_answer(ref.text),
-                    agree_f1=agreement_f1(res.text, ref.text),
-                    f1=qa_f1(res.text, ex.answers),
-                    kl=next_token_kl(ref.logits, pre.logits),
-                    tf_loglik=teacher_forced_loglik(engine, pre.cache, pre.logits, start, target, pre.attention_kwargs),
-                    ttft_s=res.ttft_s,
-                    margin=first_token_margin(pre.logits),
-                    recompute_fraction=s.get("recompute_fraction"),
-                    recompute_steps=s.get("recompute_steps"),
-                    neighbour_hits=s.get("neighbour_hits", 0),
-                    time=time.time(),
-                    engine=engine_stamp(),
-                    machine=machine_stamp(),
-                )
-                sink.write(json.dumps(row) + "\n")
-                sink.flush()
-                new_rows.append(row)
-    return new_rows
+            for t, t_done, sink in zip(targets, done, sinks):
+                for m in methods:
+                    if (cfg.model, ex.dataset, ex.qid, m.name) in t_done:
+                        continue
+                    bar.set_postfix_str(f"{ex.dataset} {m.name} {t.kv_format}")
+                    got = answer_once(engine, m, ex.question, chunks, cfg.max_new_tokens, store=t.store)
+                    res, pre = got["result"], got["prefill"]
+                    s = res.stats
+                    row = dict(
+                        base,
+                        kv_format=t.kv_format,
+                        method=m.name,
+                        answer=res.text.strip(),
+                        agree=normalize_answer(res.text) == normalize_answer(ref.text),
+                        agree_f1=agreement_f1(res.text, ref.text),
+                        f1=qa_f1(res.text, ex.answers),
+                        kl=next_token_kl(ref.logits, pre.logits),
+                        tf_loglik=teacher_forced_loglik(engine, pre.cache, pre.logits, start, target, pre.attention_kwargs),
+                        ttft_s=res.ttft_s,
+                        margin=first_token_margin(pre.logits),
+                        recompute_fraction=s.get("recompute_fraction"),
+                        recompute_steps=s.get("recompute_steps"),
+                        neighbour_hits=s.get("neighbour_hits", 0),
+                        time=time.time(),
+                        engine=engine_stamp(),
+                        machine=machine_stamp(),
+                    )
+                    sink.write(json.dumps(row) + "\n")
+                    sink.flush()
+                    t.rows.append(row)
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -731,6 +803,13 @@ def register(subparsers) -> None:
         default="float",
         help="the format the store keeps chunk caches in: float (default), int8, int4 (docs/storage.md); compare two "
         "runs with python -m cacheblend_bench.format_fidelity",
+    )
+    p.add_argument(
+        "--also-kv-formats",
+        type=_csv,
+        default=(),
+        help="comma list of more record formats answered in the same run, on the same chunk caches (computed once); "
+        "their rows go to --out/kv-<format>/results.jsonl",
     )
     p.add_argument("--out", default="fidelity-results")
     p.add_argument("--musique", default=None, help="MuSiQue JSON (default $CACHEBLEND_RAG_MUSIQUE)")
