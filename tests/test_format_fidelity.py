@@ -60,6 +60,9 @@ def test_kv_format_runs_compare_next_token_kl_per_method():
     assert c["kv_format"] == ["int8"] and c["reference_kv_format"] == ["float"]
     m = c["methods"]["question@0.15"]
     assert m["kl_fmt"] == pytest.approx(0.03) and m["kl_ref"] == pytest.approx(0.02)
+    assert m["kl_ratio"] == pytest.approx(1.5)  # (0.02 + 0.04) / (0.01 + 0.03)
+    lo, hi = m["kl_ratio_ci"]
+    assert 4 / 3 - 1e-9 <= lo <= 1.5 <= hi <= 2 + 1e-9  # each resample is question a's ratio, b's, or both
     text = ff.markdown(c)
     assert "full prefill in fp32 (int8 chunk caches) against fp32:" in text
-    assert text.rstrip().endswith("| 0.0300 | 0.0200 |")
+    assert text.rstrip().endswith(f"| 0.0300 | 0.0200 | 1.500 [{lo:.3f}, {hi:.3f}] |")

@@ -47,6 +47,7 @@ from cacheblend_bench.methods import Method, parse_methods, settle
 from cacheblend_bench.provenance import engine_stamp, machine_stamp
 from cacheblend_bench.runner import BenchConfig, load_engine, read_results
 from cacheblend_bench.stats import bootstrap_mean_ci, ratio_ci, sign_test, speedup
+from cacheblend_bench.tee import TeeStore
 from cacheblend_rag.blend.guard import first_token_margin
 from cacheblend_rag.metrics import next_token_kl, normalize_answer, qa_f1, token_f1
 from cacheblend_rag.model.weights import WEIGHT_FORMATS
@@ -230,23 +231,6 @@ class _Target:
         return {(r["model"], r["dataset"], r["qid"], r["method"]) for r in self.rows}
 
 
-class _Tee:
-    """Every store of ``stores`` at once: a chunk is cached when all of them hold it, and is
-    written to each (in its own format). Each question's chunk caches are computed once, whatever
-    the number of formats compared."""
-
-    kv_format = None  # computed chunks stay float here; each store quantizes its own records
-
-    def __init__(self, stores: Sequence[Any]):
-        self.stores = list(stores)
-
-    def contains(self, key: str) -> bool:
-        return all(s.contains(key) for s in self.stores)
-
-    def put(self, key: str, layers) -> bool:
-        return all([s.put(key, layers) for s in self.stores])  # a list: every store is written
-
-
 def _check_rows(rows: list[dict], path: Path, cfg: FidelityConfig, kv_format: str) -> None:
     """Rows of another prompt, neighbour pool or format would be summarised as if they measured the
     same. Rows from before the pool was recorded used the retrieved chunks."""
@@ -348,7 +332,7 @@ def _run(
         for ex in examples:
             pools.setdefault(ex.dataset, []).extend(ds.chunk_documents(ex.documents, count, cfg.chunk_tokens))
         pools = {name: list(dict.fromkeys(chunks)) for name, chunks in pools.items()}
-    tee = _Tee([engine.store, *(t.store for t in targets[1:])]) if len(targets) > 1 else None
+    tee = TeeStore([engine.store, *(t.store for t in targets[1:])]) if len(targets) > 1 else None
     done = [t.done for t in targets]
     for t in targets:
         t.results.parent.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ from typing import Any
 
 from cacheblend_bench.fidelity import agreement_f1
 from cacheblend_bench.runner import read_results
-from cacheblend_bench.stats import bootstrap_mean_ci, sign_test
+from cacheblend_bench.stats import bootstrap_mean_ci, ratio_ci, sign_test
 from cacheblend_rag.metrics import normalize_answer
 
 
@@ -81,13 +81,20 @@ def compare_formats(fmt_rows: list[dict], ref_rows: list[dict]) -> dict[str, Any
     return out
 
 
-def _kl(fmt: dict, ref: dict, keys: list) -> dict[str, float]:
-    """Mean next-token KL to full prefill in each run, over the questions both rows measured."""
+def _kl(fmt: dict, ref: dict, keys: list) -> dict[str, Any]:
+    """Mean next-token KL to full prefill in each run, over the questions both rows measured, and
+    their ratio (format over reference) with its paired bootstrap interval."""
     pairs = [(fmt[k].get("kl"), ref[k].get("kl")) for k in keys]
     pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
     if not pairs:
-        return {"kl_fmt": float("nan"), "kl_ref": float("nan")}
-    return {"kl_fmt": sum(a for a, _ in pairs) / len(pairs), "kl_ref": sum(b for _, b in pairs) / len(pairs)}
+        return {"kl_fmt": float("nan"), "kl_ref": float("nan"), "kl_ratio": float("nan"), "kl_ratio_ci": [float("nan")] * 2}
+    a, b = [a for a, _ in pairs], [b for _, b in pairs]
+    return {
+        "kl_fmt": sum(a) / len(a),
+        "kl_ref": sum(b) / len(b),
+        "kl_ratio": sum(a) / sum(b) if sum(b) else float("nan"),
+        "kl_ratio_ci": list(ratio_ci(a, b)),
+    }
 
 
 def _label(weights: list[str], kv_format: list[str]) -> str:
@@ -114,11 +121,17 @@ def markdown(c: dict[str, Any]) -> str:
         "Each method against its own format's full prefill:",
         "",
         f"| method | same answer, {fmt} | same answer, {ref} | agreement F1 difference (better / worse / tie, sign test) |"
-        + (f" next-token KL, {fmt} | next-token KL, {ref} |" if kv else ""),
-        "|---|---|---|---|" + ("---|---|" if kv else ""),
+        + (f" next-token KL, {fmt} | next-token KL, {ref} | KL ratio |" if kv else ""),
+        "|---|---|---|---|" + ("---|---|---|" if kv else ""),
     ]
     for method, m in c["methods"].items():
-        kl = f" {m.get('kl_fmt', float('nan')):.4f} | {m.get('kl_ref', float('nan')):.4f} |" if kv else ""
+        lo, hi = m.get("kl_ratio_ci", [float("nan")] * 2)
+        kl = (
+            f" {m.get('kl_fmt', float('nan')):.4f} | {m.get('kl_ref', float('nan')):.4f} | "
+            f"{m.get('kl_ratio', float('nan')):.3f} [{lo:.3f}, {hi:.3f}] |"
+            if kv
+            else ""
+        )
         lines.append(f"| {method} | {m['agree_fmt']:.0%} | {m['agree_ref']:.0%} | {paired(m['agree_f1_diff'])} |" + kl)
     return "\n".join(lines)
 

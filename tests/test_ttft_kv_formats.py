@@ -1,0 +1,33 @@
+"""First-token time by chunk-record format: every format answers from its own store, filled once."""
+
+from __future__ import annotations
+
+import pytest
+
+from cacheblend_bench import ttft_kv_formats
+
+
+def test_each_format_answers_from_its_own_store_and_a_rerun_resumes(tmp_path, monkeypatch):
+    out = tmp_path / "rows.jsonl"
+    rows = ttft_kv_formats.run("tiny", 1, out, repeats=1, weights="fp32")
+    assert [r["kv_format"] for r in rows] == ["float", "int8", "int4"] * 2  # one HotpotQA, one MuSiQue question
+    for q in range(2):
+        float_, int8, int4 = rows[3 * q : 3 * q + 3]
+        assert float_["qid"] == int8["qid"] == int4["qid"]
+        # The same chunks in each store, fewer bytes per format (the scales included).
+        assert float_["store_tokens"] == int8["store_tokens"] == int4["store_tokens"] > 0
+        assert int4["store_bytes"] < int8["store_bytes"] < float_["store_bytes"] / 3.5
+        assert all(r["ttft_s"] > 0 and len(r["ttft_runs_s"]) == 1 and r["full_ttft_s"] > 0 for r in (float_, int8, int4))
+        assert float_["machine"]["cpu"] and float_["engine_source"]
+
+    summary = {e["kv_format"]: e for e in ttft_kv_formats.summarize(rows)}
+    assert summary["float"]["vs_float"] == pytest.approx(1.0) and summary["int8"]["n"] == 2
+    mean_int8 = sum(r["ttft_s"] for r in rows if r["kv_format"] == "int8") / 2
+    assert summary["int8"]["ttft_ms"] == pytest.approx(1000 * mean_int8)
+    assert "| int4 |" in ttft_kv_formats.table(rows)
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("a finished run loads no model")
+
+    monkeypatch.setattr(ttft_kv_formats, "load_engine", no_engine)
+    assert ttft_kv_formats.run("tiny", 1, out, repeats=1, weights="fp32") == rows
