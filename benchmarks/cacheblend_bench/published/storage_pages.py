@@ -6,6 +6,7 @@ from __future__ import annotations
 import types
 from typing import Any
 
+from cacheblend_bench import ttft_kv_formats
 from cacheblend_bench.pipeline_bench import report, tiers_table
 from cacheblend_bench.published.results import Results, Table, Values
 from cacheblend_bench.replay import formats_table
@@ -15,6 +16,7 @@ UNCALIBRATED = "pipeline_bench_quiet.json"  # the same before the calibration (d
 REDIS = "pipeline_bench_redis.json"
 INGEST = "ingest_kill_smollm2.json"  # a corpus ingestion killed and resumed (docs/storage.md)
 REPLAY_FORMATS = "replay_formats.jsonl"  # the replay's stream, one run per disk record format (docs/storage.md)
+TTFT_KV = "ttft_kv_formats_smollm2.jsonl"  # first token from a disk store of each record format (docs/storage.md)
 # The options of the commands the pages show, which the JSON does not record.
 CALIBRATED_ARGS = types.SimpleNamespace(stored_dtype=None, dtype="float32", repeats=2)
 REDIS_LABELS = {
@@ -82,6 +84,7 @@ TABLES = {
     "replay": Table(("replay.jsonl",), _replay_block("replay.jsonl")),
     "replay-drift": Table(("replay_drift.jsonl",), _replay_block("replay_drift.jsonl")),
     "replay-formats": Table((REPLAY_FORMATS,), lambda res: formats_table(res.rows(REPLAY_FORMATS))),
+    "ttft-kv-formats": Table((TTFT_KV,), lambda res: ttft_kv_formats.table(res.rows(TTFT_KV))),
     "pipeline-bench-calibrated": Table((CALIBRATED,), _calibrated_block),
     "pipeline-bench-redis": Table((REDIS,), lambda res: tiers_table(res.json(REDIS), REDIS_LABELS)),
 }
