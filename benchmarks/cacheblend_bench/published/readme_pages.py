@@ -113,6 +113,17 @@ def headline_values(res: Results) -> dict[str, Stat]:
                 ("vs_llama", f"t{LONGEST}_vs_{REFERENCE}"),
             ):
                 v[f"{m}.{key}"] = Stat(e[field], e[f"{field}_ci"])
+            # On the machine of these rows: llama.cpp Q8_0's prompt evaluation against the saved full
+            # prefill (times slower), and the default's decode step against llama.cpp Q8_0's.
+            mean = {
+                k: statistics.fmean(r[f] for r in rows if r["method"].startswith(k))
+                for k, f in (("llama_cpp:q8_0", "ttft_s"), ("full_recompute_saved", "ttft_s"))
+            }
+            step = {
+                k: statistics.fmean(r["decode_ms_per_token"] for r in rows if r["method"] == k) for k in (blend, "llama_cpp:q8_0")
+            }
+            v[f"{m}.llama_prompt_slower"] = Stat(mean["llama_cpp:q8_0"] / mean["full_recompute_saved"])
+            v[f"{m}.decode_vs_llama"] = Stat(step[blend] / step["llama_cpp:q8_0"])
         else:
             e = next(e for e in fidelity_summarize(rows) if e["dataset"] == "all")
             v["agreement"] = Stat(e["agree"], e["agree_ci"])
