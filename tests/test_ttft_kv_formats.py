@@ -14,9 +14,10 @@ def test_each_format_answers_from_its_own_store_and_a_rerun_resumes(tmp_path, mo
     for q in range(2):
         float_, int8, int4 = rows[3 * q : 3 * q + 3]
         assert float_["qid"] == int8["qid"] == int4["qid"]
-        # The same chunks in each store, fewer bytes per format (the scales included).
+        # The same chunks in each store, fewer bytes per format (the scales included: the tiny
+        # model's small head_dim pays more for V's per-token scales than the 1/3.5 of real models).
         assert float_["store_tokens"] == int8["store_tokens"] == int4["store_tokens"] > 0
-        assert int4["store_bytes"] < int8["store_bytes"] < float_["store_bytes"] / 3.5
+        assert int4["store_bytes"] < int8["store_bytes"] < float_["store_bytes"] / 3
         assert all(r["ttft_s"] > 0 and len(r["ttft_runs_s"]) == 1 and r["full_ttft_s"] > 0 for r in (float_, int8, int4))
         assert float_["machine"]["cpu"] and float_["engine_source"]
 
