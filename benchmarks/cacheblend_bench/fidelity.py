@@ -300,7 +300,7 @@ def run_fidelity(cfg: FidelityConfig, *, engine=None) -> list[dict]:
                 t.results.parent / "kv", size_limit=2 * 2**30, fingerprint=engine.fingerprint, kv_format=t.kv_format
             )
         try:
-            _run(cfg, engine, methods, full, todo, targets, examples)
+            _run(cfg, engine, methods, full, todo, targets, dones, examples)
         finally:
             for t in targets[1:]:
                 t.store.close()
@@ -323,6 +323,7 @@ def _run(
     full: Method,
     todo,
     targets: list[_Target],
+    dones: list[set[tuple[str, str, str, str]]],
     examples: Sequence[ds.Example],
 ) -> None:
     retriever = ds.Retriever()
@@ -333,7 +334,6 @@ def _run(
             pools.setdefault(ex.dataset, []).extend(ds.chunk_documents(ex.documents, count, cfg.chunk_tokens))
         pools = {name: list(dict.fromkeys(chunks)) for name, chunks in pools.items()}
     tee = TeeStore([engine.store, *(t.store for t in targets[1:])]) if len(targets) > 1 else None
-    done = [t.done for t in targets]
     for t in targets:
         t.results.parent.mkdir(parents=True, exist_ok=True)
     bar = tqdm(todo, desc=f"fidelity {cfg.model}", unit="question", disable=not cfg.progress)
@@ -377,7 +377,7 @@ def _run(
                 if pool is None
                 else neighbours_in_prompt(chunks, pool, cfg.neighbours, retriever.embed),
             }
-            for t, t_done, sink in zip(targets, done, sinks):
+            for t, t_done, sink in zip(targets, dones, sinks):
                 for m in methods:
                     if (cfg.model, ex.dataset, ex.qid, m.name) in t_done:
                         continue

@@ -26,6 +26,7 @@ import tempfile
 from collections.abc import Sequence
 from itertools import zip_longest
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -80,15 +81,7 @@ def run(
                             store=TeeStore(list(stores.values())),
                             progress=False,
                         )
-                        times: dict[str, list[float]] = {f: [] for f in (*formats, "full")}
-                        for rnd in range(repeats + 1):  # round 0 warms each path, not recorded
-                            order = [*formats, "full"]
-                            order = order[rnd % len(order) :] + order[: rnd % len(order)]
-                            for f in order:
-                                kw = {"mode": "full_recompute"} if f == "full" else {"store": stores[f]}
-                                res = engine.generate(ex.question, chunks, max_new_tokens=1, temperature=0.0, **kw)
-                                if rnd:
-                                    times[f].append(res.ttft_s)
+                        times = _first_token_times(engine, ex.question, chunks, stores, repeats)
                         full_s = statistics.median(times["full"])
                         for f in formats:
                             held = disk_stats(Path(tmp) / f"q{i}-{f}")
@@ -117,6 +110,20 @@ def run(
         finally:
             engine.close()
     return rows
+
+
+def _first_token_times(engine, question: str, chunks: list[str], stores: dict[str, Any], repeats: int) -> dict[str, list[float]]:
+    """First-token seconds from each store and of full prefill ("full"), ``repeats`` rounds in
+    rotated order after an untimed round that warms each path."""
+    order = [*stores, "full"]
+    times: dict[str, list[float]] = {name: [] for name in order}
+    for rnd in range(repeats + 1):
+        for name in order[rnd % len(order) :] + order[: rnd % len(order)]:
+            kw = {"mode": "full_recompute"} if name == "full" else {"store": stores[name]}
+            res = engine.generate(question, chunks, max_new_tokens=1, temperature=0.0, **kw)
+            if rnd:
+                times[name].append(res.ttft_s)
+    return times
 
 
 def summarize(rows: list[dict]) -> list[dict]:
