@@ -211,7 +211,7 @@ def test_the_layer_check_catches_an_arrow_up_however_it_is_written(tmp_path: Pat
         {
             "__init__.py": "",
             "engine/__init__.py": "",
-            "engine/core.py": "def stream():\n    from ..serving.request import answer_settings",  # lazily
+            "engine/core.py": "def stream():\n    from ..serving.request import request_settings",  # lazily
             "serving/__init__.py": "",
             "serving/request.py": "from ..engine.core import stream",  # down: allowed
             "blend/__init__.py": "",

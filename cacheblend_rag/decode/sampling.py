@@ -2,7 +2,7 @@
 
 Owns the one place where the settings a caller writes (``max_new_tokens=64, stop="\\n"``) become
 the ``SamplingParams`` decoding reads: :meth:`CacheBlendEngine.stream` and ``generate`` call
-:func:`sampling_params` for their keyword arguments, and the serving layer's ``answer_settings``
+:func:`sampling_params` for their keyword arguments, and the serving layer's ``request_settings``
 (every front end: LangChain, LlamaIndex, the HTTP server, ``cacheblend-rag ask``) calls it too.
 The names and defaults are ``SamplingParams``' own fields, written once, here.
 

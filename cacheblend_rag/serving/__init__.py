@@ -2,7 +2,7 @@
 
 * :mod:`.request`: :class:`Request`, what the engine is asked (a question over chunks, or a plain
   chat) and how (mode, ratio, one ``SamplingParams`` built by ``cacheblend_rag.decode.sampling``), with
-  :func:`answer_settings`, which turns the settings' user-facing names into those fields, and
+  :func:`request_settings`, which turns the settings' user-facing names into those fields, and
   :func:`open_stream`, the engine's stream for a request;
 * :mod:`.run`: :class:`Run`, one answer: text deltas, then the result with the engine's stats;
 * :mod:`.batcher`: :class:`Batcher`, continuous batching as a step loop (admission, prefill,
@@ -19,8 +19,8 @@ May import: ``engine`` and every folder below it; never ``server``, ``cluster`` 
 
 from cacheblend_rag.serving.batcher import Batcher, Ticket
 from cacheblend_rag.serving.decode_batch import DecodeBatch
-from cacheblend_rag.serving.request import SETTINGS, Request, answer_settings, open_stream
+from cacheblend_rag.serving.request import SETTINGS, Request, open_stream, request_settings
 from cacheblend_rag.serving.run import Run
 from cacheblend_rag.serving.tool_run import ToolRun
 
-__all__ = ["Batcher", "DecodeBatch", "Request", "Run", "SETTINGS", "Ticket", "ToolRun", "answer_settings", "open_stream"]
+__all__ = ["Batcher", "DecodeBatch", "Request", "Run", "SETTINGS", "Ticket", "ToolRun", "open_stream", "request_settings"]

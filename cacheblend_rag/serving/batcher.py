@@ -202,7 +202,7 @@ class Batcher:
         return ticket
 
     def submit(self, question: str, chunks: Sequence[str], **settings: Any) -> Ticket:
-        """Queue ``question`` over ``chunks`` with ``settings`` (``serving.request.answer_settings``'
+        """Queue ``question`` over ``chunks`` with ``settings`` (``serving.request.request_settings``'
         names: mode, recompute_ratio, config and the decoding settings), built and checked as every
         front end's request is (``Request.over_chunks(...).with_settings(...)``): bad input raises here."""
         return self.add(open_stream(self.engine, Request.over_chunks(question, chunks).with_settings(**settings)))

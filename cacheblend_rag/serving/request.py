@@ -2,7 +2,7 @@
 
 Every front end (LangChain, LlamaIndex, the HTTP server) turns its framework's input into one
 :class:`Request` and its settings, given by their user-facing names, into the request's fields
-with :func:`answer_settings`: the one place where decoding settings become a ``SamplingParams``.
+with :func:`request_settings`: the one place where decoding settings become a ``SamplingParams``.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ if TYPE_CHECKING:
     from cacheblend_rag.engine.core import CacheBlendEngine
     from cacheblend_rag.engine.stream import GenerationStream
 
-# The user-facing setting names answer_settings() takes (OpenAI's max_tokens is the adapters' to map):
+# The user-facing setting names request_settings() takes (OpenAI's max_tokens is the adapters' to map):
 # how to prefill, then SamplingParams' own fields (sampling.SAMPLING_SETTINGS).
 SETTINGS = ("mode", "recompute_ratio", "config", *SAMPLING_SETTINGS)
 
 
-def answer_settings(
+def request_settings(
     *, mode: str = "cacheblend", recompute_ratio: float | None = None, config: BlendConfig | None = None, **decoding: Any
 ) -> dict[str, Any]:
     """A request's ``mode``, ``recompute_ratio``, ``config`` and ``sampling`` (one
@@ -44,7 +44,7 @@ def answer_settings(
 
 
 def call_settings(fields: Mapping[str, Any], overrides: Mapping[str, Any], accepted: Sequence[str]) -> dict[str, Any]:
-    """A framework call's settings: a model's ``fields`` (``answer_settings``' names), then the
+    """A framework call's settings: a model's ``fields`` (``request_settings``' names), then the
     call's ``overrides`` on top. Every integration refuses the same way: an override not among
     ``accepted`` raises ``TypeError`` naming it and the accepted ones (a misspelt setting would
     otherwise change nothing without a word). OpenAI's ``max_tokens`` is ``max_new_tokens``."""
@@ -152,9 +152,9 @@ class Request:
         return dataclasses.replace(self, messages=tuple(messages))
 
     def with_settings(self, **settings: Any) -> Request:
-        """This request with the given settings (names and defaults of :func:`answer_settings`;
+        """This request with the given settings (names and defaults of :func:`request_settings`;
         a setting not given takes its default)."""
-        return dataclasses.replace(self, **answer_settings(**settings))
+        return dataclasses.replace(self, **request_settings(**settings))
 
 
 def open_stream(engine: CacheBlendEngine, request: Request) -> GenerationStream:

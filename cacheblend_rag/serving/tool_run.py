@@ -3,7 +3,7 @@
 Both integrations answer ``bind_tools`` / ``with_structured_output`` (LangChain) and function
 calling / ``structured_predict`` (LlamaIndex) with :func:`start`: ``tools.plan_tools`` turns the
 tools and ``tool_choice`` into the tools the chat template renders, the constraint and the stop
-strings; the request gets those (``Request.with_tools``, ``answer_settings``'s ``constraint``) and
+strings; the request gets those (``Request.with_tools``, ``request_settings``'s ``constraint``) and
 a :class:`ToolRun` streams the text outside the calls and parses the calls once the answer ends.
 The request's chunks stay chunks: they are cached behind the prefix the tools are rendered into.
 """
@@ -80,7 +80,7 @@ def start(
     turns: Sequence[Mapping[str, Any]] = (),
     batcher: Batcher | None = None,
 ) -> ToolRun:
-    """Answer ``request`` with ``settings`` (``answer_settings``'s names) offering ``tools`` under
+    """Answer ``request`` with ``settings`` (``request_settings``'s names) offering ``tools`` under
     ``tool_choice`` (``tools.plan_tools``; ``parallel``: several calls in one answer), the
     conversation going on with ``turns`` after the question.
 
