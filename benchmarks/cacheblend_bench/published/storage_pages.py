@@ -6,9 +6,10 @@ from __future__ import annotations
 import types
 from typing import Any
 
-from cacheblend_bench import ttft_kv_formats
+from cacheblend_bench import ingest_rate, ttft_kv_formats
 from cacheblend_bench.format_fidelity import compare_formats, markdown
 from cacheblend_bench.pipeline_bench import report, tiers_table
+from cacheblend_bench.published.fmt import Stat
 from cacheblend_bench.published.results import Results, Table, Values
 from cacheblend_bench.replay import formats_table
 
@@ -18,6 +19,8 @@ REDIS = "pipeline_bench_redis.json"
 INGEST = "ingest_kill_smollm2.json"  # a corpus ingestion killed and resumed (docs/storage.md)
 REPLAY_FORMATS = "replay_formats.jsonl"  # the replay's stream, one run per disk record format (docs/storage.md)
 TTFT_KV = "ttft_kv_formats_smollm2.jsonl"  # first token from a disk store of each record format (docs/storage.md)
+TTFT_KV_COLD = "ttft_kv_formats_cold_smollm2.jsonl"  # the same, each store's records read from the disk
+INGEST_RATE = "ingest_rate.jsonl"  # ingest's chunks per second by model, threads and neighbours
 # Qwen2.5-Coder-0.5B's answers from each record format's store, one fidelity run (docs/storage.md)
 KV_QWEN = {f: f"kv_formats_qwen05_{f}.jsonl" for f in ("float", "int8", "int4")}
 DEFAULT_METHOD = "question@0.15/nb"  # what the integrations run: neighbour-aware caches from the corpus
@@ -89,6 +92,8 @@ TABLES = {
     "replay-drift": Table(("replay_drift.jsonl",), _replay_block("replay_drift.jsonl")),
     "replay-formats": Table((REPLAY_FORMATS,), lambda res: formats_table(res.rows(REPLAY_FORMATS))),
     "ttft-kv-formats": Table((TTFT_KV,), lambda res: ttft_kv_formats.table(res.rows(TTFT_KV))),
+    "ttft-kv-formats-cold": Table((TTFT_KV_COLD,), lambda res: ttft_kv_formats.table(res.rows(TTFT_KV_COLD))),
+    "ingest-rate": Table((INGEST_RATE,), lambda res: ingest_rate.table(res.rows(INGEST_RATE))),
     **{
         f"kv-formats-qwen05-{f}": Table((KV_QWEN[f], KV_QWEN["float"]), lambda res, f=f: markdown(_kv_comparison(res, f)))
         for f in ("int8", "int4")
@@ -139,15 +144,42 @@ def _kv_values(res: Results) -> dict[str, Any]:
             f"{fmt}.better": d["better"],
             f"{fmt}.worse": d["worse"],
             f"{fmt}.p": d["p"],
-            f"{fmt}.kl_ratio": m["kl_ratio"],
-            f"{fmt}.kl_ratio_lo": m["kl_ratio_ci"][0],
-            f"{fmt}.kl_ratio_hi": m["kl_ratio_ci"][1],
+            f"{fmt}.kl_ratio": Stat(m["kl_ratio"], tuple(m["kl_ratio_ci"])),
         }
     return v
 
 
+def _ttft_values(name: str):
+    def compute(res: Results) -> dict[str, Any]:
+        summary = ttft_kv_formats.summarize(res.rows(name))
+        v: dict[str, Any] = {"n": summary[0]["n"]}
+        for e in summary:
+            for key in ("vs_float", "vs_full"):
+                v[f"{e['kv_format']}.{key}"] = Stat(e[key], tuple(e[f"{key}_ci"]))
+        return v
+
+    return compute
+
+
+def _ingest_rate_values(res: Results) -> dict[str, Any]:
+    """Per model: neighbour-aware caches' time over plain caches' (same threads), and a second thread's gain."""
+    rows = {(r["model"], r["threads"], r["neighbours"]): r for r in res.rows(INGEST_RATE)}
+    v: dict[str, Any] = {}
+    for (model, threads, nb), r in rows.items():
+        plain = rows.get((model, threads, 0))
+        if nb and plain:
+            v[f"{model}.nb_cost"] = r["seconds"] / plain["seconds"]
+        one = rows.get((model, 1, 0))
+        if not nb and threads == 2 and one:
+            v[f"{model}.two_threads"] = one["seconds"] / r["seconds"]
+    return v
+
+
 VALUES = {
+    "ingest_rate": Values((INGEST_RATE,), _ingest_rate_values),
     "kv_qwen": Values(tuple(KV_QWEN.values()), _kv_values),
+    "ttft_kv": Values((TTFT_KV,), _ttft_values(TTFT_KV)),
+    "ttft_kv_cold": Values((TTFT_KV_COLD,), _ttft_values(TTFT_KV_COLD)),
     "ingest": Values((INGEST,), _ingest_values),
     "tiers": Values((CALIBRATED,), lambda res: _tier_values(res, CALIBRATED)),
     "tiers0": Values((UNCALIBRATED,), lambda res: _tier_values(res, UNCALIBRATED)),
