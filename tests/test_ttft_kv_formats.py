@@ -41,7 +41,7 @@ def test_a_cold_run_reads_each_answers_records_from_the_disk(tmp_path, monkeypat
     def counting_drop(directory):
         dropped.append((directory.name, drop(directory)))
         assert not any(ttft_kv_formats.resident_bytes(p) for p in directory.rglob("*.val"))
-        return dropped[-1]
+        return dropped[-1][1]
 
     monkeypatch.setattr(ttft_kv_formats, "drop_page_cache", counting_drop)
     rows = ttft_kv_formats.run(

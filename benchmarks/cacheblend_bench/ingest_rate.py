@@ -28,7 +28,7 @@ from typing import Any
 
 from cacheblend_bench import provenance
 from cacheblend_bench.ingest_kill import hotpotqa_corpus, ingest_command, parse_log
-from cacheblend_bench.runner import read_results
+from cacheblend_bench.runner import model_path, read_results
 
 
 def parse_config(spec: str) -> tuple[str, int, int]:
@@ -39,20 +39,13 @@ def parse_config(spec: str) -> tuple[str, int, int]:
     return model, int(threads), int(neighbours)
 
 
-def model_args(model: str) -> list[str]:
-    """``ingest``'s model option for a benchmark model name (``smollm2``: the bundled model, none)."""
-    from cacheblend_bench.qwen import MODELS, qwen_gguf_path
-
-    if model in ("smollm2", "default"):
-        return []
-    return ["--model", str(qwen_gguf_path(model=MODELS[model])) if model in MODELS else model]
-
-
 def measure(corpus: Path, model: str, threads: int, neighbours: int, ingest_args: Sequence[str]) -> dict[str, Any]:
     """One ingestion of ``corpus`` into a fresh store; its plan, counts and seconds."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     with tempfile.TemporaryDirectory(prefix="ingest-rate-") as store:
-        command = ingest_command(str(corpus), store, [*model_args(model), "--neighbours", str(neighbours), *ingest_args])
+        path = model_path(model)
+        model_option = [] if path is None else ["--model", path]
+        command = ingest_command(str(corpus), store, [*model_option, "--neighbours", str(neighbours), *ingest_args])
         done = subprocess.run(command, capture_output=True, text=True, env=env)
     log = done.stdout + done.stderr
     if done.returncode != 0:

@@ -106,6 +106,16 @@ def tiny_engine(store_dir: str | None = None, weights: str = "fp32", kv_format: 
     return CacheBlendEngine(model, make_tokenizer(), store=KVStore(store_dir, kv_format=kv_format))
 
 
+def model_path(model: str) -> str | None:
+    """What ``from_pretrained`` and ``cacheblend-rag --model`` take for a benchmark model name: None
+    for the bundled SmolLM2, the assembled GGUF for a Qwen name (``bench.qwen``), else ``model``."""
+    from cacheblend_bench.qwen import MODELS, qwen_gguf_path
+
+    if model in ("smollm2", "default", ""):
+        return None
+    return str(qwen_gguf_path(model=MODELS[model])) if model in MODELS else model
+
+
 def load_engine(cfg: BenchConfig, weights: str = "fp32", store_size_limit: int = 2 * 2**30, kv_format: str | None = None):
     """The engine for ``cfg.model`` with ``weights`` (``weights.WEIGHT_FORMATS``); its KV store
     lives in ``<out_dir>/kv`` (``store_size_limit`` bytes; formats have their own fingerprints, so
@@ -115,13 +125,8 @@ def load_engine(cfg: BenchConfig, weights: str = "fp32", store_size_limit: int =
     store = str(Path(cfg.out_dir) / "kv")
     if cfg.model == "tiny":
         return tiny_engine(store, weights, kv_format)
-    model = None if cfg.model in ("smollm2", "default", "") else cfg.model
-    from cacheblend_bench.qwen import MODELS, qwen_gguf_path
-
-    if model in MODELS:
-        model = str(qwen_gguf_path(model=MODELS[model]))
     return CacheBlendEngine.from_pretrained(
-        model,
+        model_path(cfg.model),
         device=cfg.device,
         weights=weights,
         store_dir=store,

@@ -34,6 +34,7 @@ from typing import Any
 from cacheblend_bench import datasets as ds
 from cacheblend_bench.load import Pool, summarize_setting
 from cacheblend_bench.methods import parse_methods
+from cacheblend_bench.runner import model_path
 
 SERVED_NAME = "bench"
 ROWS = "server_load.jsonl"
@@ -155,8 +156,9 @@ class SubprocessServer:
             "--log-level",
             "warning",
         ]
-        if model not in ("smollm2", "default", ""):
-            cmd += ["--model", _model_path(model)]
+        path = _model_path(model)
+        if path is not None:
+            cmd += ["--model", path]
         self._log = open(log, "ab") if log is not None else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=self._log)
         self.timeout_s = timeout_s
@@ -190,20 +192,17 @@ class SubprocessServer:
             self._log.close()
 
 
-def _model_path(model: str) -> str:
+def _model_path(model: str) -> str | None:
     if model == "tiny":
         raise ValueError("the tiny test model has no files to serve: pass an engine to run_server_load (in process)")
-    from cacheblend_bench.qwen import MODELS, qwen_gguf_path
-
-    return str(qwen_gguf_path(model=MODELS[model])) if model in MODELS else model
+    return model_path(model)
 
 
 def _tokenizer(cfg: ServerLoadConfig):
     """The model's tokenizer, for cutting the documents into chunks of ``chunk_tokens``."""
     from cacheblend_rag.model.loading import load_model
 
-    model = None if cfg.model in ("smollm2", "default", "") else _model_path(cfg.model)
-    return load_model(model, device="cpu").tokenizer
+    return load_model(_model_path(cfg.model), device="cpu").tokenizer
 
 
 # ---------------------------------------------------------------------- the clients

@@ -143,7 +143,6 @@ def _kv_values(res: Results) -> dict[str, Any]:
             f"{fmt}.agree_float": m["agree_ref"],
             f"{fmt}.better": d["better"],
             f"{fmt}.worse": d["worse"],
-            f"{fmt}.p": d["p"],
             f"{fmt}.kl_ratio": Stat(m["kl_ratio"], tuple(m["kl_ratio_ci"])),
         }
     return v
@@ -151,12 +150,10 @@ def _kv_values(res: Results) -> dict[str, Any]:
 
 def _ttft_values(name: str):
     def compute(res: Results) -> dict[str, Any]:
-        summary = ttft_kv_formats.summarize(res.rows(name))
-        v: dict[str, Any] = {"n": summary[0]["n"]}
-        for e in summary:
-            for key in ("vs_float", "vs_full"):
-                v[f"{e['kv_format']}.{key}"] = Stat(e[key], tuple(e[f"{key}_ci"]))
-        return v
+        return {
+            f"{e['kv_format']}.vs_float": Stat(e["vs_float"], tuple(e["vs_float_ci"]))
+            for e in ttft_kv_formats.summarize(res.rows(name))
+        }
 
     return compute
 
