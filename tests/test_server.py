@@ -380,6 +380,23 @@ def test_body_that_is_not_json_is_a_400(live):
     assert error["message"].startswith("invalid request: the body is not valid JSON") and "character 1" in error["message"]
 
 
+@pytest.mark.parametrize(
+    "content, content_type, says",
+    [
+        (b'{"model": "tiny", "messages": "caf\xe9"}', "application/json", "the body is not UTF-8 (at character 34)"),
+        (b"model=tiny&prompt=hi", "application/x-www-form-urlencoded", "not application/x-www-form-urlencoded"),
+        (b'{"model": "tiny", "prompt": "hi"}', None, "not no content-type"),
+    ],
+    ids=["latin-1", "form", "no-content-type"],
+)
+def test_a_body_that_is_not_utf8_json_is_a_400_naming_why(live, content, content_type, says):
+    # curl -d sends a form unless told otherwise: the answer says which content-type to send.
+    headers = {"content-type": content_type} if content_type else {}
+    r = httpx.post(f"{live.url}/v1/completions", content=content, headers=headers, timeout=TIMEOUT)
+    assert r.status_code == 400, r.text
+    assert says in r.json()["error"]["message"], r.json()
+
+
 # ---------------------------------------------------------------------- admission and cancellation
 def test_full_queue_answers_503_and_queued_requests_still_finish(engine, expected):
     # --max-batch 1: one answer at a time, one waiting (--max-queue 1), the next refused.

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from cacheblend_rag.server.body import BodyParser
 from cacheblend_rag.server.inputs import chat_request, completion_request, message_chars, start_run
 from cacheblend_rag.server.limits import BodyLimit
 from cacheblend_rag.server.outputs import DONE, ChatFormat, CompletionFormat, sse
@@ -111,6 +112,7 @@ def create_app(engine, config: ServerConfig | None = None, *, close_engine: bool
         # A request's own chunks are the evidence of which chunks precede which (no corpus here).
         engine.learn_neighbours()
     worker = EngineWorker(engine, config.max_queue, config.max_batch)
+    bodies = BodyParser()
     started = int(time.time())
 
     @asynccontextmanager
@@ -175,13 +177,17 @@ def create_app(engine, config: ServerConfig | None = None, *, close_engine: bool
         check_model(model)
         return ModelCard(id=name, created=started)
 
+    # The bodies are read here, not declared as parameters: FastAPI would parse a megabyte body
+    # on the event loop (see .body).
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest) -> Any:
+    async def chat_completions(http: HTTPRequest) -> Any:
+        body = await bodies.parse(http, ChatCompletionRequest)
         check_model(body.model)
         return await answer(body, chat_request(body), ChatFormat(name, body.include_usage), http)
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest, http: HTTPRequest) -> Any:
+    async def completions(http: HTTPRequest) -> Any:
+        body = await bodies.parse(http, CompletionRequest)
         check_model(body.model)
         return await answer(body, completion_request(body), CompletionFormat(name, body.include_usage), http)
 
