@@ -10,7 +10,7 @@ from cacheblend_bench.ingest_kill import parse_log
 from cacheblend_rag.cli import ingest
 
 
-def _plan(chunks: int, cached: int) -> ingest.IngestPlan:
+def _plan(chunks: int, cached: int, neighbours: int = 0) -> ingest.IngestPlan:
     return ingest.IngestPlan(
         chunks=chunks,
         cached=cached,
@@ -19,13 +19,14 @@ def _plan(chunks: int, cached: int) -> ingest.IngestPlan:
         new_bytes=12_000_000,
         total_bytes=15_000_000_000,
         kv_format="int8",
-        neighbours=0,
+        neighbours=neighbours,
     )
 
 
-def test_the_plan_and_summary_lines_ingest_prints_are_read(monkeypatch):
+@pytest.mark.parametrize("neighbours", [0, 2])
+def test_the_plan_and_summary_lines_ingest_prints_are_read(monkeypatch, neighbours):
     out = io.StringIO()
-    monkeypatch.setattr(ingest, "plan", lambda engine, chunks, neighbours: _plan(10_256, 1_872))
+    monkeypatch.setattr(ingest, "plan", lambda engine, chunks, neighbours: _plan(10_256, 1_872, neighbours))
     monkeypatch.setattr(ingest, "check_room", lambda p, store: None)
 
     class Engine:
@@ -34,7 +35,7 @@ def test_the_plan_and_summary_lines_ingest_prints_are_read(monkeypatch):
         def precompute(self, chunks, neighbours, progress):
             return 8_384
 
-    ingest.run(Engine(), ["a"], progress=False, out=out)
+    ingest.run(Engine(), ["a"], neighbours=neighbours, progress=False, out=out)
     got = parse_log("precompute KV:  3%|\r" + out.getvalue())
     assert got["chunks"] == 10_256 and got["cached"] == 1_872 and got["to_compute"] == 8_384
     assert got["tokens"] == 1_287_047 and got["computed"] == 8_384 and got["seconds"] >= 0

@@ -32,3 +32,41 @@ def test_each_format_answers_from_its_own_store_and_a_rerun_resumes(tmp_path, mo
 
     monkeypatch.setattr(ttft_kv_formats, "load_engine", no_engine)
     assert ttft_kv_formats.run("tiny", 1, out, repeats=1, weights="fp32") == rows
+
+
+def test_a_cold_run_reads_each_answers_records_from_the_disk(tmp_path, monkeypatch):
+    dropped: list[tuple[str, int]] = []
+    drop = ttft_kv_formats.drop_page_cache
+
+    def counting_drop(directory):
+        dropped.append((directory.name, drop(directory)))
+        assert not any(ttft_kv_formats.resident_bytes(p) for p in directory.rglob("*.val"))
+        return dropped[-1]
+
+    monkeypatch.setattr(ttft_kv_formats, "drop_page_cache", counting_drop)
+    rows = ttft_kv_formats.run(
+        "tiny", 1, tmp_path / "rows.jsonl", formats=("float", "int8"), repeats=1, weights="fp32", cold=True
+    )
+    assert {r["page_cache"] for r in rows} == {"cold"}
+    # Two questions, two stores, an untimed and a timed round: each answer's store dropped first.
+    # Most of the tiny model's float records are files; its int8 layer records, mostly under
+    # 32 KB, live in diskcache's index.
+    order = ["float", "int8", "int8", "float"]  # the untimed round, then the next rotated by one
+    assert [name for name, _ in dropped] == [f"q{q}-{f}" for q in range(2) for f in order]
+    for q, row in enumerate(r for r in rows if r["kv_format"] == "float"):
+        assert all(0.9 * row["store_bytes"] < n <= row["store_bytes"] for name, n in dropped if name == f"q{q}-float")
+
+
+def test_drop_page_cache_refuses_a_folder_it_cannot_drop(tmp_path, monkeypatch):
+    record = tmp_path / "store" / "ab" / "cd" / "record.val"
+    record.parent.mkdir(parents=True)
+    record.write_bytes(b"\1" * 3 * 4096)
+    assert ttft_kv_formats.resident_bytes(record) == 3 * 4096  # just written: in the page cache
+    assert ttft_kv_formats.drop_page_cache(tmp_path / "store") == 3 * 4096
+    assert ttft_kv_formats.resident_bytes(record) == 0
+    record.read_bytes()
+    assert ttft_kv_formats.resident_bytes(record) == 3 * 4096
+
+    monkeypatch.setattr(ttft_kv_formats.os, "posix_fadvise", lambda *args: None)  # as on a tmpfs: pages stay
+    with pytest.raises(RuntimeError, match="stays in memory.*set TMPDIR to a folder on a disk"):
+        ttft_kv_formats.drop_page_cache(tmp_path / "store")

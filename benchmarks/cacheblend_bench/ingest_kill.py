@@ -26,7 +26,7 @@ from typing import Any
 
 from cacheblend_bench import provenance
 
-PLAN = re.compile(r"([\d,]+) chunks \(([\d,]+) cached, ([\d,]+) to compute\), ([\d,]+) tokens")
+PLAN = re.compile(r"([\d,]+) chunks \(([\d,]+) cached, ([\d,]+) to compute[^)]*\), ([\d,]+) tokens")
 WHOLE = re.compile(r"bytes to store in (\S+) \([\d,.]+ bytes per token\), ([\d,]+) for the whole corpus")
 DONE = re.compile(r"computed ([\d,]+) chunk caches in ([\d.]+) s")
 

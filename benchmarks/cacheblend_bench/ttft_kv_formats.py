@@ -10,8 +10,11 @@ the run's questions) in one disk store per record format, all filled from the sa
 from each store in turn, ``--repeats`` times in rotated order after one untimed round, with full
 prefill's first token timed in the same rounds as the reference. The records were just written,
 so the page cache is warm: the time is reading, dequantizing on the loader's thread (overlapped
-with the fused prefill) and the prefill, not the disk. The memory tier is left out on purpose: it
-holds decoded tensors, so a memory hit costs the same in every format.
+with the fused prefill) and the prefill, not the disk. With ``--cold`` each store's files are
+dropped from the operating system's page cache (``posix_fadvise(DONTNEED)``, after a sync) right
+before each timed answer from it, so its records come from the disk, as they do from a corpus
+larger than memory. The memory tier is left out on purpose: it holds decoded tensors, so a memory
+hit costs the same in every format.
 
 Rows (one per question and format, resumable): the median TTFT over the repeats and full prefill's,
 the bytes the store holds for the question's chunks, the engine and the machine.
@@ -20,7 +23,10 @@ the bytes the store holds for the question's chunks, the engine and the machine.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import mmap
+import os
 import statistics
 import tempfile
 from collections.abc import Sequence
@@ -37,13 +43,21 @@ from cacheblend_bench.stats import speedup
 from cacheblend_bench.tee import TeeStore
 
 FORMATS = ("float", "int8", "int4")
+_LIBC = ctypes.CDLL(None, use_errno=True)
 
 
 def run(
-    model: str, n: int, out: Path, formats: Sequence[str] = FORMATS, repeats: int = 3, weights: str | None = None
+    model: str,
+    n: int,
+    out: Path,
+    formats: Sequence[str] = FORMATS,
+    repeats: int = 3,
+    weights: str | None = None,
+    cold: bool = False,
 ) -> list[dict]:
     """Measure (or resume) and return every row of ``out``. ``weights``: fp32 or fp16 (None: the
-    format ``from_pretrained`` picks on this CPU)."""
+    format ``from_pretrained`` picks on this CPU); ``cold``: each timed answer reads its store's
+    records from the disk, not the page cache."""
     from cacheblend_bench.headline import default_format
     from cacheblend_rag.cli.app import ASK_NEIGHBOURS
     from cacheblend_rag.cli.store import disk_stats
@@ -81,16 +95,17 @@ def run(
                             store=TeeStore(list(stores.values())),
                             progress=False,
                         )
-                        times = _first_token_times(engine, ex.question, chunks, stores, repeats)
+                        times = _first_token_times(engine, ex.question, chunks, stores, repeats, cold)
                         full_s = statistics.median(times["full"])
                         for f in formats:
-                            held = disk_stats(Path(tmp) / f"q{i}-{f}")
+                            held = disk_stats(stores[f].directory)
                             row = {
                                 "model": model,
                                 "dataset": ex.dataset,
                                 "qid": ex.qid,
                                 "kv_format": f,
                                 "weights": weights,
+                                "page_cache": "cold" if cold else "warm",
                                 "prompt_tokens": prompt_tokens,
                                 "ttft_s": statistics.median(times[f]),
                                 "ttft_runs_s": times[f],
@@ -112,18 +127,60 @@ def run(
     return rows
 
 
-def _first_token_times(engine, question: str, chunks: list[str], stores: dict[str, Any], repeats: int) -> dict[str, list[float]]:
+def _first_token_times(
+    engine, question: str, chunks: list[str], stores: dict[str, Any], repeats: int, cold: bool = False
+) -> dict[str, list[float]]:
     """First-token seconds from each store and of full prefill ("full"), ``repeats`` rounds in
-    rotated order after an untimed round that warms each path."""
+    rotated order after an untimed round that warms each path (``cold``: but not the records)."""
     order = [*stores, "full"]
     times: dict[str, list[float]] = {name: [] for name in order}
     for rnd in range(repeats + 1):
         for name in order[rnd % len(order) :] + order[: rnd % len(order)]:
+            if cold and name != "full":
+                drop_page_cache(stores[name].directory)
             kw = {"mode": "full_recompute"} if name == "full" else {"store": stores[name]}
             res = engine.generate(question, chunks, max_new_tokens=1, temperature=0.0, **kw)
             if rnd:
                 times[name].append(res.ttft_s)
     return times
+
+
+def drop_page_cache(directory: Path) -> int:
+    """Flush every record file of the disk store in ``directory`` (diskcache's ``*.val``) and drop
+    it from the page cache, so that its next read comes from the disk; returns the bytes dropped.
+    Records under 32 KB (a layer of a chunk of fewer than ~150 tokens in int4) live in diskcache's
+    SQLite index, which stays mapped, so they stay warm. RuntimeError where the pages stay (a folder in
+    memory, e.g. tmpfs): a cold measurement there would silently be a warm one."""
+    dropped = 0
+    for path in Path(directory).rglob("*.val"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # dirty pages are not dropped: write them out first
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        if resident_bytes(path):
+            raise RuntimeError(
+                f"{path} stays in memory after posix_fadvise(DONTNEED) (a tmpfs?): set TMPDIR to a folder on a disk"
+            )
+        dropped += path.stat().st_size
+    return dropped
+
+
+def resident_bytes(path: Path) -> int:
+    """Bytes of ``path`` in the page cache (``mincore`` over a private mapping of it)."""
+    size = path.stat().st_size
+    if size == 0:
+        return 0
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mapped:
+        start = ctypes.c_char.from_buffer(mapped)
+        pages = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+        try:
+            if _LIBC.mincore(ctypes.c_void_p(ctypes.addressof(start)), ctypes.c_size_t(size), pages):
+                raise OSError(ctypes.get_errno(), f"mincore({path})")
+        finally:
+            del start  # the mapping cannot close while a ctypes object exports it
+        return sum(p & 1 for p in pages) * mmap.PAGESIZE
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -179,9 +236,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--weights", default=None, choices=("fp32", "fp16"), help="the engine's weights (default: what from_pretrained picks)"
     )
+    p.add_argument(
+        "--cold",
+        action="store_true",
+        help="read each store's records from the disk: drop them from the page cache before each timed answer",
+    )
     p.add_argument("--out", required=True, help="rows file (JSON lines; a rerun resumes it)")
     args = p.parse_args(argv)
-    rows = run(args.model, args.n, Path(args.out), tuple(args.formats.split(",")), args.repeats, args.weights)
+    rows = run(args.model, args.n, Path(args.out), tuple(args.formats.split(",")), args.repeats, args.weights, args.cold)
     print(table(rows))
     return 0
 

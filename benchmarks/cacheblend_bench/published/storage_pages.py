@@ -7,6 +7,7 @@ import types
 from typing import Any
 
 from cacheblend_bench import ttft_kv_formats
+from cacheblend_bench.format_fidelity import compare_formats, markdown
 from cacheblend_bench.pipeline_bench import report, tiers_table
 from cacheblend_bench.published.results import Results, Table, Values
 from cacheblend_bench.replay import formats_table
@@ -17,6 +18,9 @@ REDIS = "pipeline_bench_redis.json"
 INGEST = "ingest_kill_smollm2.json"  # a corpus ingestion killed and resumed (docs/storage.md)
 REPLAY_FORMATS = "replay_formats.jsonl"  # the replay's stream, one run per disk record format (docs/storage.md)
 TTFT_KV = "ttft_kv_formats_smollm2.jsonl"  # first token from a disk store of each record format (docs/storage.md)
+# Qwen2.5-Coder-0.5B's answers from each record format's store, one fidelity run (docs/storage.md)
+KV_QWEN = {f: f"kv_formats_qwen05_{f}.jsonl" for f in ("float", "int8", "int4")}
+DEFAULT_METHOD = "question@0.15/nb"  # what the integrations run: neighbour-aware caches from the corpus
 # The options of the commands the pages show, which the JSON does not record.
 CALIBRATED_ARGS = types.SimpleNamespace(stored_dtype=None, dtype="float32", repeats=2)
 REDIS_LABELS = {
@@ -85,6 +89,10 @@ TABLES = {
     "replay-drift": Table(("replay_drift.jsonl",), _replay_block("replay_drift.jsonl")),
     "replay-formats": Table((REPLAY_FORMATS,), lambda res: formats_table(res.rows(REPLAY_FORMATS))),
     "ttft-kv-formats": Table((TTFT_KV,), lambda res: ttft_kv_formats.table(res.rows(TTFT_KV))),
+    **{
+        f"kv-formats-qwen05-{f}": Table((KV_QWEN[f], KV_QWEN["float"]), lambda res, f=f: markdown(_kv_comparison(res, f)))
+        for f in ("int8", "int4")
+    },
     "pipeline-bench-calibrated": Table((CALIBRATED,), _calibrated_block),
     "pipeline-bench-redis": Table((REDIS,), lambda res: tiers_table(res.json(REDIS), REDIS_LABELS)),
 }
@@ -114,7 +122,32 @@ def _ingest_values(res: Results) -> dict[str, Any]:
     }
 
 
+def _kv_comparison(res: Results, fmt: str) -> dict[str, Any]:
+    return res.memo(f"kv-{fmt}", lambda: compare_formats(res.rows(KV_QWEN[fmt]), res.rows(KV_QWEN["float"])))
+
+
+def _kv_values(res: Results) -> dict[str, Any]:
+    v: dict[str, Any] = {}
+    for fmt in ("int8", "int4"):
+        c = _kv_comparison(res, fmt)
+        m = c["methods"][DEFAULT_METHOD]
+        d = m["agree_f1_diff"]
+        v |= {
+            f"{fmt}.n": m["questions"],
+            f"{fmt}.agree": m["agree_fmt"],
+            f"{fmt}.agree_float": m["agree_ref"],
+            f"{fmt}.better": d["better"],
+            f"{fmt}.worse": d["worse"],
+            f"{fmt}.p": d["p"],
+            f"{fmt}.kl_ratio": m["kl_ratio"],
+            f"{fmt}.kl_ratio_lo": m["kl_ratio_ci"][0],
+            f"{fmt}.kl_ratio_hi": m["kl_ratio_ci"][1],
+        }
+    return v
+
+
 VALUES = {
+    "kv_qwen": Values(tuple(KV_QWEN.values()), _kv_values),
     "ingest": Values((INGEST,), _ingest_values),
     "tiers": Values((CALIBRATED,), lambda res: _tier_values(res, CALIBRATED)),
     "tiers0": Values((UNCALIBRATED,), lambda res: _tier_values(res, UNCALIBRATED)),
