@@ -233,25 +233,22 @@ def _dequantize_part(buf: memoryview, bits: int, axis: str, group: int, shape: t
     sshape = _scale_shape(axis, shape, group)
     nscale = int(np.prod(sshape))
     codes = np.frombuffer(buf, np.uint8, ncode)
+    # Codes are cast into the output first: numpy's float32 multiply and add then run without a
+    # per-element cast, about half the time of mixed uint8 x float32 ops.
+    out = np.empty(shape, np.float32)
+    flat = out.reshape(-1)
     if bits == 4:
-        both = np.empty(2 * ncode, np.uint8)
-        np.bitwise_and(codes, 15, out=both[0::2])
-        np.right_shift(codes, 4, out=both[1::2])
-        codes = both[:numel]
-    codes = codes.reshape(shape)
+        flat[0::2] = codes & 15  # the low nibble holds the even value (``_quantize_part``)
+        flat[1::2] = codes[: numel // 2] >> 4
+    else:
+        flat[:] = codes
     scale = np.frombuffer(buf, np.float16, nscale, ncode).astype(np.float32).reshape(sshape)
     low = np.frombuffer(buf, np.float16, nscale, ncode + 2 * nscale).astype(np.float32).reshape(sshape)
-    out = np.empty(shape, np.float32)
-    if axis == "token":
-        np.multiply(codes, scale, out=out)
-        np.add(out, low, out=out)
-        return out
-    start = 0  # one slice of tokens per group: no [heads, tokens, head_dim] copy of the scales
-    for g, size in enumerate(_group_sizes(shape[1], sshape[1])):
-        span = slice(start, start + size)
-        np.multiply(codes[:, span], scale[:, g : g + 1], out=out[:, span])
-        np.add(out[:, span], low[:, g : g + 1], out=out[:, span])
-        start += size
+    if axis == "channel":  # [heads, groups, head_dim] -> [heads, tokens, head_dim]
+        sizes = _group_sizes(shape[1], sshape[1])
+        scale, low = np.repeat(scale, sizes, axis=1), np.repeat(low, sizes, axis=1)
+    np.multiply(out, scale, out=out)
+    np.add(out, low, out=out)
     return out
 
 
