@@ -1,0 +1,50 @@
+"""What the server attack tests (rounds three and four) share: the tiny model's name and answer
+length, a live server over a module's ``engine`` fixture, a good request and the in-process answer
+it must get under attack, and the process's resident memory."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from cacheblend_rag.server import ServerConfig, create_app
+from cacheblend_rag.server.live import BackgroundServer
+from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION
+
+N = 8  # tokens per answer
+MODEL = "tiny"
+BOUND_S = 60.0  # a bound on waits, never an assertion on time
+
+
+@pytest.fixture(scope="module")
+def expected(engine):
+    """The in-process engine's greedy answer: what a good request must get under attack."""
+    return engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, max_new_tokens=N)
+
+
+def serve(engine, **limits) -> BackgroundServer:
+    # Learning off: answers are compared with the engine's, before and after other requests.
+    return BackgroundServer(
+        create_app(engine, ServerConfig(model_name=MODEL, learn_neighbours=False, **limits)), timeout_s=BOUND_S
+    ).start()
+
+
+def chat_body(**fields) -> dict[str, Any]:
+    """A chat request for the sample question, with ``fields`` added or replaced."""
+    body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": SAMPLE_QUESTION}], "max_tokens": N}
+    body.update(fields)
+    return body
+
+
+def good(url: str, timeout: float = BOUND_S) -> dict:
+    """A good request's answer (the sample question over the sample chunks), asserted 200."""
+    r = httpx.post(f"{url}/v1/chat/completions", json=chat_body(documents=SAMPLE_CHUNKS), timeout=timeout)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
