@@ -40,7 +40,9 @@ class BodyParser:
 
     async def parse(self, http: HTTPRequest, model: type[M]) -> M:
         _require_json(http.headers.get("content-type"))
-        raw = await http.body()
+        # Read here rather than with http.body(), which keeps the bytes on the request until the
+        # response is sent: a refused megabyte body is let go as soon as it is parsed.
+        raw = b"".join([chunk async for chunk in http.stream()])
         if len(raw) <= LOOP_PARSE_BYTES:
             return validate(raw, model)
         async with self._large:
