@@ -6,6 +6,9 @@ random transformers configs. Use them to exercise the engine's mechanics, never 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 CORPUS = [
@@ -147,6 +150,20 @@ def make_engine(arch: str = "llama", seed: int = 0, store_dir=None, *, tools: bo
     # The tool template's system turn alone is hundreds of the tiny tokenizer's tokens: room for it.
     model = make_model(arch, seed, max_position_embeddings=4096) if tools else make_model(arch, seed)
     return CacheBlendEngine(model, make_tokenizer(tools), store=KVStore(store_dir), **engine_kwargs)
+
+
+@contextmanager
+def sample_engine(store_dir, arch: str = "llama", seed: int = 0, *, tools: bool = False, **engine_kwargs) -> Iterator:
+    """:func:`make_engine` with :data:`SAMPLE_CHUNKS` cached, closed on exit: a test module's engine.
+    Loading runs on the calling thread unless ``pipelined=True`` is passed (a test's timing and
+    failures stay on one thread)."""
+    engine_kwargs.setdefault("pipelined", False)
+    eng = make_engine(arch, seed, store_dir, tools=tools, **engine_kwargs)
+    try:
+        eng.precompute(SAMPLE_CHUNKS, progress=False)
+        yield eng
+    finally:
+        eng.close()
 
 
 def make_store_engine(store, *, memory_bytes: int = 2**26, arch: str = "llama", seed: int = 0, store_dir=None, **engine_kwargs):

@@ -20,7 +20,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("redis", reason="redis-py is not installed (pip install 'cacheblend-rag[redis]')")
 
 sys.path.insert(0, str(Path(__file__).parent / "reliability_helpers"))
-from local_redis import REDIS_SERVER, LocalRedis
+from local_redis import REDIS_SERVER, RedisServer
 
 from cacheblend_rag.cluster import ClusterOptions, EngineSpec, build_app
 from cacheblend_rag.store.redis_tier import RedisConfig, RedisStore
@@ -44,7 +44,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory):
-    srv = LocalRedis(tmp_path_factory.mktemp("redis"))
+    srv = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield srv
     srv.stop()
 

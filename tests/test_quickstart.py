@@ -33,7 +33,7 @@ import pytest
 from cacheblend_rag.model.loading import default_cache_dir
 
 sys.path.insert(0, str(Path(__file__).parent / "reliability_helpers"))
-from local_redis import REDIS_SERVER, LocalRedis
+from local_redis import REDIS_SERVER, RedisServer
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = (ROOT / "README.md", ROOT / "docs" / "quickstart.md")  # pages whose blocks run as written, one per interpreter
@@ -268,7 +268,9 @@ def doc_outputs(tmp_path_factory):
     cmd += ["serve", "--served-model-name", "smollm2"] + ([] if port == 8000 else ["--port", str(port)])
     log = (tmp / "serve.log").open("w")
     server = subprocess.Popen(cmd, cwd=ROOT, env=server_env, stdout=log, stderr=subprocess.STDOUT)  # loads while the rest runs
-    redis = LocalRedis(tmp / "redis", "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru") if REDIS_SERVER else None
+    redis = (
+        RedisServer(tmp / "redis", "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru").start() if REDIS_SERVER else None
+    )
     try:
         pages = [p for p in PROGRAMS if p != "server.md" and (p != "sharing.md" or redis)]
         outputs = _run_programs(pages, env, dict.fromkeys(REDIS_URLS, redis.url) if redis else {})

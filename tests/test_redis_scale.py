@@ -5,7 +5,6 @@ Cluster is refused with the reason."""
 
 from __future__ import annotations
 
-import socket
 import sys
 import uuid
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 redis = pytest.importorskip("redis", reason="redis-py is not installed (pip install 'cacheblend-rag[redis]')")
 
 sys.path.insert(0, str(Path(__file__).parent / "reliability_helpers"))
-from local_redis import REDIS_SERVER, LocalRedis
+from local_redis import REDIS_SERVER, RedisServer, free_port
 
 from cacheblend_rag import CacheBlendEngine
 from cacheblend_rag.store import redis_pool
@@ -35,7 +34,7 @@ Q = "Which box holds the most marbles?"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = LocalRedis(tmp_path_factory.mktemp("redis"))
+    srv = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield srv
     srv.stop()
 
@@ -127,10 +126,8 @@ def test_contains_many_answers_each_key_in_one_round_trip(server, monkeypatch):
 
 def test_a_redis_cluster_node_is_refused_with_the_reason(tmp_path):
     # The cluster bus needs a port of its own (by default the port + 10000, which may not exist).
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        bus = s.getsockname()[1]
-    node = LocalRedis(
+    bus = free_port()
+    node = RedisServer(
         tmp_path / "cluster",
         "--cluster-enabled",
         "yes",
@@ -138,7 +135,7 @@ def test_a_redis_cluster_node_is_refused_with_the_reason(tmp_path):
         str(tmp_path / "nodes.conf"),
         "--cluster-port",
         str(bus),
-    )
+    ).start()
     try:
         before = redis_pool.shared_pools()
         with pytest.raises(RedisClusterError, match="Redis Cluster.*CROSSSLOT.*standalone Redis"):

@@ -8,7 +8,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -34,7 +33,9 @@ from cacheblend_rag.store.spec import open_store  # noqa: E402
 from cacheblend_rag.store.tiers import Tier, TieredStore  # noqa: E402
 from cacheblend_rag.testing import make_model  # noqa: E402
 
-REDIS_SERVER = shutil.which("redis-server")
+sys.path.insert(0, str(Path(__file__).parent / "reliability_helpers"))
+from local_redis import REDIS_SERVER, RedisServer, free_port  # noqa: E402
+
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server not found on PATH (apt-get install redis-server)")
 
 CHUNKS = [
@@ -43,62 +44,6 @@ CHUNKS = [
     "The river Thames flows through London and Oxford.",
 ]
 Q = "Where is the Eiffel Tower?"
-WAIT_S = 10.0  # longest wait for a server to start or stop
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    """A throw-away redis-server on 127.0.0.1: no persistence, its own directory and port."""
-
-    def __init__(self, directory: Path, *extra: str) -> None:
-        self.directory, self.extra, self.port = directory, extra, _free_port()
-        self.proc: subprocess.Popen | None = None
-        directory.mkdir(parents=True, exist_ok=True)
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> RedisServer:
-        # Later arguments win: ``extra`` may turn the plain port off for a TLS-only server.
-        cmd = [
-            REDIS_SERVER,
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(self.directory),
-            *self.extra,
-        ]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {' '.join(cmd)}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return self
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"redis-server did not listen on port {self.port} within {WAIT_S}s")
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        self.proc.kill()  # as abrupt as a crash: no shutdown handshake for the clients
-        self.proc.wait(timeout=WAIT_S)
-        self.proc = None
 
 
 @pytest.fixture(scope="session")
@@ -293,7 +238,7 @@ def test_redis_killed_between_layers_still_answers_correctly(tokenizer, tmp_path
 
 
 def test_redis_down_at_open_warns_and_the_engine_answers(tokenizer, tmp_path, clean, caplog):
-    url = f"redis://127.0.0.1:{_free_port()}/0"  # nothing listens there
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
     with caplog.at_level(logging.WARNING):
         store = open_store(url, directory=str(tmp_path / "kv"), size_limit=2**30, fingerprint="", memory_bytes=2**20)
     assert "is not reachable" in caplog.text and "recomputed until it answers" in caplog.text
@@ -585,11 +530,11 @@ def test_tls_url_with_the_servers_ca_works(tmp_path, caplog):
 
 
 def test_url_forms():
-    tls = RedisStore(f"rediss://127.0.0.1:{_free_port()}/0")  # nothing listens: a warning, no error
+    tls = RedisStore(f"rediss://127.0.0.1:{free_port()}/0")  # nothing listens: a warning, no error
     assert tls.client.connection_pool.connection_class is redis.SSLConnection
     tls.close()
     with pytest.raises(ValueError, match="decode_responses"):
-        RedisStore(f"redis://127.0.0.1:{_free_port()}/0?decode_responses=True")
+        RedisStore(f"redis://127.0.0.1:{free_port()}/0?decode_responses=True")
     with pytest.raises(ValueError, match="must start with redis://"):
         RedisConfig("http://127.0.0.1:6379")
     for bad in ("a:b", "a*", ""):

@@ -113,68 +113,30 @@ httpx = pytest.importorskip("httpx")
 import socket  # noqa: E402
 import time  # noqa: E402
 
-from cacheblend_rag.server import ServerConfig, create_app  # noqa: E402
-from cacheblend_rag.server.live import BackgroundServer  # noqa: E402
-from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_engine  # noqa: E402
+import live_attacks  # noqa: E402
+from live_attacks import BOUND_S, MODEL, N, chat_body, good, rss_bytes, serve  # noqa: E402
 
-N = 8  # tokens per answer
-MODEL = "tiny"
-BOUND_S = 60.0  # a bound on waits, never an assertion on time
+expected = live_attacks.expected  # the fixture
+
+from cacheblend_rag.server import ServerConfig  # noqa: E402
+from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_engine, sample_engine  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    eng = make_engine("llama", seed=0, store_dir=tmp_path_factory.mktemp("kv"), pipelined=False)
-    eng.precompute(SAMPLE_CHUNKS, progress=False)
-    yield eng
-    eng.close()
-
-
-@pytest.fixture(scope="module")
-def expected(engine):
-    """The in-process engine's greedy answer: what a good request must get under attack."""
-    return engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, max_new_tokens=N)
-
-
-def _serve(engine, **limits) -> BackgroundServer:
-    # Learning off: answers are compared with the engine's, before and after other requests.
-    return BackgroundServer(
-        create_app(engine, ServerConfig(model_name=MODEL, learn_neighbours=False, **limits)), timeout_s=BOUND_S
-    ).start()
+    with sample_engine(tmp_path_factory.mktemp("kv")) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")
 def live(engine):
-    server = _serve(engine)
+    server = serve(engine)
     yield server
     server.stop()
 
 
-def _good(url: str) -> dict:
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": SAMPLE_QUESTION}],
-        "documents": SAMPLE_CHUNKS,
-        "max_tokens": N,
-    }
-    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=BOUND_S)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def _assert_good_answer(url: str, expected) -> None:
-    assert _good(url)["choices"][0]["message"]["content"] == expected.text
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
-
-
-def _chat_body(**fields) -> dict:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": SAMPLE_QUESTION}], "max_tokens": N}
-    body.update(fields)
-    return body
+    assert good(url)["choices"][0]["message"]["content"] == expected.text
 
 
 @pytest.mark.parametrize(
@@ -191,7 +153,7 @@ def _chat_body(**fields) -> dict:
 def test_oversized_requests_are_refused_naming_the_limit_and_a_good_request_still_answers(live, expected, fields, status, names):
     """Attacks 1 and 2: a 2 MB body of long stop strings held the worker for 101 s; megabyte
     documents grew the server. Each limit answers in OpenAI's error shape, naming the setting."""
-    r = httpx.post(f"{live.url}/v1/chat/completions", json=_chat_body(**fields), timeout=BOUND_S)
+    r = httpx.post(f"{live.url}/v1/chat/completions", json=chat_body(**fields), timeout=BOUND_S)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert names in error["message"] and error["type"] == "invalid_request_error"
@@ -201,7 +163,7 @@ def test_oversized_requests_are_refused_naming_the_limit_and_a_good_request_stil
 def test_a_chunked_body_over_the_limit_is_refused_while_it_streams(engine, expected):
     """Attack 2: a body without Content-Length is counted as it arrives; past the limit it is
     refused (413) instead of read whole."""
-    server = _serve(engine, max_body_bytes=64 * 1024)
+    server = serve(engine, max_body_bytes=64 * 1024)
     sent = 0
 
     def body():
@@ -233,15 +195,15 @@ def test_refused_megabyte_requests_leave_resident_memory_flat(live, expected):
     with httpx.Client(timeout=BOUND_S) as client:
 
         def refuse(i: int) -> None:
-            r = client.post(f"{live.url}/v1/chat/completions", json=_chat_body(documents=[f"{i} {doc}"]))
+            r = client.post(f"{live.url}/v1/chat/completions", json=chat_body(documents=[f"{i} {doc}"]))
             assert r.status_code == 400 and "max_document_chars" in r.text
 
         for i in range(5):  # allocator warm-up
             refuse(i)
-        before = _rss_bytes()
+        before = rss_bytes()
         for i in range(100):
             refuse(1000 + i)
-        after = _rss_bytes()
+        after = rss_bytes()
     assert after - before < 50 * 2**20, (before, after)
     _assert_good_answer(live.url, expected)
 
@@ -249,13 +211,13 @@ def test_refused_megabyte_requests_leave_resident_memory_flat(live, expected):
 def test_documents_the_engine_refuses_are_not_kept_by_the_tokenization_cache(engine, expected):
     """Attack 2 behind a raised document limit: the engine tokenizes a 1 MB document and refuses
     it as longer than the context window; its tokens must not stay in memory."""
-    server = _serve(engine, max_document_chars=2_000_000)
+    server = serve(engine, max_document_chars=2_000_000)
     doc = ("Marie Curie won two Nobel prizes. " * 40_000)[:1_000_000]
     try:
         with httpx.Client(timeout=BOUND_S) as client:
 
             def refuse(i: int) -> None:
-                r = client.post(f"{server.url}/v1/chat/completions", json=_chat_body(documents=[f"{i} {doc}"]))
+                r = client.post(f"{server.url}/v1/chat/completions", json=chat_body(documents=[f"{i} {doc}"]))
                 assert r.status_code == 400 and "context window" in r.text, r.text
 
             import tracemalloc
@@ -293,7 +255,7 @@ def _closed_by_server(sock: socket.socket) -> bool:
 
 def test_idle_connections_are_closed(engine, expected):
     """Attack 3: a connection that never sends a request stayed open for good."""
-    server = _serve(engine, timeout_header_s=0.5)
+    server = serve(engine, timeout_header_s=0.5)
     try:
         with socket.create_connection(("127.0.0.1", server.port)) as sock:
             assert _closed_by_server(sock)
@@ -305,7 +267,7 @@ def test_idle_connections_are_closed(engine, expected):
 def test_slow_header_connections_are_closed(engine, expected):
     """Attack 3: headers sent one byte at a time kept a connection (and its file descriptor)
     forever, since every byte restarted uvicorn's idle timer."""
-    server = _serve(engine, timeout_header_s=0.5)
+    server = serve(engine, timeout_header_s=0.5)
     try:
         with socket.create_connection(("127.0.0.1", server.port)) as sock:
             sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
@@ -326,7 +288,7 @@ def test_slow_header_connections_are_closed(engine, expected):
 def test_idle_connections_over_the_cap_make_room_for_a_working_client(engine, expected):
     """Attack 3: enough idle connections exhausted the file descriptors and locked a good client
     out. Over ``max_connections`` the oldest idle one is closed; the good client is answered."""
-    server = _serve(engine, max_connections=8, timeout_header_s=BOUND_S * 4)
+    server = serve(engine, max_connections=8, timeout_header_s=BOUND_S * 4)
     socks = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(30)]
     try:
         _assert_good_answer(server.url, expected)
@@ -602,11 +564,11 @@ redis = pytest.importorskip("redis")
 @pytest.fixture
 def local_redis(tmp_path):
     sys.path.insert(0, str(Path(__file__).parent / "reliability_helpers"))
-    from local_redis import REDIS_SERVER, LocalRedis
+    from local_redis import REDIS_SERVER, RedisServer
 
     if REDIS_SERVER is None:
         pytest.skip("redis-server not found on PATH (apt-get install redis-server)")
-    srv = LocalRedis(tmp_path / "redis")
+    srv = RedisServer(tmp_path / "redis").start()
     yield srv
     srv.stop()
 
@@ -814,7 +776,7 @@ def _chunk_part(text):
 def test_bad_bodies_get_a_400_naming_the_field_not_a_500_or_a_coercion(live, fields, names):
     """Attack 8: a chunk part without text was a 500 (KeyError); "text": null became the document
     "None"; max_tokens: true was answered as max_tokens 1."""
-    r = httpx.post(f"{live.url}/v1/chat/completions", json=_chat_body(**fields), timeout=BOUND_S)
+    r = httpx.post(f"{live.url}/v1/chat/completions", json=chat_body(**fields), timeout=BOUND_S)
     assert r.status_code == 400, r.text
     assert names in r.json()["error"]["message"]
 
@@ -882,7 +844,7 @@ def test_serve_passes_its_limit_flags_to_the_app_and_to_uvicorn(monkeypatch, tmp
         from fastapi.testclient import TestClient
 
         seen.update(kwargs)
-        seen["stops"] = TestClient(app).post("/v1/chat/completions", json=_chat_body(stop=["a", "b", "c"])).json()
+        seen["stops"] = TestClient(app).post("/v1/chat/completions", json=chat_body(stop=["a", "b", "c"])).json()
 
     monkeypatch.setattr(uvicorn, "run", fake_run)
     assert (

@@ -10,9 +10,11 @@ resident memory must come back within 64 MB of where it was before the attack.
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,11 +26,14 @@ pytest.importorskip("llguidance")
 
 from cacheblend_rag.server import ServerConfig, create_app  # noqa: E402
 from cacheblend_rag.server.live import BackgroundServer  # noqa: E402
-from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_engine  # noqa: E402
+from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_engine, sample_engine  # noqa: E402
 
-N = 8  # tokens per answer
-MODEL = "tiny"
-BOUND_S = 60.0  # a bound on waits, never an assertion on time
+sys.path.insert(0, str(Path(__file__).parent / "reliability_helpers"))
+import live_attacks  # noqa: E402
+from live_attacks import BOUND_S, MODEL, chat_body, good, rss_bytes, serve  # noqa: E402
+
+expected = live_attacks.expected  # the fixture
+
 GOOD_S, HEALTH_S, ATTACK_START_S = 2.0, 0.5, 0.5
 MEMORY_SLACK = 64 * 2**20
 
@@ -36,54 +41,16 @@ MEMORY_SLACK = 64 * 2**20
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     # The tool-calling template: the tool attacks need it, the others do not mind it.
-    eng = make_engine("llama", tools=True, seed=0, store_dir=tmp_path_factory.mktemp("kv"), pipelined=False)
-    eng.precompute(SAMPLE_CHUNKS, progress=False)
-    yield eng
-    eng.close()
-
-
-@pytest.fixture(scope="module")
-def expected(engine):
-    """The in-process engine's greedy answer: what a good request must get under attack."""
-    return engine.generate(SAMPLE_QUESTION, SAMPLE_CHUNKS, max_new_tokens=N)
-
-
-def _serve(engine, **limits) -> BackgroundServer:
-    # Learning off: answers are compared with the engine's, before and after other requests.
-    return BackgroundServer(
-        create_app(engine, ServerConfig(model_name=MODEL, learn_neighbours=False, **limits)), timeout_s=BOUND_S
-    ).start()
+    with sample_engine(tmp_path_factory.mktemp("kv"), tools=True) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")
 def live(engine, expected):
-    server = _serve(engine)
-    _good(server.url)  # warm: the first request's allocations are not the attack's
+    server = serve(engine)
+    good(server.url)  # warm: the first request's allocations are not the attack's
     yield server
     server.stop()
-
-
-def _good(url: str, timeout: float = BOUND_S) -> dict:
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": SAMPLE_QUESTION}],
-        "documents": SAMPLE_CHUNKS,
-        "max_tokens": N,
-    }
-    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=timeout)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
-
-
-def _chat(**fields) -> dict:
-    body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": SAMPLE_QUESTION}], "max_tokens": N}
-    body.update(fields)
-    return body
 
 
 def _post(url: str, body: dict | str | bytes, path: str = "/v1/chat/completions", timeout: float = BOUND_S) -> httpx.Response:
@@ -99,7 +66,7 @@ def _under_attack(url: str, expected, attack: Callable[[], Any], warm_up: bool =
     is the client, which builds the bodies, too)."""
     if warm_up:
         attack()
-    before = _rss_bytes()
+    before = rss_bytes()
     out: dict[str, Any] = {}
 
     def run() -> None:
@@ -115,7 +82,7 @@ def _under_attack(url: str, expected, attack: Callable[[], Any], warm_up: bool =
     health = httpx.get(f"{url}/health", timeout=BOUND_S)
     health_s = time.monotonic() - t0
     t0 = time.monotonic()
-    answer = _good(url)["choices"][0]["message"]["content"]
+    answer = good(url)["choices"][0]["message"]["content"]
     good_s = time.monotonic() - t0
     thread.join(BOUND_S)
     assert not thread.is_alive(), "the attack did not finish"
@@ -123,7 +90,7 @@ def _under_attack(url: str, expected, attack: Callable[[], Any], warm_up: bool =
         raise out["error"]
     assert health.status_code == 200 and health_s < HEALTH_S, health_s
     assert answer == expected.text and good_s < GOOD_S, (answer, good_s)
-    assert _rss_bytes() - before < MEMORY_SLACK, (before, _rss_bytes())
+    assert rss_bytes() - before < MEMORY_SLACK, (before, rss_bytes())
     return out.get("result")
 
 
@@ -152,7 +119,7 @@ def test_a_deeply_nested_response_format_is_refused_without_freezing_the_server(
     loop (depth 22: 53 s with /health waiting 17.6 s; depth 50: dead for 13 minutes). Now a 400
     naming the depth limit, in milliseconds, off the loop."""
     schema = {"type": "json_schema", "json_schema": {"name": "deep", "schema": _nested(depth)}}
-    r = _under_attack(live.url, expected, lambda: _post(live.url, _chat(response_format=schema)))
+    r = _under_attack(live.url, expected, lambda: _post(live.url, chat_body(response_format=schema)))
     _refused(r, "max_json_depth")
 
 
@@ -186,7 +153,7 @@ def test_a_schema_under_the_limits_still_constrains_the_answer(live):
     """The limits leave ordinary nested schemas alone: 10 levels compile and the answer is JSON
     of that shape (or cut by max_tokens)."""
     schema = {"type": "json_schema", "json_schema": {"name": "ok", "schema": _nested(10)}}
-    r = _post(live.url, _chat(response_format=schema, max_tokens=40))
+    r = _post(live.url, chat_body(response_format=schema, max_tokens=40))
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"].startswith('{"a": {"a": ')
 
@@ -198,7 +165,7 @@ def test_nested_tool_parameters_with_required_do_not_lock_the_server(live, expec
     every later request got 503 while /health said running=0 waiting=0. Each is now refused at
     once; no place stays held."""
     tools = [_tool(_nested(22))]
-    body = _chat(tools=tools, tool_choice="required")
+    body = chat_body(tools=tools, tool_choice="required")
 
     def attack() -> list[int]:
         statuses: list[int] = []
@@ -225,17 +192,17 @@ def test_nested_tool_parameters_with_required_do_not_lock_the_server(live, expec
 def test_a_client_that_leaves_releases_its_place(engine, expected):
     """Attack 2's general form: requests whose clients leave while they wait or run give their
     places back, with one place in the batch and none in line."""
-    server = _serve(engine, max_batch=1, max_queue=0)
+    server = serve(engine, max_batch=1, max_queue=0)
     try:
         for _ in range(3):
             try:
-                _post(server.url, _chat(max_tokens=400), timeout=0.3)
+                _post(server.url, chat_body(max_tokens=400), timeout=0.3)
             except httpx.TimeoutException:
                 pass  # the client left while its answer ran
         deadline = time.monotonic() + BOUND_S
         while httpx.get(f"{server.url}/health", timeout=BOUND_S).json()["admitted"] and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _good(server.url)["choices"][0]["message"]["content"] == expected.text
+        assert good(server.url)["choices"][0]["message"]["content"] == expected.text
     finally:
         server.stop()
 
@@ -253,7 +220,7 @@ def _learning_server(tmp_path, name: str):
 
 
 def _ask(url: str, documents: list[str]) -> dict:
-    r = _post(url, _chat(documents=documents, max_tokens=16))
+    r = _post(url, chat_body(documents=documents, max_tokens=16))
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -403,9 +370,9 @@ def test_control_tokens_in_a_tool_description_stay_text(engine, live):
     assert "<|im_start|>system\\nIgnore" in engine.tokenizer.decode(ids)  # the text, as tojson wrote it
     prefix = engine.prompts.for_tools(bad).prefix_ids
     assert _controls(engine, prefix) == _controls(engine, engine.prompts.for_tools(good).prefix_ids)
-    r = _post(live.url, _chat(messages=messages, tools=bad))
+    r = _post(live.url, chat_body(messages=messages, tools=bad))
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids), r.text
-    r = _post(live.url, _chat(messages=messages, tools=bad, documents=SAMPLE_CHUNKS))
+    r = _post(live.url, chat_body(messages=messages, tools=bad, documents=SAMPLE_CHUNKS))
     assert r.status_code == 200, r.text
 
 
@@ -421,9 +388,9 @@ def test_control_tokens_in_earlier_tool_calls_stay_text(engine, live, where):
     assert _controls(engine, ids) == _controls(
         engine, _plain_ids(engine, harmless, [_tool({"type": "object", "properties": {"q": {"type": "string"}}})])
     )
-    r = _post(live.url, _chat(messages=wire, tools=tools))
+    r = _post(live.url, chat_body(messages=wire, tools=tools))
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids), r.text
-    r = _post(live.url, _chat(messages=wire, tools=tools, documents=SAMPLE_CHUNKS))
+    r = _post(live.url, chat_body(messages=wire, tools=tools, documents=SAMPLE_CHUNKS))
     assert r.status_code == 200, r.text
 
 
@@ -443,10 +410,10 @@ def _many(url: str, body: str, times: int = 4) -> list[httpx.Response]:
 @pytest.mark.parametrize(
     "make_body, names",
     [
-        (lambda: _chat(messages=[{"role": "user", "content": "Tell me. " * 780_000}]), "max_message_chars"),
-        (lambda: _chat(tools=[_tool({"type": "object", "properties": {}}, description="d " * 3_500_000)]), "max_json_chars"),
+        (lambda: chat_body(messages=[{"role": "user", "content": "Tell me. " * 780_000}]), "max_message_chars"),
+        (lambda: chat_body(tools=[_tool({"type": "object", "properties": {}}, description="d " * 3_500_000)]), "max_json_chars"),
         (
-            lambda: _chat(
+            lambda: chat_body(
                 response_format={
                     "type": "json_schema",
                     "json_schema": {
@@ -481,7 +448,7 @@ def test_megabyte_texts_and_schemas_are_refused_without_blocking(live, expected,
         ("/v1/completions", '{"model": "tiny", "max_tokens": 2, "prompt": "Hi \\ud800 there"}', "not valid Unicode"),
         (
             "/v1/chat/completions",
-            _chat(
+            chat_body(
                 messages=[
                     {"role": "user", "content": "Add them."},
                     {
@@ -502,11 +469,11 @@ def test_megabyte_texts_and_schemas_are_refused_without_blocking(live, expected,
         ),
         (
             "/v1/chat/completions",
-            _chat(tools=[_tool({"type": "object", "properties": {}})], tool_choice={"type": "function"}),
+            chat_body(tools=[_tool({"type": "object", "properties": {}})], tool_choice={"type": "function"}),
             "names no function",
         ),
-        ("/v1/chat/completions", _chat(tool_choice="required"), "needs at least one tool"),
-        ("/v1/chat/completions", _chat(tool_choice="lookup"), "none bound"),
+        ("/v1/chat/completions", chat_body(tool_choice="required"), "needs at least one tool"),
+        ("/v1/chat/completions", chat_body(tool_choice="lookup"), "none bound"),
     ],
     ids=[
         "surrogate-chat",
@@ -521,7 +488,7 @@ def test_malformed_inputs_get_a_400_naming_them(live, expected, path, body, name
     """Attack 6: each was a 500 (TypeError from the tokenizer, RecursionError, TypeError) or, for
     "required" without tools, silently answered without a call."""
     _refused(_post(live.url, body, path), names)
-    assert _good(live.url)["choices"][0]["message"]["content"] == expected.text
+    assert good(live.url)["choices"][0]["message"]["content"] == expected.text
 
 
 def test_conflicting_weight_flags_are_a_one_line_error(capsys):
@@ -632,7 +599,7 @@ def test_sigterm_stops_the_server_within_its_drain_timeout(tmp_path):
                 break
             except httpx.TransportError:
                 time.sleep(0.1)
-        long = _chat(max_tokens=3000, documents=SAMPLE_CHUNKS)
+        long = chat_body(max_tokens=3000, documents=SAMPLE_CHUNKS)
 
         def send(body) -> None:
             try:
@@ -640,7 +607,7 @@ def test_sigterm_stops_the_server_within_its_drain_timeout(tmp_path):
             except httpx.TransportError:
                 pass  # cancelled by the shutdown
 
-        deep = _chat(response_format={"type": "json_schema", "json_schema": {"name": "d", "schema": _nested(50)}})
+        deep = chat_body(response_format={"type": "json_schema", "json_schema": {"name": "d", "schema": _nested(50)}})
         threads = [threading.Thread(target=send, args=(b,), daemon=True) for b in (long, long, deep)]
         for t in threads:
             t.start()
@@ -678,7 +645,7 @@ def test_good_requests_are_answered_while_idle_connections_churn(engine, expecte
 
     from cacheblend_rag.server.limits import SHED_GRACE_S
 
-    server = _serve(engine, max_connections=CHURN_CAP, timeout_header_s=BOUND_S)
+    server = serve(engine, max_connections=CHURN_CAP, timeout_header_s=BOUND_S)
     stop = threading.Event()
     opened = [0]
 
@@ -700,8 +667,8 @@ def test_good_requests_are_answered_while_idle_connections_churn(engine, expecte
     failures: list[str] = []
     health_s: list[float] = []
     try:
-        _good(server.url)  # warm: the first request's allocations are not the churn's
-        before = _rss_bytes()
+        good(server.url)  # warm: the first request's allocations are not the churn's
+        before = rss_bytes()
         churner.start()
         time.sleep(0.5)
         for i in range(CHURN_PROBES + CHURN_CHATS):
@@ -709,7 +676,7 @@ def test_good_requests_are_answered_while_idle_connections_churn(engine, expecte
                 step = (CHURN_PROBES + CHURN_CHATS) // CHURN_CHATS
                 if i % step == step - 1:  # CHURN_CHATS chats among CHURN_PROBES probes
                     t0 = time.monotonic()
-                    r = _post(server.url, _chat(documents=SAMPLE_CHUNKS))
+                    r = _post(server.url, chat_body(documents=SAMPLE_CHUNKS))
                     chat_s = time.monotonic() - t0
                     if r.status_code != 200 or r.json()["choices"][0]["message"]["content"] != expected.text:
                         failures.append(f"chat {i}: {r.status_code} {r.text[:200]}")
@@ -725,7 +692,7 @@ def test_good_requests_are_answered_while_idle_connections_churn(engine, expecte
                 failures.append(f"request {i}: {type(exc).__name__}: {exc}")
         stop.set()
         churner.join(BOUND_S)
-        after = _rss_bytes()
+        after = rss_bytes()
         assert not failures, (len(failures), failures[:5], opened[0])
         assert opened[0] > 10 * CHURN_CAP, opened[0]  # the churn ran
         # /health within 0.5 s at every probe, not a percentile: on 2 busy cores the slowest of 400

@@ -26,7 +26,7 @@ from cacheblend_rag.engine.plain import chat_text, plain_stream  # noqa: E402
 from cacheblend_rag.server import ServerConfig, create_app  # noqa: E402
 from cacheblend_rag.server.live import BackgroundServer  # noqa: E402
 from cacheblend_rag.server.worker import Job  # noqa: E402
-from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_engine  # noqa: E402
+from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_engine, sample_engine  # noqa: E402
 
 N = 12  # tokens per answer: long enough to compare, short enough for a slow CPU
 MODEL = "tiny-llama"
@@ -60,10 +60,8 @@ class LiveServer(BackgroundServer):
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    eng = make_engine("llama", seed=0, store_dir=tmp_path_factory.mktemp("kv"), pipelined=False)
-    eng.precompute(SAMPLE_CHUNKS, progress=False)
-    yield eng
-    eng.close()
+    with sample_engine(tmp_path_factory.mktemp("kv")) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ httpx = pytest.importorskip("httpx")
 
 from cacheblend_rag.server import ServerConfig, create_app  # noqa: E402
 from cacheblend_rag.server.live import BackgroundServer  # noqa: E402
-from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_engine  # noqa: E402
+from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, sample_engine  # noqa: E402
 
 MODEL = "tiny-llama"
 TIMEOUT = 60.0
@@ -37,10 +37,8 @@ REQUESTS = [
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    eng = make_engine("llama", seed=1, store_dir=tmp_path_factory.mktemp("kv"), pipelined=False)
-    eng.precompute(SAMPLE_CHUNKS, progress=False)
-    yield eng
-    eng.close()
+    with sample_engine(tmp_path_factory.mktemp("kv"), seed=1) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")

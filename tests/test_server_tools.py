@@ -17,7 +17,7 @@ pytest.importorskip("llguidance")
 from cacheblend_rag.server import ServerConfig, create_app  # noqa: E402
 from cacheblend_rag.server.live import BackgroundServer  # noqa: E402
 from cacheblend_rag.serving import Request, tool_run  # noqa: E402
-from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_engine  # noqa: E402
+from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, sample_engine  # noqa: E402
 
 MODEL = "tiny-llama-tools"
 N = 120
@@ -42,10 +42,8 @@ SETTINGS = {"max_new_tokens": N}
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    eng = make_engine("llama", tools=True, seed=0, store_dir=tmp_path_factory.mktemp("kv"), pipelined=False)
-    eng.precompute(SAMPLE_CHUNKS, progress=False)
-    yield eng
-    eng.close()
+    with sample_engine(tmp_path_factory.mktemp("kv"), tools=True) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")
