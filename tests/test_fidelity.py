@@ -11,30 +11,34 @@ import torch
 
 from cacheblend_bench.fidelity import (
     FidelityConfig,
+    TeacherForced,
     agreement_f1,
     bootstrap_mean_ci,
     first_token_margin,
     neighbours_in_prompt,
     run_fidelity,
     summarize,
-    teacher_forced_loglik,
+    teacher_forced,
 )
 from cacheblend_bench.methods import parse_methods
 from cacheblend_rag import BlendConfig
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION
 
 
-def test_teacher_forced_loglik_equals_a_full_forward_over_prompt_and_answer(engine):
+def test_teacher_forcing_equals_a_full_forward_over_prompt_and_answer(engine):
     layout = engine.build_layout(SAMPLE_QUESTION, SAMPLE_CHUNKS)
     pre = engine.prefill(layout, "full_recompute")
     target = [5, 77, 123, 9]
-    got = teacher_forced_loglik(engine, pre.cache, pre.logits, len(layout), target)
+    got = teacher_forced(engine, pre.cache, pre.logits, len(layout), target)
     ids = torch.tensor([list(layout.token_ids) + target])
     with torch.inference_mode():
         logits = engine.model(input_ids=ids).logits[0].float()
-    lp = torch.log_softmax(logits[len(layout) - 1 : -1], -1)
-    expected = float(lp.gather(1, torch.tensor(target)[:, None]).mean())
-    assert got == pytest.approx(expected, abs=1e-4)
+    lp = torch.log_softmax(logits[len(layout) - 1 :], -1)  # [len(target) + 1, vocab]
+    expected = float(lp[:-1].gather(1, torch.tensor(target)[:, None]).mean())
+    assert got.loglik == pytest.approx(expected, abs=1e-4)
+    top = lp.topk(2, dim=-1)
+    assert got.choices == top.indices[:, 0].tolist()
+    assert got.margins == pytest.approx((top.values[:, 0] - top.values[:, 1]).tolist(), abs=1e-4)
     # A cache that decoding already extended is cropped back to the prompt first.
     engine.model(
         input_ids=torch.tensor([[7, 8]]),
@@ -42,7 +46,15 @@ def test_teacher_forced_loglik_equals_a_full_forward_over_prompt_and_answer(engi
         use_cache=True,
         cache=pre.cache,
     )
-    assert teacher_forced_loglik(engine, pre.cache, pre.logits, len(layout), target) == pytest.approx(expected, abs=1e-4)
+    assert teacher_forced(engine, pre.cache, pre.logits, len(layout), target).loglik == pytest.approx(expected, abs=1e-4)
+
+
+def test_a_cache_leaves_the_answer_where_its_greedy_choice_differs():
+    tf = TeacherForced(loglik=-1.0, margins=[1.0, 0.1, 2.0, 0.5], choices=[4, 5, 6, 2])
+    assert tf.leaves([4, 5, 6], ended=False, eos={2}) == []
+    assert tf.leaves([4, 5, 6], ended=True, eos={2}) == []  # it chose end of sequence too
+    assert tf.leaves([4, 5, 6], ended=True, eos={3}) == [3]  # it would have gone on
+    assert tf.leaves([4, 9, 7], ended=False, eos={2}) == [1, 2]
 
 
 def test_first_token_margin_is_the_log_probability_gap_of_the_top_two():
@@ -113,6 +125,10 @@ def test_fidelity_run_scores_an_exact_method_as_agreeing(tmp_path, monkeypatch):
     exact = by["question@1"]
     assert exact["agree"] and exact["agree_f1"] == 1.0 and exact["kl"] < 1e-6
     assert exact["tf_loglik"] == pytest.approx(exact["tf_loglik_full"], abs=1e-4)
+    assert exact["tf_leaves"] == [] and exact["tf_margins"] == pytest.approx(exact["tf_margins_full"], abs=1e-3)
+    # Greedy decoding leaves full prefill's answer where teacher forcing says it does.
+    for r in rows:
+        assert (r["tf_leaves"] == []) == (r["answer"] == r["answer_full"]), r["method"]
     assert by["question@0.2/nb"]["neighbour_hits"] > 0 and by["full_reuse"]["neighbour_hits"] == 0
     assert by["full_reuse"]["kl"] > 1e-6
     summary = {e["method"]: e for e in summarize(rows) if e["dataset"] == "all"}

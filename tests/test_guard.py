@@ -203,3 +203,64 @@ def test_an_engine_escalation_reads_as_a_cascade_over_fixed_ratio_methods():
     assert methods == ["question@0.15/nb", "question@0.3/nb", "question@0.6/nb", "full_recompute_saved"]
     assert margins == [1.0, 0.5, 0.2]
     assert guard_curve.escalation_cascade("chunk@0.1", ((0.3, 0.25),)) == (["chunk@0.1", "chunk@0.25"], [0.3])
+
+
+def _decode_rows() -> list[dict]:
+    """Two questions of a 4-token answer (ended: 5 positions); a cheap method, a mid one, full prefill."""
+
+    def row(qid, method, ttft, margins, leaves):
+        return {
+            "model": "m",
+            "dataset": "d",
+            "qid": qid,
+            "method": method,
+            "ttft_s": ttft,
+            "margin": margins[0],
+            "tf_margins": margins,
+            "tf_leaves": leaves,
+            "answer_tokens_full": 4,
+            "max_new_tokens": 16,
+            "agree": not leaves,
+            "agree_f1": 1.0 if not leaves else 0.5,
+        }
+
+    return [
+        # q1 leaves full prefill's answer at position 3, after a low margin at 2
+        row("q1", "question@0.15", 1.0, [2.0, 2.0, 0.1, 0.3, 2.0], [3, 4]),
+        row("q1", "question@0.6", 3.0, [2.0, 2.0, 0.4, 2.0, 2.0], [1]),
+        row("q1", "full_recompute_saved", 8.0, [2.0] * 5, []),
+        # q2 agrees throughout with a low first margin
+        row("q2", "question@0.15", 1.0, [0.2, 2.0, 2.0, 2.0, 2.0], []),
+        row("q2", "question@0.6", 3.0, [1.0, 2.0, 2.0, 2.0, 2.0], []),
+        row("q2", "full_recompute_saved", 8.0, [2.0] * 5, []),
+    ]
+
+
+DECODE_CHAIN = ["question@0.15", "question@0.6", "full_recompute_saved"]
+
+
+def test_a_decode_cascade_moves_on_at_the_first_low_margin_position_and_pays_each_prefill():
+    qs = guard_curve.by_question(_decode_rows(), DECODE_CHAIN)
+    never = guard_curve.decode_cascade(qs, DECODE_CHAIN, (0.0, 0.0))
+    assert never["agrees"] == [False, True] and never["ttft_mean_s"] == never["prefill_mean_s"] == 1.0
+    # q1 moves to 0.6 at position 2 (0.1 < 0.15): 0.6 leaves the answer only at position 1, before
+    # it is used, so q1 agrees.
+    # q2 moves at its first token (0.2 < 0.5 would; 0.2 < 0.15 does not).
+    one = guard_curve.decode_cascade(qs, DECODE_CHAIN, (0.15, 0.0))
+    assert one["agrees"] == [True, True] and one["moved_later"] == 0.5 and one["reached"] == [0.5, 0.0]
+    assert one["ttft_mean_s"] == 1.0 and one["prefill_mean_s"] == pytest.approx((1 + 3 + 1) / 2)
+    # A higher first margin moves q2 at its first token (charged to the TTFT); at 0.6, q1's 0.4 at
+    # position 2 is below 0.5 as well: full prefill, charged to the answer's later prefills.
+    both = guard_curve.decode_cascade(qs, DECODE_CHAIN, (0.5, 0.5))
+    assert both["agrees"] == [True, True] and both["reached"] == [1.0, 0.5]
+    assert both["ttft_mean_s"] == pytest.approx((1 + 4) / 2)
+    assert both["prefill_mean_s"] == pytest.approx((1 + 3 + 8 + 4) / 2)
+    assert both["speedup_vs_saved"] == pytest.approx(8 / 2.5)
+    # The first-token cascade only looks at position 0: q1 keeps the cheap answer and its error.
+    assert guard_curve.cascade(qs, DECODE_CHAIN, (0.5, 0.5))["agrees"] == [False, True]
+
+
+def test_a_decode_cascade_over_rows_without_positions_names_the_run_to_make():
+    rows = [{k: v for k, v in r.items() if k != "tf_leaves"} for r in _decode_rows()]
+    with pytest.raises(ValueError, match="tf_leaves: rerun `cacheblend-rag fidelity`"):
+        guard_curve.decode_cascade(guard_curve.by_question(rows, DECODE_CHAIN), DECODE_CHAIN, (0.1, 0.1))

@@ -10,6 +10,12 @@ over the same retrieved chunks. A row per (question, method) holds:
 - ``tf_loglik``: mean log-likelihood of full prefill's answer tokens, teacher-forced over the
   method's own prefill cache. Unlike the next-token KL it sees errors the cache causes while
   decoding (a later answer token that the stale K/V makes unlikely);
+- ``tf_margins`` / ``tf_margins_full``: along full prefill's answer, teacher-forced, the margin
+  (top-1 minus top-2 log-probability) at each position of the method's cache and of full
+  prefill's own; ``tf_leaves``: the positions where the method's greedy choice is not full
+  prefill's token (the first is where its answer leaves full prefill's; []: it never does). From
+  these a check at each decoding step (escalate when a step's margin is low) is evaluated without
+  running it (``bench.decode_check``);
 - ``ttft_s`` / ``ttft_full_s``: time to first token of the method and of full prefill;
 - ``margin`` / ``margin_full``: the first-token margin (top-1 minus top-2 log-probability) of the
   method's own prefill and of full prefill's. ``margin`` is what the fidelity guard
@@ -49,6 +55,7 @@ from cacheblend_bench.runner import BenchConfig, load_engine, read_results
 from cacheblend_bench.stats import bootstrap_mean_ci, ratio_ci, sign_test, speedup
 from cacheblend_bench.tee import TeeStore
 from cacheblend_rag.blend.guard import first_token_margin
+from cacheblend_rag.decode.generation import eos_token_ids
 from cacheblend_rag.metrics import next_token_kl, normalize_answer, qa_f1, token_f1
 from cacheblend_rag.model.weights import WEIGHT_FORMATS
 from cacheblend_rag.neighbours.choice import nearest
@@ -114,29 +121,52 @@ class FidelityConfig:
             raise ValueError(f"kv formats {formats}: --also-kv-formats repeats a format (or --kv-format's)")
 
 
-def teacher_forced_loglik(
+@dataclass
+class TeacherForced:
+    """Full prefill's answer fed back through a prefill's cache: what the method predicts at each
+    answer position (position i: after the prompt and the answer's first i tokens, i = 0..len)."""
+
+    loglik: float  # mean log-probability of the answer's tokens
+    margins: list[float]  # top-1 minus top-2 log-probability at each position
+    choices: list[int]  # the greedy token at each position
+
+    def leaves(self, target: Sequence[int], ended: bool, eos: Collection[int]) -> list[int]:
+        """The positions where this cache's greedy choice is not ``target``'s token; the first is
+        where greedy decoding from it leaves full prefill's answer ([]: it never does). ``ended``:
+        the answer ended (end of sequence), so a choice to go on after it is leaving too."""
+        out = [i for i, token in enumerate(target) if self.choices[i] != token]
+        if ended and self.choices[len(target)] not in eos:
+            out.append(len(target))
+        return out
+
+
+def teacher_forced(
     engine, cache, first_logits: torch.Tensor, start: int, target: Sequence[int], model_kwargs: dict | None = None
-) -> float:
-    """Mean log-probability of ``target`` continuing the prompt whose cache (``start`` positions)
-    and next-token logits a prefill produced. The cache is cropped back to the prompt first."""
+) -> TeacherForced:
+    """Feed ``target`` (full prefill's answer) through the cache of a prefill of ``start`` positions
+    whose next-token logits are ``first_logits``. The cache is cropped back to the prompt first."""
     if not target:
-        return float("nan")
+        return TeacherForced(float("nan"), [first_token_margin(first_logits)], [int(first_logits.argmax())])
     extra = cache.get_seq_length() - start  # the decoded answer's tokens
     if extra > 0:
         cache.crop(-extra)
-    logp = [float(torch.log_softmax(first_logits.float(), -1)[target[0]])]
-    if len(target) > 1:
-        with torch.inference_mode():
-            out = engine.model(
-                input_ids=torch.tensor([list(target[:-1])], device=engine.device),
-                position_ids=torch.arange(start, start + len(target) - 1, device=engine.device)[None],
-                use_cache=True,
-                **{engine.backbone.model_cache_kwarg: cache},
-                **(model_kwargs or {}),
-            )
-        lp = torch.log_softmax(out.logits[0].float(), -1)  # [len(target) - 1, vocab]
-        logp += lp.gather(1, torch.tensor(list(target[1:]), device=lp.device)[:, None])[:, 0].tolist()
-    return sum(logp) / len(logp)
+    with torch.inference_mode():
+        out = engine.model(
+            input_ids=torch.tensor([list(target)], device=engine.device),
+            position_ids=torch.arange(start, start + len(target), device=engine.device)[None],
+            use_cache=True,
+            **{engine.backbone.model_cache_kwarg: cache},
+            **(model_kwargs or {}),
+        )
+    # [len(target) + 1, vocab]: the prompt's next token, then one position per answer token
+    lp = torch.log_softmax(torch.cat([first_logits.float().reshape(1, -1), out.logits[0].float()]), -1)
+    top = lp.topk(2, dim=-1)
+    picked = lp[:-1].gather(1, torch.tensor(list(target), device=lp.device)[:, None])[:, 0]
+    return TeacherForced(
+        loglik=float(picked.mean()),
+        margins=(top.values[:, 0] - top.values[:, 1]).tolist(),
+        choices=top.indices[:, 0].tolist(),
+    )
 
 
 def answer_once(engine, method: Method, question: str, chunks: list[str], budget: int, store=None) -> dict[str, Any]:
@@ -187,6 +217,7 @@ class Reference:
     ttft_s: float
     tf_loglik: float
     prompt_tokens: int
+    margins: list[float] | None = None  # its own margin at each answer position (None: an older file)
 
 
 def reference(engine, full: Method, ex: ds.Example, chunks: list[str], budget: int, folder: Path) -> Reference:
@@ -201,13 +232,15 @@ def reference(engine, full: Method, ex: ds.Example, chunks: list[str], budget: i
     got = answer_once(engine, full, ex.question, chunks, budget)
     res, pre = got["result"], got["prefill"]
     start = len(pre.layout)
+    tf = teacher_forced(engine, pre.cache, pre.logits, start, res.token_ids)
     ref = Reference(
         text=res.text,
         token_ids=list(res.token_ids),
         logits=pre.logits.float().clone(),
         ttft_s=res.ttft_s,
-        tf_loglik=teacher_forced_loglik(engine, pre.cache, pre.logits, start, res.token_ids),
+        tf_loglik=tf.loglik,
         prompt_tokens=start,
+        margins=tf.margins,
     )
     folder.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -328,6 +361,7 @@ def _run(
 ) -> None:
     retriever = ds.Retriever()
     count = ds.token_counter(engine.tokenizer)
+    eos = eos_token_ids(engine.model, engine.tokenizer)
     pools: dict[str, list[str]] = {}  # dataset -> every chunk of the run's questions ("corpus" pool)
     if cfg.neighbour_pool == "corpus":
         for ex in examples:
@@ -372,6 +406,9 @@ def _run(
                 "ttft_full_s": ref.ttft_s,
                 "tf_loglik_full": ref.tf_loglik,
                 "margin_full": first_token_margin(ref.logits),
+                "tf_margins_full": _rounded(ref.margins),
+                "answer_tokens_full": len(target),
+                "max_new_tokens": cfg.max_new_tokens,
                 "neighbour_pool": cfg.neighbour_pool,
                 "neighbours_in_prompt": None
                 if pool is None
@@ -385,6 +422,7 @@ def _run(
                     got = answer_once(engine, m, ex.question, chunks, cfg.max_new_tokens, store=t.store)
                     res, pre = got["result"], got["prefill"]
                     s = res.stats
+                    tf = teacher_forced(engine, pre.cache, pre.logits, start, target, pre.attention_kwargs)
                     row = dict(
                         base,
                         kv_format=t.kv_format,
@@ -394,7 +432,9 @@ def _run(
                         agree_f1=agreement_f1(res.text, ref.text),
                         f1=qa_f1(res.text, ex.answers),
                         kl=next_token_kl(ref.logits, pre.logits),
-                        tf_loglik=teacher_forced_loglik(engine, pre.cache, pre.logits, start, target, pre.attention_kwargs),
+                        tf_loglik=tf.loglik,
+                        tf_margins=_rounded(tf.margins),
+                        tf_leaves=tf.leaves(target, len(target) < cfg.max_new_tokens, eos),
                         ttft_s=res.ttft_s,
                         margin=first_token_margin(pre.logits),
                         recompute_fraction=s.get("recompute_fraction"),
@@ -407,6 +447,10 @@ def _run(
                     sink.write(json.dumps(row) + "\n")
                     sink.flush()
                     t.rows.append(row)
+
+
+def _rounded(xs: Sequence[float] | None) -> list[float] | None:
+    return None if xs is None else [round(x, 4) for x in xs]
 
 
 def _mean(xs: Sequence[float]) -> float:

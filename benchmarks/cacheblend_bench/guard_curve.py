@@ -23,6 +23,12 @@ on the agreement/speed frontier (``frontier``).
 
     cacheblend-rag fidelity --methods question@0.15/nb,question@0.3/nb,question@0.6/nb,full_recompute_saved ...
     python -m cacheblend_bench.guard_curve OUT/results.jsonl --cascade question@{}/nb --search
+
+Many answers leave full prefill's while decoding, after a first token that agreed. ``--decode``
+checks every answer position instead (:func:`decode_cascade`): rows record each method's margin
+and greedy choice along full prefill's answer, teacher-forced, so a cascade that moves on at the
+first low-margin step, prompt and answer so far prefilled again at the next step, is computed from
+the same rows. Its cost is reported twice: the first token's, and all the prefills an answer runs.
 """
 
 from __future__ import annotations
@@ -113,6 +119,65 @@ def cascade(questions: Sequence[dict[str, dict]], methods: Sequence[str], margin
     }
 
 
+def decode_cascade(questions: Sequence[dict[str, dict]], methods: Sequence[str], margins: Sequence[float]) -> dict:
+    """:func:`cascade` with its check at every answer position, not only the first: while the
+    method in use has a margin below the next step's at the next position (``tf_margins``, along
+    full prefill's answer), the answer moves on to the next step's cache there, prompt and answer
+    so far prefilled again (charged that step's whole TTFT: to the first token at position 0, to
+    the answer's later prefills after it). The answer is full prefill's unless the method in use at
+    some position chooses another token there (``tf_leaves``): from a prefix that matches, each
+    step's cache is exactly what its teacher-forced row saw."""
+    if len(margins) != len(methods) - 1:
+        raise ValueError(f"a cascade of {len(methods)} methods takes {len(methods) - 1} margins, got {len(margins)}")
+    missing = [m for m in methods if any("tf_leaves" not in ms[m] for ms in questions)]
+    if missing:
+        raise ValueError(
+            f"rows of {missing[0]} without tf_leaves: rerun `cacheblend-rag fidelity` on this version (older rows "
+            "record no per-position margins)"
+        )
+    agrees, ttft, later, reached, moved_later = [], [], [], [0] * len(margins), 0
+    for ms in questions:
+        step, row = 0, ms[methods[0]]
+        first, after = row["ttft_s"], 0.0
+        positions = row["answer_tokens_full"] + (row["answer_tokens_full"] < row["max_new_tokens"])
+        agree = True
+        for i in range(positions):
+            while step < len(margins) and row["tf_margins"][i] < margins[step]:
+                reached[step] += 1
+                step += 1
+                row = ms[methods[step]]
+                if i == 0:
+                    first += row["ttft_s"]
+                else:
+                    after += row["ttft_s"]
+            if i in row["tf_leaves"]:
+                agree = False
+                break
+        agrees.append(agree)
+        ttft.append(first)
+        later.append(after)
+        moved_later += after > 0
+    n = len(questions)
+    saved = (
+        float(np.mean([ms[ESCALATION]["ttft_s"] for ms in questions])) if all(ESCALATION in ms for ms in questions) else math.nan
+    )
+    mean, spent = float(np.mean(ttft)), float(np.mean(np.add(ttft, later)))
+    return {
+        "methods": list(methods),
+        "margins": list(margins),
+        "dataset": "all" if len({ms[methods[0]]["dataset"] for ms in questions}) > 1 else questions[0][methods[0]]["dataset"],
+        "n": n,
+        "reached": [k / n for k in reached],
+        "moved_later": moved_later / n,  # share of answers that moved on after their first token
+        "agree": sum(agrees) / n,
+        "agrees": agrees,
+        "ttft_mean_s": mean,
+        "prefill_mean_s": spent,  # every prefill an answer ran, the later ones included
+        "speedup_vs_saved": saved / mean if mean > 0 else math.nan,
+        "prefill_speedup_vs_saved": saved / spent if spent > 0 else math.nan,
+    }
+
+
 def escalation_cascade(first: str, steps: Sequence[tuple[float, float]]) -> tuple[list[str], list[float]]:
     """``BlendConfig.escalation`` steps after the method ``first`` (``question@0.15/nb``) as a
     cascade over fixed-ratio methods: ``(["question@0.15/nb", "question@0.3/nb", ...], margins)``,
@@ -128,14 +193,21 @@ SEARCH_MARGINS = (0.0, 0.1, 0.2, 0.3, 0.5, math.log(2), 1.0, 1.5, 2.0, math.inf)
 
 
 def frontier(
-    questions: Sequence[dict[str, dict]], methods: Sequence[str], grid: Sequence[float] = SEARCH_MARGINS, *, max_steps: int = 3
+    questions: Sequence[dict[str, dict]],
+    methods: Sequence[str],
+    grid: Sequence[float] = SEARCH_MARGINS,
+    *,
+    max_steps: int = 3,
+    decode: bool = False,
 ) -> list[dict]:
     """Every cascade through ``methods`` in their order (any first pass, up to ``max_steps`` steps
     after it) with margins from ``grid``, kept where no other is both as fast and agrees more: the
-    frontier, fastest first."""
+    frontier, fastest first. ``decode``: cascades that check every answer position
+    (:func:`decode_cascade`), ranked by all the prefills an answer runs rather than its first token's."""
+    walk, speed = (decode_cascade, "prefill_speedup_vs_saved") if decode else (cascade, "speedup_vs_saved")
     chains = [list(c) for k in range(1, min(len(methods), max_steps + 1) + 1) for c in combinations(methods, k)]
-    entries = [cascade(questions, chain, ms) for chain in chains for ms in product(grid, repeat=len(chain) - 1)]
-    entries.sort(key=lambda e: (-e["speedup_vs_saved"], -e["agree"]))
+    entries = [walk(questions, chain, ms) for chain in chains for ms in product(grid, repeat=len(chain) - 1)]
+    entries.sort(key=lambda e: (-e[speed], -e["agree"]))
     out: list[dict] = []
     for e in entries:
         if not out or e["agree"] > out[-1]["agree"]:
@@ -178,6 +250,24 @@ def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(t) for t in text.split(",") if t.strip())
 
 
+def decode_table(entries: Sequence[dict]) -> str:
+    """Cascades that check every answer position (:func:`decode_cascade`), one row each."""
+    lines = [
+        "| cascade | margins | moved on at each step | after the first token | answer = full prefill's | mean TTFT "
+        "| vs saved full prefill | all prefills | vs saved full prefill |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for e in entries:
+        steps = " -> ".join(f"`{m}`" for m in e["methods"])
+        margins = ", ".join(f"{m:.3g}" for m in e["margins"])
+        reached = ", ".join(f"{r:.0%}" for r in e["reached"])
+        lines.append(
+            f"| {steps} | {margins} | {reached} | {e['moved_later']:.0%} | {e['agree']:.0%} | {1000 * e['ttft_mean_s']:.0f} ms "
+            f"| {e['speedup_vs_saved']:.2f}x | {1000 * e['prefill_mean_s']:.0f} ms | {e['prefill_speedup_vs_saved']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
 def cascade_table(entries: Sequence[dict]) -> str:
     """Cascades as a markdown table, one row each."""
     lines = [
@@ -210,6 +300,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--margins", type=_floats, default=None, help="--cascade's margins, one per step after the first")
     p.add_argument("--search", action="store_true", help="--cascade: print the cascades on the agreement/speed frontier")
+    p.add_argument(
+        "--decode",
+        action="store_true",
+        help="--cascade: check every answer position, not only the first (rows with tf_margins and tf_leaves)",
+    )
     p.add_argument("--plot", default=None, help="--search: also draw the frontier and each fixed-ratio method to this PNG")
     p.add_argument("--json", action="store_true", help="print the entries as JSON instead of tables")
     args = p.parse_args(argv)
@@ -223,7 +318,13 @@ def main(argv: list[str] | None = None) -> int:
             questions = {d: by_question(rows, chain, d) for d in datasets}
         except ValueError as exc:
             p.exit(2, f"error: {exc}\n")
-        groups = [frontier(qs, chain) if args.search else [cascade(qs, chain, args.margins)] for qs in questions.values()]
+        walk = decode_cascade if args.decode else cascade
+        groups = [
+            frontier(qs, chain, decode=args.decode) if args.search else [walk(qs, chain, args.margins)]
+            for qs in questions.values()
+        ]
+        if args.plot and args.decode:
+            p.exit(2, "error: --plot draws first-token cascades only: drop --decode or --plot\n")
         if args.plot and args.search:
             from cacheblend_bench.plots import escalation_plot
 
@@ -232,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             print(json.dumps([e for es in groups for e in es], indent=1))
         else:
-            print("\n\n".join(f"{es[0]['dataset']}:\n\n{cascade_table(es)}" for es in groups if es))
+            render = decode_table if args.decode else cascade_table
+            print("\n\n".join(f"{es[0]['dataset']}:\n\n{render(es)}" for es in groups if es))
         return 0
     methods = (
         [m.strip() for m in args.methods.split(",") if m.strip()]

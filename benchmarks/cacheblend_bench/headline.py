@@ -306,7 +306,7 @@ def check(
 
 
 # ----------------------------------------------------------------------------- the command
-def _stamp(folder: Path, fmt: str, neighbours: int) -> None:
+def _stamp(folder: Path, fmt: str, neighbours: int, kv_format: str) -> None:
     """Record this process's engine, machine and defaults: every row it writes from now on is theirs."""
     folder.mkdir(parents=True, exist_ok=True)
     line = {
@@ -314,6 +314,7 @@ def _stamp(folder: Path, fmt: str, neighbours: int) -> None:
         "weights": default_settings()["weights"],
         "weight_format": fmt,
         "neighbours": neighbours,
+        "kv_format": kv_format,
         "engine": provenance.engine_stamp(),
         "engine_source": provenance.engine_source_now(),
         "machine": provenance.machine_stamp(),
@@ -346,7 +347,11 @@ def export(case: Case, folder: Path, out: Path) -> list[dict]:
                 "engine_source": s["engine_source"],
                 "machine": s["machine"],
                 "settings": method_settings(
-                    row["method"], weights=s["weights"], weight_format=s["weight_format"], neighbours=s["neighbours"]
+                    row["method"],
+                    weights=s["weights"],
+                    weight_format=s["weight_format"],
+                    neighbours=s["neighbours"],
+                    kv_format=s.get("kv_format", "float"),  # stamps from before it was recorded ran float
                 ),
             }
         )
@@ -360,7 +365,7 @@ def _precompute_neighbours(cfg, fmt: str, neighbours: int) -> None:
     from cacheblend_bench import datasets as ds
     from cacheblend_bench.runner import load_engine
 
-    engine = load_engine(cfg, weights=fmt)
+    engine = load_engine(cfg, weights=fmt, kv_format=cfg.kv_format)
     try:
         retriever, count = ds.Retriever(), ds.token_counter(engine.tokenizer)
         for name in cfg.datasets:
@@ -380,7 +385,7 @@ def run_case(
     """Run (or resume) one case into ``out/<case.name>/`` and export its rows to ``out/<case.file>``."""
     folder = out / case.name
     fmt = default_format()
-    neighbours = default_settings()["neighbours"]
+    neighbours, kv_format = default_settings()["neighbours"], default_settings()["kv_format"]
     methods = case.methods(fmt)
     if case.kind == "whole_answer":
         from cacheblend_bench.whole_answer import WholeAnswerConfig, method_names, run_whole_answer
@@ -393,6 +398,7 @@ def run_case(
             formats=(fmt,),
             methods=tuple(methods),
             llama_cpp=case.llama_cpp,
+            kv_format=kv_format,
             top_k=case.top_k,
             chunk_tokens=case.chunk_tokens,
             out_dir=str(folder),
@@ -402,7 +408,7 @@ def run_case(
         )
         expected = len(method_names(cfg)) * case.n * len(case.datasets)
         if len(_read(folder / "whole_answer.jsonl")) < expected:
-            _stamp(folder, fmt, neighbours)
+            _stamp(folder, fmt, neighbours, kv_format)
             try:
                 if neighbours:
                     _precompute_neighbours(cfg, fmt, neighbours)
@@ -423,6 +429,7 @@ def run_case(
             neighbours=neighbours,
             neighbour_pool=NEIGHBOUR_POOL,
             weights=fmt,
+            kv_format=kv_format,
             out_dir=str(folder),
             musique=musique,
             hotpotqa=hotpotqa,
@@ -430,7 +437,7 @@ def run_case(
             plots=False,
         )
         if len(_read(folder / "results.jsonl")) < len(methods) * case.n * len(case.datasets):
-            _stamp(folder, fmt, neighbours)
+            _stamp(folder, fmt, neighbours, kv_format)
             try:
                 run_fidelity(cfg)
             finally:

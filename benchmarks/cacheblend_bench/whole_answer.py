@@ -40,7 +40,8 @@ ROWS = "whole_answer.jsonl"
 class WholeAnswerConfig:
     """``lengths``: answer lengths reported, in tokens (the longest is decoded); ``formats``: the
     engine's weight formats; ``methods``: engine methods run in every format; ``llama_cpp``:
-    quantisations llama.cpp runs, each also with its prompt cache (empty: no llama.cpp)."""
+    quantisations llama.cpp runs, each also with its prompt cache (empty: no llama.cpp);
+    ``kv_format``: the format the engines' stores keep chunk caches in (store.quant)."""
 
     model: str = "smollm2"
     datasets: Sequence[str] = ("hotpotqa", "musique")
@@ -57,6 +58,7 @@ class WholeAnswerConfig:
     device: str = "cpu"
     answer_hint: str = ""
     progress: bool = True
+    kv_format: str = "float"
 
 
 def method_names(cfg: WholeAnswerConfig) -> list[str]:
@@ -96,7 +98,7 @@ def run_whole_answer(cfg: WholeAnswerConfig) -> list[dict]:
         write_report(rows, out, cfg)
         return rows
     longest = max(cfg.lengths)
-    engines = {fmt: load_engine(cfg, weights=fmt) for fmt in cfg.formats}
+    engines = {fmt: load_engine(cfg, weights=fmt, kv_format=cfg.kv_format) for fmt in cfg.formats}
     first = engines[cfg.formats[0]]
     llamas = {
         f"{kind}:{q}": make_baseline(kind, q, first, cfg.model)
@@ -124,6 +126,7 @@ def run_whole_answer(cfg: WholeAnswerConfig) -> list[dict]:
                     "qid": ex.qid,
                     "top_k": cfg.top_k,
                     "chunk_tokens": cfg.chunk_tokens,
+                    "kv_format": cfg.kv_format,
                     "question": ex.question,
                 }
                 for engine in engines.values():
@@ -170,7 +173,8 @@ def run_whole_answer(cfg: WholeAnswerConfig) -> list[dict]:
 
 
 def _key(cfg: WholeAnswerConfig, ex: ds.Example, method: str) -> str:
-    return f"{cfg.model}|{ex.dataset}|{ex.qid}|{method}|k{cfg.top_k}|c{cfg.chunk_tokens}|n{max(cfg.lengths)}"
+    fmt = "" if cfg.kv_format == "float" else f"|{cfg.kv_format}"  # float rows keep the keys they had
+    return f"{cfg.model}|{ex.dataset}|{ex.qid}|{method}|k{cfg.top_k}|c{cfg.chunk_tokens}|n{max(cfg.lengths)}{fmt}"
 
 
 def _warm_up(engines: dict, llamas: dict, cfg: WholeAnswerConfig) -> None:
