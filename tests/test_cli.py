@@ -38,16 +38,25 @@ def docs(tmp_path) -> Path:
     return path
 
 
+class Loaded(list):
+    """The engines ``from_pretrained`` returned, and the options each was asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.options: list[dict] = []
+
+
 @pytest.fixture
 def tiny_from_pretrained(monkeypatch, tmp_path):
     """``ask`` loads a tiny random engine (seed 0) instead of the bundled model; what it keeps
     between runs (``ask.sqlite``) goes to this test's own folder."""
     monkeypatch.setenv("CACHEBLEND_RAG_HOME", str(tmp_path / "home"))
-    loaded = []
+    loaded = Loaded()
 
     def fake(cls, model=None, **kwargs):
         eng = make_engine("llama", seed=0, store_dir=tmp_path / f"kv{len(loaded)}", pipelined=False)
         loaded.append(eng)
+        loaded.options.append(kwargs)
         return eng
 
     monkeypatch.setattr(CacheBlendEngine, "from_pretrained", classmethod(fake))
@@ -157,6 +166,26 @@ def test_ask_json_matches_the_engine_called_directly(docs, tiny_from_pretrained,
     assert out["answer"] == ref.text and out["finish_reason"] == ref.finish_reason
     assert out["stats"]["chunks"] == 3 and out["stats"]["mode"] == "cacheblend"
     assert out["stats"]["generated_tokens"] == len(ref.token_ids)
+
+
+def test_from_pretrained_keeps_chunk_caches_in_the_default_format():
+    import inspect
+
+    from cacheblend_rag.store.quant import DEFAULT_KV_FORMAT
+
+    assert inspect.signature(CacheBlendEngine.from_pretrained).parameters["kv_format"].default == DEFAULT_KV_FORMAT
+
+
+def test_ask_serve_and_ingest_keep_chunk_caches_in_from_pretraineds_default_format(docs, tiny_from_pretrained, capsys):
+    from cacheblend_rag.store.quant import DEFAULT_KV_FORMAT
+
+    parser = cli.build_parser()
+    for command in (["ask", QUESTION, str(docs)], ["serve"], ["ingest", str(docs)]):
+        assert parser.parse_args(command).kv_format == DEFAULT_KV_FORMAT, command[0]
+    assert cli.main(["ask", QUESTION, str(docs), *ASK_ALL]) == 0
+    assert cli.main(["ask", QUESTION, str(docs), *ASK_ALL, "--kv-format", "float"]) == 0
+    assert [o["kv_format"] for o in tiny_from_pretrained.options] == [DEFAULT_KV_FORMAT, "float"]
+    capsys.readouterr()
 
 
 def test_ask_caches_chunks_behind_their_neighbours_of_all_the_files_by_default(docs, tiny_from_pretrained, capsys):

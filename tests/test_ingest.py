@@ -4,6 +4,7 @@ a random point that finishes on the next run with every chunk cached once and re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -99,6 +100,9 @@ def test_a_corpus_over_the_size_limit_is_refused_before_anything_is_computed(eng
     assert eng.store.stats.bytes_written == 0
     with pytest.raises(ingest.IngestRefused, match=r"--kv-format int8: about a quarter"):
         ingest.check_room(ingest.plan(eng, chunks), eng.store)
+    in_int8 = dataclasses.replace(ingest.plan(eng, chunks), kv_format="int8")  # the default's next step down
+    with pytest.raises(ingest.IngestRefused, match=r"--kv-format int4: about half, at some cost in answers"):
+        ingest.check_room(in_int8, eng.store)
 
 
 def test_a_disk_without_the_space_is_refused(eng, tmp_path, monkeypatch) -> None:

@@ -118,8 +118,10 @@ def test_fusion_plan_marks_exact_candidate_and_always_positions():
     req = _fusion(layout, stored)
     plan = req.plan
     assert plan.input_ids.tolist() == layout.token_ids
+    # The prefix comes from the process's own copy even when the store holds it: a quantized
+    # record of it would not be exact.
     assert [(load.spec.start, load.spec.length, load.spec.delta, load.source) for load in req.loads] == [
-        (0, 3, 0, STORE),
+        (0, 3, 0, PREFIX),
         (3, 4, 0, STORE),
         (7, 3, 4, STORE),
         (10, 5, 7, STORE),
@@ -131,7 +133,7 @@ def test_fusion_plan_marks_exact_candidate_and_always_positions():
     assert (req.hits, req.misses, req.neighbour_hits) == (3, 0, 0)
 
 
-def test_fusion_plan_computes_misses_and_uses_the_process_prefix_when_the_store_lacks_it():
+def test_fusion_plan_computes_misses_and_never_loads_the_prefix_from_the_store():
     layout = _layout()
     stored = {_plain_key(CHUNKS[0])}
     req = _fusion(layout, stored, avoid={_plain_key(CHUNKS[0])})  # lost during an earlier attempt

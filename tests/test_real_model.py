@@ -42,11 +42,20 @@ def cases(real_engine):
     return [(ex.question, question_chunks(ex, real_engine.tokenizer, cfg, retriever)) for ex in load_musique(limit=QUESTIONS)]
 
 
-def test_ratio_one_reproduces_full_prefill_on_the_real_model(real_engine, cases):
+def test_ratio_one_reproduces_full_prefill_on_the_real_model(real_engine, cases, tmp_path):
     question, chunks = cases[0]
     full = real_engine.next_token_logits(question, chunks, "full_recompute")
-    blend = real_engine.next_token_logits(question, chunks, "cacheblend", recompute_ratio=1.0)
+    # Float records: the first chunk, cached right behind the prefix, is loaded as it is exact; every
+    # other token is recomputed on every layer.
+    exact = CacheBlendEngine.from_pretrained(store_dir=str(tmp_path / "kv"), kv_format="float")
+    try:
+        blend = exact.next_token_logits(question, chunks, "cacheblend", recompute_ratio=1.0)
+    finally:
+        exact.close()
     torch.testing.assert_close(blend, full, rtol=1e-3, atol=2e-3)
+    # The default int8 records: only that first chunk keeps its rounding (it is not recomputed).
+    rounded = real_engine.next_token_logits(question, chunks, "cacheblend", recompute_ratio=1.0)
+    assert next_token_kl(full, rounded) < 1e-3
 
 
 def test_cacheblend_is_closer_to_full_prefill_than_full_reuse_and_improves_with_ratio(real_engine, cases):

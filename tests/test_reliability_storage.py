@@ -194,7 +194,10 @@ def test_unopenable_store_falls_back_to_a_temporary_one(tmp_path, clean, caplog,
     _patch_loader(monkeypatch)
     blocked = _blocked_dir(tmp_path, how, monkeypatch)
     with caplog.at_level(logging.WARNING, logger="cacheblend_rag.engine.core"):
-        eng = CacheBlendEngine.from_pretrained("tiny", store_dir=str(blocked), cache_dir=str(tmp_path / "home"))
+        # float records, as the clean answer's store keeps them
+        eng = CacheBlendEngine.from_pretrained(
+            "tiny", store_dir=str(blocked), cache_dir=str(tmp_path / "home"), kv_format="float"
+        )
     try:
         assert str(blocked) in caplog.text and "temporary KV store" in caplog.text
         assert eng.store.directory != blocked and eng.store.directory.is_dir()

@@ -79,12 +79,7 @@ def check_store(store_dir: str, corpus: str, ingest_args: Sequence[str]) -> dict
     from cacheblend_rag.cli.ingest import read_corpus
 
     args = build_parser().parse_args(["ingest", corpus, "--store-dir", store_dir, *ingest_args])
-    engine = open_engine(
-        args,
-        store_size_limit=args.store_size_limit,
-        memory_bytes=0,
-        kv_format=args.kv_format,
-    )
+    engine = open_engine(args, store_size_limit=args.store_size_limit, memory_bytes=0)
     try:
         chunks = read_corpus(args.paths, engine.tokenizer, args.chunk_tokens)
         keys = list(dict.fromkeys(engine.chunk_key(engine.prompts.chunk_segment(c)) for c in chunks))
@@ -149,7 +144,7 @@ def summarize(
     if "computed" not in second:
         raise ValueError("the second ingestion has no summary line: it did not finish")
     after = _plan_of(corpus, store_dir, ingest_args, check=True)
-    # What the same corpus takes in float records (the default): the store's limit may refuse it.
+    # What the same corpus takes in float records: the store's limit may refuse it.
     in_float = _plan_of(corpus, store_dir, ingest_args, "--kv-format", "float", check=False).get("corpus_bytes")
     stats = subprocess.run(
         ["cacheblend-rag", "store", "stats", "--store-dir", store_dir, "--json"],

@@ -51,7 +51,7 @@ Contains = Callable[[str], bool]  # the store's contents: is every layer of this
 # Where a load's K/V come from.
 STORE = "store"  # read from the store by the loader
 COMPUTE = "compute"  # a miss: the chunk cache computes it now and writes it back
-PREFIX = "prefix"  # the instruction prefix, from this process's copy (the store lacks it)
+PREFIX = "prefix"  # the instruction prefix, from this process's copy
 
 
 @dataclass(frozen=True)
@@ -219,12 +219,10 @@ def plan_fusion(
     for seg, off in zip(layout.segments, layout.offsets()):
         span = slice(off, off + len(seg))
         if not seg.reusable:
-            # The instruction prefix is exact wherever it is cached: load it, never recompute.
+            # The instruction prefix is exact: never recomputed, and taken from this process's copy
+            # (computed once), not the store, whose record of it a quantized format would round.
             if off == 0 and seg.token_ids == prefix:
-                prefix_key = chunk_key(fingerprint, (), prefix)
-                # Not in the store (full/read-only disk, evicted, corrupt): this process's copy, the
-                # very tensors the store would hold, so the answer does not change.
-                loads.append(Load(LoadSpec(0, len(seg), prefix_key, 0), seg, STORE if stored(prefix_key) else PREFIX))
+                loads.append(Load(LoadSpec(0, len(seg), chunk_key(fingerprint, (), prefix), 0), seg, PREFIX))
             else:
                 always[span] = True
             continue

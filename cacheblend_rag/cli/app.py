@@ -20,6 +20,7 @@ from cacheblend_rag.embedder import CachedEmbedder, Embedder
 from cacheblend_rag.errors import ModelLoadError
 from cacheblend_rag.model.loading import default_cache_dir
 from cacheblend_rag.model.weights import AUTO, WEIGHT_CHOICES
+from cacheblend_rag.store.quant import DEFAULT_KV_FORMAT
 
 if TYPE_CHECKING:
     from cacheblend_rag.engine.core import CacheBlendEngine
@@ -258,6 +259,16 @@ def _guarded(engine, margin: float | None, adaptive: bool = False) -> None:
         engine.config = replace(engine.config, guard_margin=margin)
 
 
+def add_kv_format(parser: argparse.ArgumentParser) -> None:
+    """``--kv-format``, as ``ask``, ``serve`` and ``ingest`` take it (default ``from_pretrained``'s)."""
+    parser.add_argument(
+        "--kv-format",
+        default=DEFAULT_KV_FORMAT,
+        help=f"format the disk and Redis tiers keep chunk caches in: int8, int4 or float (default {DEFAULT_KV_FORMAT}: "
+        "about a quarter of float32's bytes, the same answers; docs/storage.md). Caches of another format are not read",
+    )
+
+
 def store_tiers(text: str | None) -> list[str] | None:
     """``--store disk,redis://...`` -> the tier list ``from_pretrained(store=...)`` takes."""
     return None if text is None else [part.strip() for part in text.split(",") if part.strip()]
@@ -265,7 +276,7 @@ def store_tiers(text: str | None) -> list[str] | None:
 
 def open_engine(args: argparse.Namespace, **options: Any) -> CacheBlendEngine:
     """The engine a command's flags name (``--model``, ``--device``, ``--dtype``, ``--weights``,
-    ``--store`` and, where the command has it, ``--store-dir``), with ``options`` for
+    ``--store``, ``--kv-format`` and, where the command has it, ``--store-dir``), with ``options`` for
     ``from_pretrained``; ``--weights`` is checked before the model loads."""
     from cacheblend_rag.engine.core import CacheBlendEngine
 
@@ -277,6 +288,7 @@ def open_engine(args: argparse.Namespace, **options: Any) -> CacheBlendEngine:
         weights=args.weights,
         store_dir=getattr(args, "store_dir", None),
         store=store_tiers(args.store),
+        kv_format=args.kv_format,
         **options,
     )
 
@@ -375,6 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
         "more chunk cache of storage each; later calls reuse them",
     )
     ask.add_argument("--store", default=None, help=STORE_HELP)
+    add_kv_format(ask)
     ask.add_argument("--guard-margin", type=float, default=None, help=GUARD_HELP)
     ask.add_argument("--adaptive", action="store_true", help=ADAPTIVE_HELP)
     ask.set_defaults(func=_ask)
@@ -384,6 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--store-dir", default=None, help="chunk KV store directory (default: <cache home>/kv)")
     serve.add_argument("--store", default=None, help=STORE_HELP)
+    add_kv_format(serve)
     serve.add_argument(
         "--max-batch",
         type=int,

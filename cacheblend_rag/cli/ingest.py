@@ -170,7 +170,10 @@ def check_room(p: IngestPlan, store: Any) -> None:
     """Raise :class:`IngestRefused` when a disk tier of ``store`` cannot hold the corpus: its size
     limit is below all of the corpus's caches (the last chunks would evict the first), or its
     disk has not the free space for the missing ones (plus ``DISK_MARGIN``)."""
-    hint = "" if p.kv_format != "float" else " or keep fewer bytes per token (--kv-format int8: about a quarter)"
+    hint = {
+        "float": " or keep fewer bytes per token (--kv-format int8: about a quarter)",
+        "int8": " or keep fewer bytes per token (--kv-format int4: about half, at some cost in answers)",
+    }.get(p.kv_format, "")
     for disk in _disk_stores(store):
         if p.total_bytes > disk.size_limit:
             raise IngestRefused(
@@ -239,7 +242,6 @@ def _ingest(args: argparse.Namespace) -> int:
         args,
         store_size_limit=args.store_size_limit,
         memory_bytes=0,  # every chunk is written once: a memory tier would only hold the last ones
-        kv_format=args.kv_format,
     )
     try:
         chunks = read_corpus(args.paths, engine.tokenizer, args.chunk_tokens)
@@ -270,7 +272,7 @@ def _size(text: str) -> int:
 
 def register(subparsers) -> None:
     """Add ``ingest`` to the ``cacheblend-rag`` parser."""
-    from cacheblend_rag.cli.app import ASK_NEIGHBOURS, STORE_HELP, WEIGHTS_HELP
+    from cacheblend_rag.cli.app import ASK_NEIGHBOURS, STORE_HELP, WEIGHTS_HELP, add_kv_format
     from cacheblend_rag.model.weights import AUTO, WEIGHT_CHOICES
 
     p = subparsers.add_parser(
@@ -294,7 +296,7 @@ def register(subparsers) -> None:
         f"{ASK_NEIGHBOURS}): answers closer to full prefill's, about N+1 chunk prefills and twice the storage "
         "per chunk (default 0: plain caches only)",
     )
-    p.add_argument("--kv-format", default="float", help="format of the stored caches: float (default), int8 or int4")
+    add_kv_format(p)
     p.add_argument("--store-dir", default=None, help="chunk KV store directory (default: <cache home>/kv)")
     p.add_argument(
         "--store-size-limit", type=_size, default=8 * 2**30, help="the disk store's size limit (default 8G; e.g. 500M, 64G)"

@@ -49,6 +49,7 @@ from cacheblend_rag.model.backbone import Backbone
 from cacheblend_rag.neighbours.learned import LearnConfig, NeighbourLearner
 from cacheblend_rag.store.disk import KVStore
 from cacheblend_rag.store.protocol import KV, ChunkStore
+from cacheblend_rag.store.quant import DEFAULT_KV_FORMAT
 
 if TYPE_CHECKING:
     from cacheblend_rag.control.controller import LoadingController
@@ -144,7 +145,7 @@ class CacheBlendEngine:
         store_size_limit: int = 8 * 2**30,
         memory_bytes: int = 2 * 2**30,
         store: StoreSpec | Sequence[StoreSpec] | None = None,
-        kv_format: str | None = None,
+        kv_format: str | None = DEFAULT_KV_FORMAT,
         **kwargs: Any,
     ) -> CacheBlendEngine:
         """Load ``model`` (default: the bundled SmolLM2-135M-Instruct) and open its KV store.
@@ -183,8 +184,11 @@ class CacheBlendEngine:
         often, and a layer read from RAM skips the database lookup, file read and checksum, which
         were 9% of a CacheBlend prefill on the bundled model (docs/engine.md).
 
-        ``kv_format`` is the format the disk and Redis tiers keep chunk caches in: None or "float"
-        (the default), "int8" or "int4" (docs/storage.md, "Quantized chunk records").
+        ``kv_format`` is the format the disk and Redis tiers keep chunk caches in: "int8" (the
+        default, ``store.quant.DEFAULT_KV_FORMAT``: about a quarter of float32's bytes, with the
+        float records' answers), "int4", or "float" (None) for the K/V's own dtype
+        (docs/storage.md, "Quantized chunk records"). The format is part of a chunk's name in
+        the store: caches written in another format are not read.
         """
         loaded, opened = setup.open_pretrained(
             model,

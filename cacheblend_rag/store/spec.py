@@ -7,7 +7,7 @@ A store spec is one entry or a list of entries, fastest first, each one of
 * a store object (anything with the store interface), used as given.
 
 The disk and Redis tiers write chunks in ``kv_format`` (``quant.parse_kv_format``: None or
-"float", today's records; "int8"; "int4"); a store object keeps its own. A memory tier of
+"float", the K/V's own dtype; "int8"; "int4"); a store object keeps its own. A memory tier of
 ``memory_bytes`` sits in front of them (0: none). Several entries, or any Redis
 entry, become a :class:`~cacheblend_rag.store.tiers.TieredStore`, whose failover keeps a Redis outage from
 failing an answer; a single disk store without a memory tier is returned bare, as before.

@@ -34,9 +34,10 @@ def _settings(rows: list[dict]) -> str:
             if s.get("mode") == "cacheblend"
         }
     )
+    records = sorted({f"{s.get('kv_format') or 'float'} chunk records" for s in shown})
     engines = {r.get("engine_source") for r in rows}
     engine = "an older engine" if engines - {headline.provenance.engine_source_now()} else "today's engine"
-    return f"{'/'.join(formats)}, {', '.join(caches)}, {engine}"
+    return f"{'/'.join(formats)}, {', '.join(caches)}, {', '.join(records)}, {engine}"
 
 
 def _cpu(rows: list[dict]) -> str:
