@@ -51,7 +51,7 @@ PROGRAMS = {
     "sharing.md": [('store=["disk", "redis://cache.internal:6379/0"]',), ("RedisConfig(",)],
     "sources.md": [('print(result.stats["chunk_attention"])',)],
     "storage.md": [
-        ('kv_format="int8"',),
+        ('kv_format="float"',),
         ("TieredStore.memory_over_disk(", "LoadingController.for_engine(engine)"),  # the second uses the first's engine
     ],
     "throughput.md": [("with Batcher(engine", "CacheBlendLLM(engine=engine, max_batch=8)")],  # the same

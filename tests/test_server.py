@@ -26,6 +26,7 @@ from cacheblend_rag.engine.plain import chat_text, plain_stream  # noqa: E402
 from cacheblend_rag.server import ServerConfig, create_app  # noqa: E402
 from cacheblend_rag.server.live import BackgroundServer  # noqa: E402
 from cacheblend_rag.server.worker import Job  # noqa: E402
+from cacheblend_rag.store.quant import DEFAULT_KV_FORMAT  # noqa: E402
 from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_engine, sample_engine  # noqa: E402
 
 N = 12  # tokens per answer: long enough to compare, short enough for a slow CPU
@@ -606,6 +607,7 @@ def test_serve_subcommand_builds_the_app_from_its_flags(monkeypatch, tmp_path):
             "weights": "fp16",
             "store_dir": str(tmp_path / "s"),
             "store": ["disk", "redis://cache:6379/0"],
+            "kv_format": DEFAULT_KV_FORMAT,
         },
     )
     assert seen["run"]["host"] == "127.0.0.1" and seen["run"]["port"] == 9123
