@@ -258,14 +258,19 @@ def decode_table(entries: Sequence[dict]) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for e in entries:
-        steps = " -> ".join(f"`{m}`" for m in e["methods"])
-        margins = ", ".join(f"{m:.3g}" for m in e["margins"])
-        reached = ", ".join(f"{r:.0%}" for r in e["reached"])
         lines.append(
-            f"| {steps} | {margins} | {reached} | {e['moved_later']:.0%} | {e['agree']:.0%} | {1000 * e['ttft_mean_s']:.0f} ms "
+            f"{_steps(e)} {e['moved_later']:.0%} | {e['agree']:.0%} | {1000 * e['ttft_mean_s']:.0f} ms "
             f"| {e['speedup_vs_saved']:.2f}x | {1000 * e['prefill_mean_s']:.0f} ms | {e['prefill_speedup_vs_saved']:.2f}x |"
         )
     return "\n".join(lines)
+
+
+def _steps(e: dict) -> str:
+    """A cascade's first cells: its methods, margins and the share that reached each step."""
+    steps = " -> ".join(f"`{m}`" for m in e["methods"])
+    margins = ", ".join(f"{m:.3g}" for m in e["margins"])
+    reached = ", ".join(f"{r:.0%}" for r in e["reached"])
+    return f"| {steps} | {margins} | {reached} |"
 
 
 def cascade_table(entries: Sequence[dict]) -> str:
@@ -275,11 +280,8 @@ def cascade_table(entries: Sequence[dict]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for e in entries:
-        steps = " -> ".join(f"`{m}`" for m in e["methods"])
-        margins = ", ".join(f"{m:.3g}" for m in e["margins"])
-        reached = ", ".join(f"{r:.0%}" for r in e["reached"])
         lines.append(
-            f"| {steps} | {margins} | {reached} | {e['agree']:.0%} | {e['agree_f1']:.3f} | {e['f1']:.3f} "
+            f"{_steps(e)} {e['agree']:.0%} | {e['agree_f1']:.3f} | {e['f1']:.3f} "
             f"| {1000 * e['ttft_mean_s']:.0f} ms | {e['speedup_vs_saved']:.2f}x |"
         )
     return "\n".join(lines)
