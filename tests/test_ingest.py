@@ -147,8 +147,11 @@ def test_cli_dry_run_prints_the_plan_and_a_refusal_exits_3(eng, tmp_path, monkey
     assert "to compute" in capsys.readouterr().out and eng.store.stats.bytes_written == 0
     assert cli.main(["ingest", str(folder), "--store-dir", store, "--store-size-limit", "10K"]) == 3
     assert "error: the corpus's chunk caches take about" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="--kv-format: unknown KV format 'int3'"):
-        cli.main(["ingest", str(folder), "--kv-format", "int3"])
+    for command in (["ingest", str(folder)], ["ask", "Q?", str(folder)], ["serve"]):  # refused before a model loads
+        with pytest.raises(SystemExit) as exc:
+            cli.main([*command, "--kv-format", "int3"])
+        assert exc.value.code == 2
+        assert "argument --kv-format: unknown KV format 'int3': use float, int8 or int4" in capsys.readouterr().err
 
 
 def _published(store_dir: Path) -> int:

@@ -20,7 +20,7 @@ from cacheblend_rag.embedder import CachedEmbedder, Embedder
 from cacheblend_rag.errors import ModelLoadError
 from cacheblend_rag.model.loading import default_cache_dir
 from cacheblend_rag.model.weights import AUTO, WEIGHT_CHOICES
-from cacheblend_rag.store.quant import DEFAULT_KV_FORMAT
+from cacheblend_rag.store.quant import DEFAULT_KV_FORMAT, parse_kv_format
 
 if TYPE_CHECKING:
     from cacheblend_rag.engine.core import CacheBlendEngine
@@ -263,10 +263,20 @@ def add_kv_format(parser: argparse.ArgumentParser) -> None:
     """``--kv-format``, as ``ask``, ``serve`` and ``ingest`` take it (default ``from_pretrained``'s)."""
     parser.add_argument(
         "--kv-format",
+        type=_kv_format,
         default=DEFAULT_KV_FORMAT,
         help=f"format the disk and Redis tiers keep chunk caches in: int8, int4 or float (default {DEFAULT_KV_FORMAT}: "
         "about a quarter of float32's bytes, the same answers; docs/storage.md). Caches of another format are not read",
     )
+
+
+def _kv_format(text: str) -> str:
+    """``--kv-format``, checked before any model loads (``store.quant.parse_kv_format``)."""
+    try:
+        parse_kv_format(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def store_tiers(text: str | None) -> list[str] | None:

@@ -230,14 +230,9 @@ def run(
 
 def _ingest(args: argparse.Namespace) -> int:
     from cacheblend_rag.cli.app import open_engine
-    from cacheblend_rag.store.quant import parse_kv_format
 
     if args.neighbours < 0:
         raise SystemExit(f"error: --neighbours {args.neighbours}: pass how many chunks each cache sits behind (0: none)")
-    try:
-        parse_kv_format(args.kv_format)
-    except ValueError as exc:
-        raise SystemExit(f"error: --kv-format: {exc}") from None
     engine = open_engine(
         args,
         store_size_limit=args.store_size_limit,
