@@ -15,7 +15,7 @@ over the same retrieved chunks. A row per (question, method) holds:
   prefill's own; ``tf_leaves``: the positions where the method's greedy choice is not full
   prefill's token (the first is where its answer leaves full prefill's; []: it never does). From
   these a check at each decoding step (escalate when a step's margin is low) is evaluated without
-  running it (``bench.decode_check``);
+  running it (``guard_curve --decode``);
 - ``ttft_s`` / ``ttft_full_s``: time to first token of the method and of full prefill;
 - ``margin`` / ``margin_full``: the first-token margin (top-1 minus top-2 log-probability) of the
   method's own prefill and of full prefill's. ``margin`` is what the fidelity guard
