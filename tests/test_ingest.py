@@ -22,6 +22,8 @@ from rel_common import REPO, engine
 
 from cacheblend_rag.cli import app as cli
 from cacheblend_rag.cli import ingest
+from cacheblend_rag.engine import capacity
+from cacheblend_rag.engine.capacity import StoreTooSmall
 from cacheblend_rag.store.disk import KVStore
 
 HELPER = Path(__file__).parent / "reliability_helpers" / "ingest_tiny.py"
@@ -80,12 +82,14 @@ def test_plan_counts_the_bytes_the_store_writes(eng, tmp_path, kv_format, capsys
     eng.store.close()
     eng.store = KVStore(tmp_path / kv_format, fingerprint=eng.fingerprint, kv_format=kv_format)
     chunks = ingest.read_corpus([str(_corpus(tmp_path / "corpus", 10))], eng.tokenizer, 32)
-    p = ingest.plan(eng, chunks)
+    p = eng.plan_precompute(chunks)
     assert (p.chunks, p.cached, p.kv_format) == (len(chunks), 0, kv_format)
     assert ingest.run(eng, chunks, progress=False) == len(chunks)
     assert eng.store.stats.bytes_written == p.new_bytes == p.total_bytes
+    # What the size limit counts (records, database, log, folders) stays within the estimate.
+    assert p.total_bytes < eng.store.volume() <= eng.store.bytes_needed(p.total_bytes, p.records)
+    assert (again := eng.plan_precompute(chunks)).new_records == 0 and again.records == p.new_records
     assert p.bytes_per_token == pytest.approx((p.total_bytes - p.prefix_bytes) / p.tokens)
-    again = ingest.plan(eng, chunks)
     assert (again.cached, again.new_bytes, again.total_bytes) == (len(chunks), 0, p.total_bytes)
     assert ingest.run(eng, chunks, progress=False) == 0  # a second run computes nothing
     out = capsys.readouterr().err
@@ -94,22 +98,24 @@ def test_plan_counts_the_bytes_the_store_writes(eng, tmp_path, kv_format, capsys
 
 def test_a_corpus_over_the_size_limit_is_refused_before_anything_is_computed(eng, tmp_path) -> None:
     chunks = ingest.read_corpus([str(_corpus(tmp_path / "corpus", 10))], eng.tokenizer, 32)
-    eng.store.size_limit = ingest.plan(eng, chunks).total_bytes - 1
-    with pytest.raises(ingest.IngestRefused, match=r"more than the store's size limit of [\d,]+ bytes: its last chunks"):
+    p = eng.plan_precompute(chunks)
+    eng.store.size_limit = eng.store.bytes_needed(p.total_bytes, p.records) - 1
+    with pytest.raises(StoreTooSmall, match=r"more than the store's size limit of [\d,]+ bytes: its last chunks"):
         ingest.run(eng, chunks, progress=False)
     assert eng.store.stats.bytes_written == 0
-    with pytest.raises(ingest.IngestRefused, match=r"--kv-format int8: about a quarter"):
-        ingest.check_room(ingest.plan(eng, chunks), eng.store)
-    in_int8 = dataclasses.replace(ingest.plan(eng, chunks), kv_format="int8")  # the default's next step down
-    with pytest.raises(ingest.IngestRefused, match=r"--kv-format int4: about half, at some cost in answers"):
-        ingest.check_room(in_int8, eng.store)
+    with pytest.raises(StoreTooSmall, match=r"--kv-format int8, kv_format=\"int8\": about a quarter"):
+        capacity.check_room(eng.plan_precompute(chunks), eng.store)
+    in_int8 = dataclasses.replace(eng.plan_precompute(chunks), kv_format="int8")  # the default's next step down
+    with pytest.raises(StoreTooSmall, match=r"--kv-format int4, kv_format=\"int4\": about half, at some cost in answers"):
+        capacity.check_room(in_int8, eng.store)
 
 
 def test_a_disk_without_the_space_is_refused(eng, tmp_path, monkeypatch) -> None:
     chunks = ingest.read_corpus([str(_corpus(tmp_path / "corpus", 10))], eng.tokenizer, 32)
-    need = ingest.plan(eng, chunks).new_bytes
-    monkeypatch.setattr(ingest.shutil, "disk_usage", lambda _: _Usage(need))
-    with pytest.raises(ingest.IngestRefused, match=r"has [\d,]+ bytes free \(ingestion leaves 10% of it\): free space"):
+    p = eng.plan_precompute(chunks)
+    need = eng.store.bytes_needed(p.new_bytes, p.new_records)
+    monkeypatch.setattr(capacity.shutil, "disk_usage", lambda _: _Usage(need))
+    with pytest.raises(StoreTooSmall, match=r"has [\d,]+ bytes free \(precompute leaves 10% of it\): free space"):
         ingest.run(eng, chunks, progress=False)
     assert eng.store.stats.bytes_written == 0
 
@@ -121,7 +127,7 @@ class _Usage:
 
 def test_neighbour_aware_caches_are_stored_once(eng, tmp_path) -> None:
     chunks = ingest.read_corpus([str(_corpus(tmp_path / "corpus", 4))], eng.tokenizer, 32)
-    p = ingest.plan(eng, chunks, neighbours=1)
+    p = eng.plan_precompute(chunks, neighbours=1)
     first = ingest.run(eng, chunks, neighbours=1, progress=False)
     assert first == 2 * len(chunks)  # a plain and a neighbour-aware cache each
     assert eng.store.stats.bytes_written == p.new_bytes
@@ -201,3 +207,18 @@ def test_ingestion_killed_at_a_random_point_finishes_on_the_next_run(tmp_path) -
         assert e.store.stats.corrupt == 0
     finally:
         e.close()
+
+
+def test_every_precompute_checks_the_room_before_computing(eng, tmp_path) -> None:
+    # The check lives in the engine, so the integrations' helpers and a direct call make it too.
+    chunks = ingest.read_corpus([str(_corpus(tmp_path / "corpus", 10))], eng.tokenizer, 32)
+    p = eng.plan_precompute(chunks, neighbours=1)
+    need = eng.store.bytes_needed(p.total_bytes, p.records)
+    eng.store.size_limit = need - 1
+    with pytest.raises(StoreTooSmall, match=r"more than the store's size limit .* Raise the limit \(--store-size-limit"):
+        eng.precompute(chunks, neighbours=1, progress=False)
+    assert eng.store.stats.bytes_written == 0 and not any(eng.is_cached(c) for c in chunks)
+    assert eng.precompute(chunks, progress=False) == len(chunks)  # plain caches alone fit
+    eng.store.size_limit = need
+    assert eng.precompute(chunks, neighbours=1, progress=False) == len(chunks)  # the neighbour-aware ones
+    assert eng.store.stats.bytes_written == p.total_bytes  # every cache stored, none evicted

@@ -8,10 +8,11 @@ import pytest
 
 from cacheblend_bench.ingest_kill import parse_log
 from cacheblend_rag.cli import ingest
+from cacheblend_rag.engine.capacity import PrecomputePlan
 
 
-def _plan(chunks: int, cached: int, neighbours: int = 0) -> ingest.IngestPlan:
-    return ingest.IngestPlan(
+def _plan(chunks: int, cached: int, neighbours: int = 0) -> PrecomputePlan:
+    return PrecomputePlan(
         chunks=chunks,
         cached=cached,
         tokens=1_287_047,
@@ -26,13 +27,16 @@ def _plan(chunks: int, cached: int, neighbours: int = 0) -> ingest.IngestPlan:
 @pytest.mark.parametrize("neighbours", [0, 2])
 def test_the_plan_and_summary_lines_ingest_prints_are_read(monkeypatch, neighbours):
     out = io.StringIO()
-    monkeypatch.setattr(ingest, "plan", lambda engine, chunks, neighbours: _plan(10_256, 1_872, neighbours))
     monkeypatch.setattr(ingest, "check_room", lambda p, store: None)
 
     class Engine:
         store = None
 
-        def precompute(self, chunks, neighbours, progress):
+        def plan_precompute(self, chunks, neighbours):
+            return _plan(10_256, 1_872, neighbours)
+
+        def precompute(self, chunks, neighbours, progress, check_room):
+            assert check_room is False  # run has checked the plan it printed
             return 8_384
 
     ingest.run(Engine(), ["a"], neighbours=neighbours, progress=False, out=out)

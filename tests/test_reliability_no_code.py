@@ -94,7 +94,8 @@ def test_planted_pickles_are_culled_without_running(tmp_path) -> None:
             raw.set(Evil(marker, tag=str(i)), b"v")
     eng = engine(tmp_path / "kv", size_limit=150_000)
     try:
-        eng.precompute([f"{c} ({i})" for i in range(2) for c in CHUNKS], progress=False)
+        # Past the limit on purpose (check_room=False): the writes must cull.
+        eng.precompute([f"{c} ({i})" for i in range(2) for c in CHUNKS], progress=False, check_room=False)
         with diskcache.Cache(str(tmp_path / "kv")) as raw:
             left = raw._sql("SELECT COUNT(*) FROM Cache WHERE key LIKE 'planted/%'").fetchone()[0]
         assert left < 30  # culling reached the planted rows

@@ -5,7 +5,7 @@ The corpus is split as ``ask`` splits it (``cli.read_chunks``: text files into c
 and JSONL files (one document a line, a string or an object with a ``"text"``, split the same way).
 Before anything is computed the command prints what it will do (chunks, tokens, bytes in the
 store's format) and refuses, naming the fix, when the store's size limit or the disk's free space
-cannot hold it: a store over its limit evicts its own chunks, a full disk fails every writer.
+cannot hold it (``engine.capacity``, the check every ``precompute`` makes).
 
 Resuming needs no state of its own: every chunk is stored whole or not at all (the store publishes
 a chunk by writing its meta record last), and a run computes only the chunks the store lacks.
@@ -16,27 +16,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["IngestPlan", "IngestRefused", "check_room", "plan", "read_corpus", "register", "run"]
+from cacheblend_rag.engine.capacity import StoreTooSmall, check_room, describe
+
+__all__ = ["read_corpus", "register", "run"]
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst")
 CORPUS_SUFFIXES = (*TEXT_SUFFIXES, ".json", ".jsonl")
-# Ingestion keeps this share of a disk's free space free: the database and its log grow by more
-# than the records (the store's own writes keep a margin too).
-DISK_MARGIN = 0.1
-
-
-class IngestRefused(RuntimeError):
-    """The store cannot hold the corpus; the message says how much is needed and what to change."""
-
-
 # ------------------------------------------------------------------------ reading a corpus
 
 
@@ -88,120 +79,6 @@ def read_corpus(paths: Sequence[str], tokenizer, max_tokens: int) -> list[str]:
     return list(dict.fromkeys(c for c in chunks if c.strip()))
 
 
-# ------------------------------------------------------------------------ the plan
-
-
-@dataclass
-class IngestPlan:
-    """What ingesting a corpus stores. ``new_bytes``: bytes of the caches the store lacks;
-    ``total_bytes``: of every cache of the corpus (what the store must hold at once). With
-    neighbours, each chunk has a second cache (behind its neighbours), counted as missing where
-    its plain cache is."""
-
-    chunks: int
-    cached: int
-    tokens: int
-    new_tokens: int
-    new_bytes: int
-    total_bytes: int
-    kv_format: str
-    neighbours: int
-    prefix_bytes: int = 0  # of the instruction prefix's cache, in both totals
-
-    @property
-    def bytes_per_token(self) -> float:
-        """Bytes of one cache per token of the corpus's chunks."""
-        chunk_bytes = self.total_bytes - self.prefix_bytes
-        return chunk_bytes / self.tokens / (2 if self.neighbours else 1) if self.tokens else 0.0
-
-
-def _disk_stores(store: Any) -> list[Any]:
-    """The tiers of ``store`` that keep chunks on disk (a bare disk store, or a tiered store's)."""
-    stores = [t.store for t in store.tiers] if hasattr(store, "tiers") else [store]
-    return [s for s in stores if hasattr(s, "size_limit") and hasattr(s, "directory")]
-
-
-def _format_of(store: Any):
-    formats = [s.kv_format for s in _disk_stores(store) if getattr(s, "kv_format", None) is not None]
-    return formats[0] if formats else getattr(store, "kv_format", None)
-
-
-def plan(engine, chunks: Sequence[str], neighbours: int = 0, store: Any = None) -> IngestPlan:
-    """How many of ``chunks`` ``store`` (default the engine's) lacks, their tokens and the bytes
-    their caches take in the store's format (records, meta records and MACs; the instruction
-    prefix's cache included)."""
-    from cacheblend_rag.store.lookup import contains_many
-    from cacheblend_rag.store.meta import ChunkMeta, encode_meta
-    from cacheblend_rag.store.record import layer_record_bytes
-    from cacheblend_rag.store.seal import MAC_SIZE, sealer
-
-    store = engine.store if store is None else store
-    fmt = _format_of(store)
-    heads, head_dim = engine.kv_shape
-    trailer = MAC_SIZE if sealer().keyed else 0
-    segments = [engine.prompts.chunk_segment(c) for c in chunks]
-    have = contains_many(store, [engine.chunk_key(s, engine.prompts.prefix_ids) for s in segments])
-    copies = 2 if neighbours else 1
-    meta = len(encode_meta(ChunkMeta(1, 1, "float32"))) + trailer  # the same size for every chunk
-
-    def size(n: int) -> int:  # an n-token chunk's caches
-        record = layer_record_bytes((heads, n, head_dim), engine.dtype, fmt) + trailer
-        return copies * (engine.num_layers * record + meta)
-
-    missing = [len(s) for s, hit in zip(segments, have) if not hit]
-    # The instruction prefix is stored once too (prefix caching finds it), as a plain cache.
-    prefix = len(engine.prompts.prefix_ids)
-    prefix_bytes = size(prefix) // copies
-    prefix_new = 0 if store.contains(engine.chunk_cache.prefix_key()) else prefix_bytes
-    return IngestPlan(
-        chunks=len(segments),
-        cached=len(segments) - len(missing),
-        tokens=sum(len(s) for s in segments),
-        new_tokens=sum(missing),
-        new_bytes=sum(size(n) for n in missing) + prefix_new,
-        total_bytes=sum(size(len(s)) for s in segments) + prefix_bytes,
-        kv_format="float" if fmt is None else fmt.name,
-        neighbours=neighbours,
-        prefix_bytes=prefix_bytes,
-    )
-
-
-def check_room(p: IngestPlan, store: Any) -> None:
-    """Raise :class:`IngestRefused` when a disk tier of ``store`` cannot hold the corpus: its size
-    limit is below all of the corpus's caches (the last chunks would evict the first), or its
-    disk has not the free space for the missing ones (plus ``DISK_MARGIN``)."""
-    hint = {
-        "float": " or keep fewer bytes per token (--kv-format int8: about a quarter)",
-        "int8": " or keep fewer bytes per token (--kv-format int4: about half, at some cost in answers)",
-    }.get(p.kv_format, "")
-    for disk in _disk_stores(store):
-        if p.total_bytes > disk.size_limit:
-            raise IngestRefused(
-                f"the corpus's chunk caches take about {p.total_bytes:,} bytes ({p.chunks:,} chunks, {p.tokens:,} tokens, "
-                f"{p.kv_format}), more than the store's size limit of {disk.size_limit:,} bytes: its last chunks would "
-                f"evict its first. Raise --store-size-limit{hint}, or ingest part of the corpus"
-            )
-        try:
-            free = shutil.disk_usage(disk.directory).free
-        except OSError:
-            continue
-        if p.new_bytes > free * (1 - DISK_MARGIN):
-            raise IngestRefused(
-                f"the missing chunk caches take about {p.new_bytes:,} bytes, and the disk of {disk.directory} has "
-                f"{free:,} bytes free (ingestion leaves {DISK_MARGIN:.0%} of it): free space, point --store-dir at a "
-                f"larger disk{hint}"
-            )
-
-
-def describe(p: IngestPlan) -> str:
-    nb = f", each also behind its {p.neighbours} nearest chunks" if p.neighbours else ""
-    return (
-        f"{p.chunks:,} chunks ({p.cached:,} cached, {p.chunks - p.cached:,} to compute{nb}), {p.tokens:,} tokens; "
-        f"about {p.new_bytes:,} bytes to store in {p.kv_format} ({p.bytes_per_token:,.0f} bytes per token), "
-        f"{p.total_bytes:,} for the whole corpus"
-    )
-
-
 def run(
     engine,
     chunks: Sequence[str],
@@ -210,15 +87,15 @@ def run(
     progress: bool = True,
     out: Any = None,
 ) -> int:
-    """Ingest ``chunks`` into the engine's store: print the plan, refuse (``IngestRefused``) what
+    """Ingest ``chunks`` into the engine's store: print the plan, refuse (``StoreTooSmall``) what
     the store cannot hold, compute what it lacks with a progress bar. Returns how many caches
     were computed. The plan and the summary go to ``out`` (default: standard error)."""
     out = sys.stderr if out is None else out
-    p = plan(engine, chunks, neighbours)
+    p = engine.plan_precompute(chunks, neighbours=neighbours)
     print(describe(p), file=out, flush=True)
     check_room(p, engine.store)
     t0 = time.perf_counter()
-    computed = engine.precompute(list(chunks), neighbours=neighbours, progress=progress)
+    computed = engine.precompute(chunks, neighbours=neighbours, progress=progress, check_room=False)
     took = time.perf_counter() - t0
     rate = f", {computed / took:.2f} chunks/s" if computed and took > 0 else ""
     print(f"computed {computed:,} chunk caches in {took:.1f} s{rate}", file=out, flush=True)
@@ -243,12 +120,12 @@ def _ingest(args: argparse.Namespace) -> int:
         if not chunks:
             raise SystemExit("error: the corpus holds no text")
         if args.dry_run:
-            p = plan(engine, chunks, args.neighbours)
+            p = engine.plan_precompute(chunks, neighbours=args.neighbours)
             print(describe(p))
             check_room(p, engine.store)
             return 0
         run(engine, chunks, neighbours=args.neighbours, progress=not args.quiet)
-    except IngestRefused as exc:
+    except StoreTooSmall as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 3
     finally:

@@ -42,7 +42,7 @@ from cacheblend_rag.chat.prompt import (
 from cacheblend_rag.config import BlendConfig, check_mode
 from cacheblend_rag.decode.sampling import SamplingParams, sampling_params
 from cacheblend_rag.decode.step import FastDecodeStep
-from cacheblend_rag.engine import setup
+from cacheblend_rag.engine import capacity, setup
 from cacheblend_rag.engine.prefill import PrefillResult, run_prefill
 from cacheblend_rag.engine.stream import GenerationResult, GenerationStream
 from cacheblend_rag.model.backbone import Backbone
@@ -249,6 +249,7 @@ class CacheBlendEngine:
         progress: bool = True,
         store: ChunkStore | None = None,
         tools: Sequence[Mapping[str, Any]] = (),
+        check_room: bool = True,
     ) -> int:
         """Compute and store the KV of every chunk not cached yet. Returns how many were computed.
 
@@ -264,19 +265,41 @@ class CacheBlendEngine:
         store: fill this store instead of the engine's.
         tools: cache the chunks behind the prefix these tools are rendered into (function
             definitions, as for :meth:`stream`): requests with the same tools then reuse them.
+        check_room: first plan the bytes (:meth:`plan_precompute`) and raise
+            ``capacity.StoreTooSmall``, computing nothing, when a disk store's size limit is below
+            all of these caches (the last chunks would evict the first) or its disk lacks the
+            space. ``False`` skips the plan (the caller has checked it).
         """
         if not isinstance(neighbours, int) or isinstance(neighbours, bool) or neighbours < 0:
             raise ValueError(f"neighbours={neighbours!r} must be an int >= 0 (0: plain chunk caches only)")
         texts = list(dict.fromkeys(check_texts(texts)))
         pool = None if corpus is None else list(dict.fromkeys(check_texts(corpus, "corpus")))
+        target = self._store(store)
+        if check_room:
+            capacity.check_room(self.plan_precompute(texts, neighbours=neighbours, store=target, tools=tools), target)
         return self.chunk_cache.precompute(
-            self._store(store),
+            target,
             texts,
             neighbours=neighbours,
             embed=embed,
             corpus=pool,
             progress=progress,
             prefix_ids=self.prompts.for_tools(tools).prefix_ids,
+        )
+
+    def plan_precompute(
+        self,
+        texts: Iterable[str],
+        *,
+        neighbours: int = 0,
+        store: ChunkStore | None = None,
+        tools: Sequence[Mapping[str, Any]] = (),
+    ) -> capacity.PrecomputePlan:
+        """What :meth:`precompute` with these arguments would store: chunks, how many are cached,
+        tokens, and the bytes of the missing caches and of all of them in the store's format."""
+        texts = list(dict.fromkeys(check_texts(texts)))
+        return capacity.plan_precompute(
+            self, texts, self._store(store), neighbours, prefix_ids=self.prompts.for_tools(tools).prefix_ids
         )
 
     def learn_neighbours(self, config: LearnConfig | None = None) -> NeighbourLearner:

@@ -77,6 +77,12 @@ _REOPEN_S = 30.0  # how often a store opened read-only tries to become writable 
 _FOLDER_RECOUNT_S = 2.0
 
 
+# Database bytes per record beyond the record itself (its row, the indexes, page slack):
+# 640 measured on a store of 10,256 chunks (318k records); rounded up to stay on the safe side.
+ROW_BYTES = 1024
+_MAX_FOLDERS = 256 + 256 * 256
+
+
 def _check_size_limit(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value < float("inf"):
         raise ValueError(f"size_limit={value!r} must be a positive number of bytes, e.g. 8 * 2**30")
@@ -193,6 +199,13 @@ class KVStore(contextlib.AbstractContextManager):
         self._cache.disk.max_record_bytes = value
         if not self.read_only:
             self._fit_limit()
+
+    def bytes_needed(self, record_bytes: int, records: int) -> int:
+        """What ``records`` records of ``record_bytes`` bytes in all count against ``size_limit``
+        once stored: the records, a database row each, the log's bound and the value folders
+        they may open (at most diskcache's two levels of 256)."""
+        folders = min(2 * records, _MAX_FOLDERS)
+        return record_bytes + records * ROW_BYTES + WAL_BOUND + folders * self._per_folder
 
     def _overhead(self) -> int:
         """Bytes diskcache's ``volume`` does not count: the SQLite log files and value folders."""

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from cacheblend_rag import CacheBlendEngine
 from cacheblend_rag.chat.matching import ChunkRegistry
+from cacheblend_rag.engine.capacity import check_room
 from cacheblend_rag.neighbours.learned import LearnConfig
 from cacheblend_rag.threads import helper_pool
 
@@ -139,9 +140,9 @@ class CacheBlendRetriever(BaseRetriever):
             raise first
 
 
-def _precompute(engine: CacheBlendEngine, texts: list[str], neighbours: int = 0) -> int:
+def _precompute(engine: CacheBlendEngine, texts: list[str], neighbours: int = 0, check_room: bool = True) -> int:
     with engine.lock:
-        return engine.precompute(texts, neighbours=neighbours, progress=False)
+        return engine.precompute(texts, neighbours=neighbours, progress=False, check_room=check_room)
 
 
 def _precompute_logged(engine: CacheBlendEngine, texts: list[str], neighbours: int = 0) -> int:
@@ -152,10 +153,9 @@ def _precompute_logged(engine: CacheBlendEngine, texts: list[str], neighbours: i
         raise
 
 
-def _texts_of(source: Any) -> tuple[Iterable[str], int | None]:
+def _texts_of(source: Any) -> Iterable[str]:
     if isinstance(source, InMemoryVectorStore):
-        values = list(source.store.values())
-        return (v["text"] for v in values), len(values)
+        return (v["text"] for v in list(source.store.values()))
     if isinstance(source, (str, bytes)):
         raise TypeError("pass a vector store or a list of Documents/strings, not a single string")
     if hasattr(source, "similarity_search") and not hasattr(source, "__iter__"):
@@ -163,9 +163,7 @@ def _texts_of(source: Any) -> tuple[Iterable[str], int | None]:
             f"cannot list the documents of a {type(source).__name__}: pass the Documents you "
             "added to it (an iterable of Documents or strings) instead"
         )
-    items = source
-    total = len(items) if hasattr(items, "__len__") else None
-    return ((d.page_content if isinstance(d, Document) else _as_text(d)) for d in items), total
+    return ((d.page_content if isinstance(d, Document) else _as_text(d)) for d in source)
 
 
 def _as_text(item: Any) -> str:
@@ -192,40 +190,37 @@ def precompute_vectorstore(
     its ``neighbours`` most similar documents of the whole collection (``CacheBlendEngine.precompute``:
     about ``neighbours + 1`` times the plain precompute, and twice the storage); precompute again
     after the collection changes. ``learn=True`` also has the engine learn better neighbours from
-    the chunks retrieved together (``CacheBlendEngine.learn_neighbours``).
+    the chunks retrieved together (``CacheBlendEngine.learn_neighbours``). A store that cannot
+    hold the whole collection's caches (its size limit, or its disk's free space) raises
+    ``cacheblend_rag.engine.capacity.StoreTooSmall`` before anything is computed.
     """
     if isinstance(neighbours, bool) or not isinstance(neighbours, int) or neighbours < 0:
         raise ValueError(f"neighbours={neighbours!r} must be an int >= 0 (0: plain chunk caches only)")
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} must be >= 1")
     engine, registry = _resolve(llm_or_engine)
-    texts, total = _texts_of(vectorstore_or_documents)
+    # The whole collection is planned before the first batch: a store that cannot hold it is
+    # refused (capacity.StoreTooSmall) before anything is computed, not after it evicted its first
+    # chunks; and neighbours are chosen across the whole collection, not within a batch.
+    everything = list(dict.fromkeys(t for t in _texts_of(vectorstore_or_documents) if t.strip()))
+    if not everything:
+        return 0
+    with engine.lock:
+        plan = engine.plan_precompute(everything, neighbours=neighbours)
+    check_room(plan, engine.store)
     if learn and neighbours:
         engine.learn_neighbours(LearnConfig(neighbours=neighbours))
     if neighbours:
-        # Neighbours are chosen across the whole collection, not within a batch.
-        everything = [t for t in texts if t.strip()]
         registry.add(everything)
-        computed = _precompute(engine, everything, neighbours) if everything else 0
+        computed = _precompute(engine, everything, neighbours, check_room=False)
         engine.flush()
         return computed
     computed = 0
-    batch: list[str] = []
-    with tqdm(total=total, desc="precompute KV", unit="chunk", disable=not progress) as bar:
-
-        def flush() -> None:
-            nonlocal computed, batch
+    with tqdm(total=len(everything), desc="precompute KV", unit="chunk", disable=not progress) as bar:
+        for start in range(0, len(everything), batch_size):
+            batch = everything[start : start + batch_size]
             registry.add(batch)
-            computed += _precompute(engine, batch)
+            computed += _precompute(engine, batch, check_room=False)
             bar.update(len(batch))
-            batch = []
-
-        for text in texts:
-            if text.strip():
-                batch.append(text)
-            if len(batch) >= batch_size:
-                flush()
-        if batch:
-            flush()
     engine.flush()
     return computed

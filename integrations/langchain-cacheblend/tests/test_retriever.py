@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from cacheblend_rag.engine.capacity import StoreTooSmall
 from langchain_cacheblend import (
     CacheBlendLLM,
     CacheBlendRetriever,
@@ -73,6 +74,18 @@ def test_precompute_vectorstore_and_document_lists(tiny_engine, vectorstore, doc
         precompute_vectorstore("text", tiny_engine)
     with pytest.raises(TypeError, match="CacheBlendLLM, ChatCacheBlend or CacheBlendEngine"):
         precompute_vectorstore(documents, object())
+
+
+def test_precompute_vectorstore_refuses_a_collection_the_store_cannot_hold(tiny_engine, documents):
+    # Planned over the whole collection before the first batch: nothing computed, nothing evicted.
+    plan = tiny_engine.plan_precompute([d.page_content for d in documents])
+    tiny_engine.store.size_limit = tiny_engine.store.bytes_needed(plan.total_bytes, plan.records) - 1
+    with pytest.raises(StoreTooSmall, match=r"more than the store's size limit of [\d,]+ bytes"):
+        precompute_vectorstore(documents, tiny_engine, neighbours=0, batch_size=1, progress=False)
+    assert tiny_engine.store.stats.bytes_written == 0
+    tiny_engine.store.size_limit = tiny_engine.store.bytes_needed(plan.total_bytes, plan.records)
+    assert precompute_vectorstore(documents, tiny_engine, neighbours=0, batch_size=1, progress=False) == len(documents)
+    assert tiny_engine.store.stats.bytes_written == plan.new_bytes
 
 
 def test_create_cacheblend_rag_chain(tiny_engine, vectorstore):

@@ -22,6 +22,7 @@ from llama_index.core.response_synthesizers import get_response_synthesizer
 from llama_index.core.schema import MetadataMode, NodeWithScore, TextNode
 
 from cacheblend_rag.chat.matching import ChunkRegistry
+from cacheblend_rag.engine.capacity import StoreTooSmall
 from cacheblend_rag.testing import make_engine
 from llama_index.cacheblend import (
     CacheBlendLLM,
@@ -161,6 +162,18 @@ def test_precompute_index_with_neighbours_serves_neighbour_aware_caches(engine, 
     qe = CacheBlendQueryEngine.from_index(index, engine, similarity_top_k=TOP_K, precompute=False, **GEN)
     stats = qe.query(QUESTION).metadata["cacheblend"]
     assert (stats["chunk_hits"], stats["neighbour_hits"]) == (TOP_K, TOP_K - 1)
+
+
+def test_precompute_index_refuses_an_index_the_store_cannot_hold(engine, index):
+    texts = [n.get_content(MetadataMode.LLM) for n in index.docstore.docs.values()]
+    plan = engine.plan_precompute(texts, neighbours=2)
+    engine.store.size_limit = engine.store.bytes_needed(plan.total_bytes, plan.records) - 1
+    with pytest.raises(StoreTooSmall, match=r"more than the store's size limit of [\d,]+ bytes"):
+        precompute_index(index, engine, progress=False)
+    assert engine.store.stats.bytes_written == 0
+    engine.store.size_limit = engine.store.bytes_needed(plan.total_bytes, plan.records)
+    assert precompute_index(index, engine, progress=False) == 2 * len(PASSAGES)
+    assert engine.store.stats.bytes_written == plan.new_bytes
 
 
 def test_from_index_precomputes_by_default(engine, index):

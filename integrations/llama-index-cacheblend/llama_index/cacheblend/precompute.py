@@ -57,7 +57,9 @@ def precompute_index(
 
     Idempotent: nodes already cached are skipped. Returns how many chunks were computed. Nodes
     without text are skipped; an index with no text at all, or a node longer than the model's
-    context window, raises ValueError. A vector store that keeps the nodes itself (no docstore
+    context window, raises ValueError. A store that cannot hold the whole index's caches (its size
+    limit, or its disk's free space) raises ``cacheblend_rag.engine.capacity.StoreTooSmall``
+    before anything is computed (``CacheBlendEngine.precompute``'s check). A vector store that keeps the nodes itself (no docstore
     entries) raises too: precompute its node texts with ``engine.precompute`` instead.
     """
     eng = as_engine(engine)
