@@ -264,3 +264,29 @@ def test_a_decode_cascade_over_rows_without_positions_names_the_run_to_make():
     rows = [{k: v for k, v in r.items() if k != "tf_leaves"} for r in _decode_rows()]
     with pytest.raises(ValueError, match="tf_leaves: rerun `cacheblend-rag fidelity`"):
         guard_curve.decode_cascade(guard_curve.by_question(rows, DECODE_CHAIN), DECODE_CHAIN, (0.1, 0.1))
+
+
+def test_a_run_without_the_saved_full_prefill_prices_the_last_step_from_its_reference(tmp_path, capsys):
+    # Rows carry their question's reference full prefill: with --full-from-reference it stands in
+    # for the missing full_recompute_saved row, as if that method had run (same TTFT, margins).
+    reference = {"q1": (8.0, [2.0] * 5), "q2": (6.0, [1.5] * 5)}
+    rows = []
+    for r in _decode_rows():
+        if r["method"] == "full_recompute_saved":
+            continue
+        ttft, margins = reference[r["qid"]]
+        rows.append(dict(r, ttft_full_s=ttft, margin_full=margins[0], tf_margins_full=margins, f1=0.0, f1_full=0.5))
+    made = [r for r in guard_curve.with_reference_rows(rows) if r["method"] == "full_recompute_saved"]
+    assert [(r["qid"], r["ttft_s"], r["margin"], r["tf_leaves"], r["agree"], r["f1"]) for r in made] == [
+        ("q1", 8.0, 2.0, [], True, 0.5),
+        ("q2", 6.0, 1.5, [], True, 0.5),
+    ]
+    assert guard_curve.with_reference_rows(_decode_rows()) == _decode_rows()  # nothing made where the row exists
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    chain = ",".join(DECODE_CHAIN)
+    assert guard_curve.main([str(path), "--cascade", chain, "--margins", "0.5,0.5", "--decode", "--full-from-reference"]) == 0
+    assert "| 100% |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        guard_curve.main([str(path), "--cascade", chain, "--margins", "0.5,0.5", "--decode"])
+    assert "no question has rows of every method" in capsys.readouterr().err
