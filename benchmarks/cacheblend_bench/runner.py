@@ -116,10 +116,12 @@ def model_path(model: str) -> str | None:
     return str(qwen_gguf_path(model=MODELS[model])) if model in MODELS else model
 
 
-def load_engine(cfg: BenchConfig, weights: str = "fp32", store_size_limit: int = 2 * 2**30, kv_format: str | None = None):
+def load_engine(cfg: BenchConfig, weights: str = "fp32", store_size_limit: int = 8 * 2**30, kv_format: str | None = None):
     """The engine for ``cfg.model`` with ``weights`` (``weights.WEIGHT_FORMATS``); its KV store
-    lives in ``<out_dir>/kv`` (``store_size_limit`` bytes; formats have their own fingerprints, so
-    they never mix) and keeps chunk caches in ``kv_format`` (store.quant; None: float)."""
+    lives in ``<out_dir>/kv`` (``store_size_limit`` bytes, default ``from_pretrained``'s, so that a
+    run evicts no more than a user's store would: 2 GiB evicted between the questions of a float32
+    whole-answer run; formats have their own fingerprints, so they never mix) and keeps chunk
+    caches in ``kv_format`` (store.quant; None: float)."""
     from cacheblend_rag.engine.core import CacheBlendEngine
 
     store = str(Path(cfg.out_dir) / "kv")
