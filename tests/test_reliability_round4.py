@@ -30,7 +30,7 @@ from cacheblend_rag.testing import SAMPLE_CHUNKS, SAMPLE_QUESTION, make_engine, 
 
 sys.path.insert(0, str(Path(__file__).parent / "reliability_helpers"))
 import live_attacks  # noqa: E402
-from live_attacks import BOUND_S, MODEL, chat_body, good, rss_bytes, serve  # noqa: E402
+from live_attacks import BOUND_S, MODEL, chat_body, good, rss_bytes, rss_growth, serve  # noqa: E402
 
 expected = live_attacks.expected  # the fixture
 
@@ -90,7 +90,8 @@ def _under_attack(url: str, expected, attack: Callable[[], Any], warm_up: bool =
         raise out["error"]
     assert health.status_code == 200 and health_s < HEALTH_S, health_s
     assert answer == expected.text and good_s < GOOD_S, (answer, good_s)
-    assert rss_bytes() - before < MEMORY_SLACK, (before, rss_bytes())
+    grown = rss_growth(before, MEMORY_SLACK)
+    assert grown < MEMORY_SLACK, (before, grown)
     return out.get("result")
 
 

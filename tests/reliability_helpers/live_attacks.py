@@ -5,6 +5,8 @@ it must get under attack, and the process's resident memory."""
 from __future__ import annotations
 
 import ctypes
+import gc
+import time
 from typing import Any
 
 import httpx
@@ -47,14 +49,26 @@ def good(url: str, timeout: float = BOUND_S) -> dict:
 
 
 def rss_bytes() -> int:
-    """This process's resident bytes, after glibc hands back the free memory at the top of its
-    arenas: what the attacks' objects still hold, not what the allocator keeps cached (which
-    threads' arenas a burst of bodies lands in varies from run to run; a 7 MB body's arenas
-    alone had made the check fail one run in three)."""
+    """This process's resident bytes, after a garbage collection and after glibc hands back the
+    free memory at the top of its arenas: what the attacks' objects still hold, not what the
+    allocator keeps cached (which threads' arenas a burst of bodies lands in varies from run to
+    run; a 7 MB body's arenas alone had made the check fail one run in three) nor what a refused
+    request's traceback cycles hold until the next collection."""
+    gc.collect()
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
+
+
+def rss_growth(before: int, slack: int, settle_s: float = 3.0) -> int:
+    """Resident bytes gained since ``before``, waiting up to ``settle_s`` for them to come back
+    within ``slack``: the server's threads may still be releasing a request whose response the
+    client already has (one 7 MB message of four came back 76 MB up at once). A leak stays up."""
+    deadline = time.monotonic() + settle_s
+    while (grown := rss_bytes() - before) >= slack and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return grown
 
 
 def _libc():
