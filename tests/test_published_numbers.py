@@ -243,6 +243,8 @@ def _default_row(qid: str = "1", **settings) -> dict:
         "settings": {**made, **settings},
         "engine_source": "aaaa",
         "agree": True,
+        "chunk_hits": 6,
+        "neighbour_hits": 5,
     }
 
 
@@ -289,6 +291,25 @@ def test_a_row_older_than_the_engines_code_fails(tmp_path):
     ]
 
 
+@pytest.mark.parametrize(
+    "hits, reason",
+    [
+        (0, "neighbour_hits 0: neighbour-aware caches asked for, plain caches served every chunk"),
+        (None, "neighbour_hits not recorded (neighbour-aware caches asked for; whether any served is unknown)"),
+    ],
+)
+def test_a_row_whose_neighbour_caches_served_no_chunk_fails(tmp_path, hits, reason):
+    """Settings say what a row asked for; a process whose engine never indexed the neighbour-aware
+    caches answers from plain ones (the whole-answer run once precomputed them in another process)."""
+    row = _default_row("2")
+    if hits is None:
+        del row["neighbour_hits"]
+    else:
+        row["neighbour_hits"] = hits
+    verdict = _verdict(tmp_path, [_default_row("1"), row])
+    assert verdict.failures == [f"table readme-results, row x.jsonl hotpotqa/2 {headline.default_method()}: {reason}"]
+
+
 def test_rows_that_record_no_settings_fail_with_what_they_show(tmp_path):
     old = {"dataset": "musique", "qid": "7", "method": "question@0.15/nb", "neighbour_pool": "corpus", "agree": False}
     verdict = _verdict(tmp_path, [old])
@@ -317,7 +338,7 @@ def test_the_headline_rows_still_to_remake_are_the_known_list():
     command that re-makes them, and nothing else fails. Re-making a case shrinks this list."""
     verdict = doc_tables.headline_verdict()
     assert verdict.failures == []
-    assert [line.split(":")[0] for line in verdict.pending] == ["whole-answer-qwen05", "agreement-qwen05"]
+    assert [line.split(":")[0] for line in verdict.pending] == ["whole-answer-smollm2", "whole-answer-qwen05", "agreement-qwen05"]
     for line, case in zip(verdict.pending, [c for c in headline.CASES if c.name in headline.PENDING]):
         assert f"docs/results/{headline.PENDING[case.name]}" in line
         assert f"Re-make: cacheblend-rag headline --out headline --only {case.name}, then commit headline/{case.file}" in line
@@ -373,7 +394,10 @@ def test_the_headline_command_makes_rows_that_pass_the_rule_and_resumes(tmp_path
             assert r["engine_source"] == provenance.engine_source_now()
             assert r["machine"] == provenance.machine_stamp()
             assert r["settings"]["weights"] == "auto" and r["settings"]["weight_format"] == fmt
-    assert got["agreement-qwen05"][0]["neighbour_hits"] > 0  # the neighbour-aware caches were made and read
+    # The neighbour-aware caches were made and read, in both kinds of case.
+    assert got["agreement-qwen05"][0]["neighbour_hits"] > 0
+    (blend,) = [r for r in got["whole-answer-smollm2"] if r["method"].startswith(headline.default_method())]
+    assert blend["neighbour_hits"] > 0 and blend["chunk_hits"] == 3
     results = tmp_path / "results"
     results.mkdir()
     for case in cases:

@@ -68,6 +68,19 @@ def test_summary_ratios_are_ratios_of_means_against_the_same_formats_full_prefil
     assert summary["question@0.15/fp16"]["same_32_tokens_as_fp32_full_prefill"] == sum(same) / len(same)
 
 
+def test_neighbour_aware_methods_are_served_by_the_caches_the_run_makes(tmp_path):
+    """``/nb`` needs ``neighbours``; with them, the answering engine made and indexed the
+    neighbour-aware caches, so every chunk but the first is served by one (rows say so)."""
+    kw = dict(
+        model="tiny", datasets=("crosschunk",), n=1, lengths=(2,), formats=("fp32",), llama_cpp=(), top_k=3, chunk_tokens=64
+    )
+    with pytest.raises(ValueError, match="methods with /nb need neighbour-aware caches: pass neighbours=N"):
+        WholeAnswerConfig(methods=("question@0.15/nb",), **kw)
+    cfg = WholeAnswerConfig(methods=("question@0.15/nb",), neighbours=2, out_dir=str(tmp_path), progress=False, **kw)
+    (row,) = run_whole_answer(cfg)
+    assert row["chunk_hits"] == 3 and row["neighbour_hits"] == 2
+
+
 def test_a_finished_run_resumes_without_loading_a_model_and_rebuilds_the_report(run, monkeypatch):
     cfg, rows = run
     import cacheblend_bench.runner as runner

@@ -110,6 +110,13 @@ def register(subparsers) -> None:
         default=("f16", "q8_0", "q4_0"),
         help="llama.cpp quantisations, each with and without its prompt cache ('' for none; default f16,q8_0,q4_0)",
     )
+    whole.add_argument(
+        "--neighbours",
+        type=int,
+        default=0,
+        help="for /nb methods: neighbour-aware caches behind N chunks, chosen among every chunk of the run's "
+        "questions of the dataset (default 0: none)",
+    )
     attribution = p.add_argument_group("sources (--attribution)")
     attribution.add_argument(
         "--attribution",

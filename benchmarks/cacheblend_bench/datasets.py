@@ -454,6 +454,16 @@ def _units(doc: str, count: Callable[[str], int], max_tokens: int) -> list[tuple
     return units
 
 
+def corpus_pools(examples: Sequence[Example], count: Callable[[str], int], max_tokens: int = 512) -> dict[str, list[str]]:
+    """Dataset name -> every distinct chunk of ``examples``' documents of that dataset: the corpus
+    that neighbour-aware caches choose their neighbours from (``--neighbour-pool corpus``), as an
+    application's precompute over its own documents does."""
+    pools: dict[str, list[str]] = {}
+    for ex in examples:
+        pools.setdefault(ex.dataset, []).extend(chunk_documents(ex.documents, count, max_tokens))
+    return {name: list(dict.fromkeys(chunks)) for name, chunks in pools.items()}
+
+
 def chunk_documents(docs: Sequence[str], count: Callable[[str], int], max_tokens: int = 512) -> list[str]:
     """Pack documents into chunks of at most ~``max_tokens`` tokens, on sentence boundaries.
 

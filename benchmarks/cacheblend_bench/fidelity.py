@@ -362,11 +362,7 @@ def _run(
     retriever = ds.Retriever()
     count = ds.token_counter(engine.tokenizer)
     eos = eos_token_ids(engine.model, engine.tokenizer)
-    pools: dict[str, list[str]] = {}  # dataset -> every chunk of the run's questions ("corpus" pool)
-    if cfg.neighbour_pool == "corpus":
-        for ex in examples:
-            pools.setdefault(ex.dataset, []).extend(ds.chunk_documents(ex.documents, count, cfg.chunk_tokens))
-        pools = {name: list(dict.fromkeys(chunks)) for name, chunks in pools.items()}
+    pools = ds.corpus_pools(examples, count, cfg.chunk_tokens) if cfg.neighbour_pool == "corpus" else {}
     tee = TeeStore([engine.store, *(t.store for t in targets[1:])]) if len(targets) > 1 else None
     for t in targets:
         t.results.parent.mkdir(parents=True, exist_ok=True)

@@ -176,6 +176,7 @@ BY_NAME = {c.name: c for c in CASES}
 # a case, commit its file to docs/results and delete its entry: the table then reads the new file
 # and the rule holds it. doc_tables --check lists these and fails on an entry whose rows pass.
 PENDING: dict[str, str] = {
+    "whole-answer-smollm2": "headline_whole_answer_smollm2.jsonl",
     "whole-answer-qwen05": "whole_answer_qwen05.jsonl",
     "agreement-qwen05": "fidelity_qwen05_corpus_neighbours.jsonl",
 }
@@ -225,6 +226,13 @@ def problems(row: dict, source: str) -> list[str]:
                 out.append(f"{key} not recorded (default {want!r})")
             elif got != want:
                 out.append(f"{key} {got!r}, not the default {want!r}")
+    if settings.get("mode") in ("cacheblend", "full_reuse") and settings.get("neighbour_caches") and recorded is not None:
+        # The settings say what was asked for; the hits say what served the chunks (a process
+        # whose engine never indexed the neighbour-aware caches answers from plain ones).
+        if "neighbour_hits" not in row:
+            out.append("neighbour_hits not recorded (neighbour-aware caches asked for; whether any served is unknown)")
+        elif not row["neighbour_hits"]:
+            out.append("neighbour_hits 0: neighbour-aware caches asked for, plain caches served every chunk")
     if recorded is None:
         out.append("settings not recorded (made before rows recorded them)")
     if "engine_source" not in row:
@@ -359,26 +367,6 @@ def export(case: Case, folder: Path, out: Path) -> list[dict]:
     return rows
 
 
-def _precompute_neighbours(cfg, fmt: str, neighbours: int) -> None:
-    """Neighbour-aware caches of every question's retrieved chunks, neighbours from the corpus
-    (every chunk of the run's questions of that dataset), in the store the whole-answer run reads."""
-    from cacheblend_bench import datasets as ds
-    from cacheblend_bench.runner import load_engine
-
-    engine = load_engine(cfg, weights=fmt, kv_format=cfg.kv_format)
-    try:
-        retriever, count = ds.Retriever(), ds.token_counter(engine.tokenizer)
-        for name in cfg.datasets:
-            group = ds.load_dataset(name, cfg.n, musique=cfg.musique, hotpotqa=cfg.hotpotqa, chunk_tokens=cfg.chunk_tokens)
-            pool = list(dict.fromkeys(c for ex in group for c in ds.chunk_documents(ex.documents, count, cfg.chunk_tokens)))
-            for ex in group:
-                chunks = ds.retrieve(ex, retriever, count, cfg.chunk_tokens, cfg.top_k)
-                engine.precompute(chunks, neighbours=neighbours, progress=False, corpus=pool, embed=retriever.embed)
-        engine.flush()
-    finally:
-        engine.close()
-
-
 def run_case(
     case: Case, out: Path, *, musique: str | None = None, hotpotqa: str | None = None, progress: bool = True
 ) -> list[dict]:
@@ -399,6 +387,7 @@ def run_case(
             methods=tuple(methods),
             llama_cpp=case.llama_cpp,
             kv_format=kv_format,
+            neighbours=neighbours,
             top_k=case.top_k,
             chunk_tokens=case.chunk_tokens,
             out_dir=str(folder),
@@ -410,8 +399,6 @@ def run_case(
         if len(_read(folder / "whole_answer.jsonl")) < expected:
             _stamp(folder, fmt, neighbours, kv_format)
             try:
-                if neighbours:
-                    _precompute_neighbours(cfg, fmt, neighbours)
                 run_whole_answer(cfg)
             finally:
                 export(case, folder, out)

@@ -41,7 +41,10 @@ class WholeAnswerConfig:
     """``lengths``: answer lengths reported, in tokens (the longest is decoded); ``formats``: the
     engine's weight formats; ``methods``: engine methods run in every format; ``llama_cpp``:
     quantisations llama.cpp runs, each also with its prompt cache (empty: no llama.cpp);
-    ``kv_format``: the format the engines' stores keep chunk caches in (store.quant)."""
+    ``kv_format``: the format the engines' stores keep chunk caches in (store.quant);
+    ``neighbours``: neighbour-aware caches behind this many chunks, chosen among every chunk of
+    the run's questions of the dataset (0: none; methods with ``/nb`` need them), as ``ask`` makes
+    them: in the answering process, whose engine holds the index that serves them."""
 
     model: str = "smollm2"
     datasets: Sequence[str] = ("hotpotqa", "musique")
@@ -59,6 +62,11 @@ class WholeAnswerConfig:
     answer_hint: str = ""
     progress: bool = True
     kv_format: str = "float"
+    neighbours: int = 0
+
+    def __post_init__(self) -> None:
+        if self.neighbours < 1 and any(dict(parse_method(m)[0].options).get("neighbour_caches") for m in self.methods):
+            raise ValueError("methods with /nb need neighbour-aware caches: pass neighbours=N (N >= 1)")
 
 
 def method_names(cfg: WholeAnswerConfig) -> list[str]:
@@ -106,6 +114,7 @@ def run_whole_answer(cfg: WholeAnswerConfig) -> list[dict]:
         for kind in ("llama_cpp", "llama_cpp_prefix")
     }
     retriever, count = ds.Retriever(), ds.token_counter(first.tokenizer)
+    pools = ds.corpus_pools(examples, count, cfg.chunk_tokens) if cfg.neighbours else {}
     try:
         _warm_up(engines, llamas, cfg)
         # The step's parts first, on the first question, so that a run stopped early has them.
@@ -129,8 +138,12 @@ def run_whole_answer(cfg: WholeAnswerConfig) -> list[dict]:
                     "kv_format": cfg.kv_format,
                     "question": ex.question,
                 }
-                for engine in engines.values():
-                    engine.precompute(chunks, progress=False)  # deployment-time work, not timed
+                for engine in engines.values():  # deployment-time work, not timed
+                    if cfg.neighbours:
+                        pool = pools[ex.dataset]
+                        engine.precompute(chunks, neighbours=cfg.neighbours, progress=False, corpus=pool, embed=retriever.embed)
+                    else:
+                        engine.precompute(chunks, progress=False)
                     engine.flush()
                 # Next-token KL of every method to float32's full prefill, untimed.
                 reference = engines.get("fp32", first).next_token_logits(ex.question, chunks, "full_recompute")
@@ -157,6 +170,8 @@ def run_whole_answer(cfg: WholeAnswerConfig) -> list[dict]:
                         settle(engine, res.stats.get("writeback_keys", []), keep=True)
                         row = _row(base, name, res.stats["prompt_tokens"], res.token_times_s, cfg.lengths, res.text)
                         row["first_tokens"] = res.token_ids[:32]
+                        # What served the chunks: a /nb row with no neighbour hit measured plain caches.
+                        row.update({k: res.stats[k] for k in ("chunk_hits", "neighbour_hits") if k in res.stats})
                     row["kl_vs_fp32_full_prefill"] = next_token_kl(reference, logits)
                     row["key"] = _key(cfg, ex, name)
                     row["time"], row["engine"] = time.time(), engine_stamp()

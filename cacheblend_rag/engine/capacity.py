@@ -57,6 +57,11 @@ def _disk_stores(store: Any) -> list[Any]:
     return [s for s in stores if hasattr(s, "bytes_needed") and hasattr(s, "directory")]
 
 
+def bounded(store: Any) -> bool:
+    """Whether ``store`` has a tier with a size limit and a disk to check the room of."""
+    return bool(_disk_stores(store))
+
+
 def _format_of(store: Any):
     formats = [s.kv_format for s in _disk_stores(store) if getattr(s, "kv_format", None) is not None]
     return formats[0] if formats else getattr(store, "kv_format", None)

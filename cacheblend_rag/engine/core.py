@@ -275,8 +275,9 @@ class CacheBlendEngine:
         texts = list(dict.fromkeys(check_texts(texts)))
         pool = None if corpus is None else list(dict.fromkeys(check_texts(corpus, "corpus")))
         target = self._store(store)
-        if check_room:
-            capacity.check_room(self.plan_precompute(texts, neighbours=neighbours, store=target, tools=tools), target)
+        prefix_ids = self.prompts.for_tools(tools).prefix_ids
+        if check_room and capacity.bounded(target):  # an in-memory store evicts by its own bound
+            capacity.check_room(capacity.plan_precompute(self, texts, target, neighbours, prefix_ids=prefix_ids), target)
         return self.chunk_cache.precompute(
             target,
             texts,
@@ -284,7 +285,7 @@ class CacheBlendEngine:
             embed=embed,
             corpus=pool,
             progress=progress,
-            prefix_ids=self.prompts.for_tools(tools).prefix_ids,
+            prefix_ids=prefix_ids,
         )
 
     def plan_precompute(

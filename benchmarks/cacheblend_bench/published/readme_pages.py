@@ -25,19 +25,22 @@ def _settings(rows: list[dict]) -> str:
     blend = [r for r in rows if "llama_cpp" not in r["method"]]
     shown = [headline.legacy_settings(r) if r.get("settings") is None else r["settings"] for r in blend]
     formats = sorted({s.get("weight_format") or s.get("weights") or "?" for s in shown})
-    caches = sorted(
-        {
-            ("neighbour caches (" + ("the corpus" if s.get("neighbour_pool") == "corpus" else "the prompt's chunks") + ")")
-            if s.get("neighbour_caches")
-            else "plain caches"
-            for s in shown
-            if s.get("mode") == "cacheblend"
-        }
-    )
+    caches = sorted({_caches(s, r) for r, s in zip(blend, shown) if s.get("mode") == "cacheblend"})
     records = sorted({f"{s.get('kv_format') or 'float'} chunk records" for s in shown})
     engines = {r.get("engine_source") for r in rows}
     engine = "an older engine" if engines - {headline.provenance.engine_source_now()} else "today's engine"
     return f"{'/'.join(formats)}, {', '.join(caches)}, {', '.join(records)}, {engine}"
+
+
+def _caches(settings: dict, row: dict) -> str:
+    """What served a row's chunks: plain caches, or neighbour caches from where their neighbours
+    came; a row that asked for neighbour caches and records none serving (or no count) was served
+    plain ones."""
+    if not settings.get("neighbour_caches"):
+        return "plain caches"
+    if row.get("settings") is not None and not row.get("neighbour_hits"):
+        return "plain caches (neighbour caches asked for, none served)"
+    return "neighbour caches (" + ("the corpus" if settings.get("neighbour_pool") == "corpus" else "the prompt's chunks") + ")"
 
 
 def _cpu(rows: list[dict]) -> str:
