@@ -139,11 +139,8 @@ def run_whole_answer(cfg: WholeAnswerConfig) -> list[dict]:
                     "question": ex.question,
                 }
                 for engine in engines.values():  # deployment-time work, not timed
-                    if cfg.neighbours:
-                        pool = pools[ex.dataset]
-                        engine.precompute(chunks, neighbours=cfg.neighbours, progress=False, corpus=pool, embed=retriever.embed)
-                    else:
-                        engine.precompute(chunks, progress=False)
+                    pool = pools.get(ex.dataset)
+                    engine.precompute(chunks, neighbours=cfg.neighbours, corpus=pool, embed=retriever.embed, progress=False)
                     engine.flush()
                 # Next-token KL of every method to float32's full prefill, untimed.
                 reference = engines.get("fp32", first).next_token_logits(ex.question, chunks, "full_recompute")
