@@ -115,3 +115,41 @@ def test_whole_answer_refuses_lengths_below_one_token(tmp_path, capsys):
     )
     assert code == 2
     assert "lengths=(0, 8): give answer lengths of at least 1 token" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("read_from", ["memory", "disk"])
+def test_the_timed_calls_read_the_chunk_caches_from_the_tier_asked_for(tmp_path, monkeypatch, read_from):
+    """An engine whose store is the usual memory tier over disk (``from_pretrained``'s): after the
+    question's precompute its chunks are in memory; ``read_from="disk"`` empties the memory tier
+    first, so every chunk layer CacheBlend loads comes from disk, and the rows say so."""
+    import cacheblend_bench.runner as runner
+    from cacheblend_rag.engine.core import CacheBlendEngine
+    from cacheblend_rag.store.tiers import TieredStore
+    from cacheblend_rag.testing import make_model, make_tokenizer
+
+    def tiered(cfg, weights="fp32", store_size_limit=0, kv_format=None):
+        store = TieredStore.memory_over_disk(f"{cfg.out_dir}/kv", kv_format=kv_format)
+        return CacheBlendEngine(make_model("llama", max_position_embeddings=runner.TINY_CONTEXT), make_tokenizer(), store=store)
+
+    monkeypatch.setattr(runner, "load_engine", tiered)
+    with pytest.raises(ValueError, match="read_from='tape': choose one of memory, disk"):
+        WholeAnswerConfig(read_from="tape")
+    cfg = WholeAnswerConfig(
+        model="tiny",
+        datasets=("crosschunk",),
+        n=1,
+        lengths=(2,),
+        formats=("fp32",),
+        methods=("question@0.15",),
+        llama_cpp=(),
+        top_k=3,
+        chunk_tokens=64,
+        read_from=read_from,
+        out_dir=str(tmp_path),
+        progress=False,
+    )
+    (row,) = run_whole_answer(cfg)
+    reads = row["tier_reads"]
+    assert row["read_from"] == read_from and row["chunk_hits"] == 3
+    other = "memory" if read_from == "disk" else "disk"
+    assert reads[read_from] > 0 and reads[other] == 0, reads

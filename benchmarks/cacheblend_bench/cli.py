@@ -117,6 +117,13 @@ def register(subparsers) -> None:
         help="for /nb methods: neighbour-aware caches behind N chunks, chosen among every chunk of the run's "
         "questions of the dataset (default 0: none)",
     )
+    whole.add_argument(
+        "--read-from",
+        choices=("memory", "disk"),
+        default="memory",
+        help="where the timed calls find the chunk caches: the engine's memory tier, as precompute left them "
+        "(default), or the disk tier, the memory tier emptied before each timed call (a fresh process)",
+    )
     attribution = p.add_argument_group("sources (--attribution)")
     attribution.add_argument(
         "--attribution",

@@ -32,8 +32,10 @@ from cacheblend_bench.methods import answer_with_logits, parse_method, settle
 from cacheblend_bench.provenance import engine_stamp
 from cacheblend_bench.stats import speedup
 from cacheblend_rag.metrics import next_token_kl
+from cacheblend_rag.store.memory import MemoryTier
 
 ROWS = "whole_answer.jsonl"
+READ_FROM = ("memory", "disk")
 
 
 @dataclass
@@ -44,7 +46,11 @@ class WholeAnswerConfig:
     ``kv_format``: the format the engines' stores keep chunk caches in (store.quant);
     ``neighbours``: neighbour-aware caches behind this many chunks, chosen among every chunk of
     the run's questions of the dataset (0: none; methods with ``/nb`` need them), as ``ask`` makes
-    them: in the answering process, whose engine holds the index that serves them."""
+    them: in the answering process, whose engine holds the index that serves them;
+    ``read_from``: where the timed calls find the chunk caches: ``"memory"``, as the question's
+    precompute left them (a running application's chunks, in the engine's memory tier), or
+    ``"disk"``, the memory tier emptied before each timed call (a fresh process, as each ``ask``
+    is; the OS's file cache may still hold the records). Rows record the layer reads per tier."""
 
     model: str = "smollm2"
     datasets: Sequence[str] = ("hotpotqa", "musique")
@@ -63,8 +69,11 @@ class WholeAnswerConfig:
     progress: bool = True
     kv_format: str = "float"
     neighbours: int = 0
+    read_from: str = "memory"
 
     def __post_init__(self) -> None:
+        if self.read_from not in READ_FROM:
+            raise ValueError(f"read_from={self.read_from!r}: choose one of {', '.join(READ_FROM)}")
         if self.neighbours < 1 and any(dict(parse_method(m)[0].options).get("neighbour_caches") for m in self.methods):
             raise ValueError("methods with /nb need neighbour-aware caches: pass neighbours=N (N >= 1)")
 
@@ -155,6 +164,9 @@ def run_whole_answer(cfg: WholeAnswerConfig) -> list[dict]:
                         spec, fmt = name.rsplit("/", 1)
                         engine = engines[fmt]
                         method = parse_method(spec)[0]
+                        if cfg.read_from == "disk":
+                            empty_memory_tier(engine)
+                        reads = tier_reads(engine)
                         res, logits = answer_with_logits(
                             engine,
                             ex.question,
@@ -169,6 +181,8 @@ def run_whole_answer(cfg: WholeAnswerConfig) -> list[dict]:
                         row["first_tokens"] = res.token_ids[:32]
                         # What served the chunks: a /nb row with no neighbour hit measured plain caches.
                         row.update({k: res.stats[k] for k in ("chunk_hits", "neighbour_hits") if k in res.stats})
+                        row["read_from"] = cfg.read_from
+                        row["tier_reads"] = {t: n - reads.get(t, 0) for t, n in tier_reads(engine).items()}
                     row["kl_vs_fp32_full_prefill"] = next_token_kl(reference, logits)
                     row["key"] = _key(cfg, ex, name)
                     row["time"], row["engine"] = time.time(), engine_stamp()
@@ -186,7 +200,21 @@ def run_whole_answer(cfg: WholeAnswerConfig) -> list[dict]:
 
 def _key(cfg: WholeAnswerConfig, ex: ds.Example, method: str) -> str:
     fmt = "" if cfg.kv_format == "float" else f"|{cfg.kv_format}"  # float rows keep the keys they had
-    return f"{cfg.model}|{ex.dataset}|{ex.qid}|{method}|k{cfg.top_k}|c{cfg.chunk_tokens}|n{max(cfg.lengths)}{fmt}"
+    tier = "" if cfg.read_from == "memory" else f"|from-{cfg.read_from}"
+    return f"{cfg.model}|{ex.dataset}|{ex.qid}|{method}|k{cfg.top_k}|c{cfg.chunk_tokens}|n{max(cfg.lengths)}{fmt}{tier}"
+
+
+def tier_reads(engine) -> dict[str, int]:
+    """Layer reads each tier of the engine's store has served so far ({} for a one-tier store)."""
+    stats = getattr(engine.store, "stats", None)
+    return dict(getattr(stats, "tier_hits", None) or {})
+
+
+def empty_memory_tier(engine) -> None:
+    """Drop every chunk cache the engine's memory tier holds; the disk tier keeps them."""
+    for tier in getattr(engine.store, "tiers", ()):
+        if isinstance(tier.store, MemoryTier):
+            tier.store.clear()
 
 
 def _warm_up(engines: dict, llamas: dict, cfg: WholeAnswerConfig) -> None:
