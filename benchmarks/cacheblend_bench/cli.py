@@ -118,6 +118,12 @@ def register(subparsers) -> None:
         "questions of the dataset (default 0: none)",
     )
     whole.add_argument(
+        "--kv-format",
+        choices=("float", "int8", "int4"),
+        default="float",
+        help="the format the engines' stores keep chunk caches in (default float; the engine's default is int8)",
+    )
+    whole.add_argument(
         "--read-from",
         choices=("memory", "disk"),
         default="memory",
