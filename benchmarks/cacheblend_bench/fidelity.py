@@ -49,7 +49,7 @@ from tqdm.auto import tqdm
 from cacheblend_bench import datasets as ds
 from cacheblend_bench.args import config, run_reporting
 from cacheblend_bench.args import csv as _csv
-from cacheblend_bench.methods import Method, parse_methods, settle
+from cacheblend_bench.methods import Method, parse_methods, require_neighbours, settle
 from cacheblend_bench.provenance import engine_stamp, machine_stamp
 from cacheblend_bench.runner import BenchConfig, load_engine, read_results
 from cacheblend_bench.stats import bootstrap_mean_ci, ratio_ci, sign_test, speedup
@@ -112,8 +112,7 @@ class FidelityConfig:
         methods = parse_methods(self.methods)
         if any(not m.is_kv for m in methods):
             raise ValueError("fidelity compares engine prefill modes only; run map_reduce/map_rerank with `bench`")
-        if any(dict(m.options).get("neighbour_caches") for m in methods) and self.neighbours < 1:
-            raise ValueError("methods with /nb need neighbour-aware caches: pass --neighbours N (N >= 1)")
+        require_neighbours(methods, self.neighbours, "--neighbours N")
         if self.neighbour_pool not in NEIGHBOUR_POOLS:
             raise ValueError(f"neighbour_pool={self.neighbour_pool!r}: choose one of {', '.join(NEIGHBOUR_POOLS)}")
         formats = [str(parse_kv_format(f) or "float") for f in (self.kv_format, *self.also_kv_formats)]

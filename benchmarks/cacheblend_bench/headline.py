@@ -225,13 +225,8 @@ def problems(row: dict, source: str) -> list[str]:
                 out.append(f"{key} not recorded (default {want!r})")
             elif got != want:
                 out.append(f"{key} {got!r}, not the default {want!r}")
-    if settings.get("mode") in ("cacheblend", "full_reuse") and settings.get("neighbour_caches") and recorded is not None:
-        # The settings say what was asked for; the hits say what served the chunks (a process
-        # whose engine never indexed the neighbour-aware caches answers from plain ones).
-        if "neighbour_hits" not in row:
-            out.append("neighbour_hits not recorded (neighbour-aware caches asked for; whether any served is unknown)")
-        elif not row["neighbour_hits"]:
-            out.append("neighbour_hits 0: neighbour-aware caches asked for, plain caches served every chunk")
+    if settings.get("mode") in ("cacheblend", "full_reuse") and (unserved := neighbours_unserved(row)):
+        out.append(unserved)
     if recorded is None:
         out.append("settings not recorded (made before rows recorded them)")
     if "engine_source" not in row:
@@ -239,6 +234,19 @@ def problems(row: dict, source: str) -> list[str]:
     elif row["engine_source"] != source:
         out.append(f"engine_source {row['engine_source']} is not today's engine {source} (the engine's code changed since)")
     return out
+
+
+def neighbours_unserved(row: dict) -> str | None:
+    """Why a row whose recorded settings asked for neighbour-aware caches was not shown to be served
+    by one (None: it was, or it asked for none). The settings say what was asked for; the hits say
+    what served the chunks (a process whose engine never indexed those caches answers from plain ones)."""
+    if not (row.get("settings") or {}).get("neighbour_caches"):
+        return None
+    if "neighbour_hits" not in row:
+        return "neighbour_hits not recorded (neighbour-aware caches asked for; whether any served is unknown)"
+    if not row["neighbour_hits"]:
+        return "neighbour_hits 0: neighbour-aware caches asked for, plain caches served every chunk"
+    return None
 
 
 def row_name(file: str, row: dict) -> str:

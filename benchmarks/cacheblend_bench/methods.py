@@ -152,6 +152,13 @@ def parse_method(spec: str, ratios: Sequence[float] = DEFAULT_RATIOS) -> list[Me
     )
 
 
+def require_neighbours(methods: Sequence[Method], neighbours: int, option: str) -> None:
+    """Refuse ``/nb`` methods in a run that makes no neighbour-aware caches (``option``: how the
+    caller's user passes ``neighbours``)."""
+    if neighbours < 1 and any(dict(m.options).get("neighbour_caches") for m in methods):
+        raise ValueError(f"methods with /nb need neighbour-aware caches: pass {option} (N >= 1)")
+
+
 def parse_methods(specs: Sequence[str], ratios: Sequence[float] = DEFAULT_RATIOS) -> list[Method]:
     out: dict[str, Method] = {}
     for spec in specs:

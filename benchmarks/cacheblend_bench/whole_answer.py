@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from cacheblend_bench import datasets as ds
-from cacheblend_bench.methods import answer_with_logits, parse_method, settle
+from cacheblend_bench.methods import answer_with_logits, parse_method, parse_methods, require_neighbours, settle
 from cacheblend_bench.provenance import engine_stamp
 from cacheblend_bench.stats import speedup
 from cacheblend_rag.metrics import next_token_kl
@@ -74,8 +74,7 @@ class WholeAnswerConfig:
     def __post_init__(self) -> None:
         if self.read_from not in READ_FROM:
             raise ValueError(f"read_from={self.read_from!r}: choose one of {', '.join(READ_FROM)}")
-        if self.neighbours < 1 and any(dict(parse_method(m)[0].options).get("neighbour_caches") for m in self.methods):
-            raise ValueError("methods with /nb need neighbour-aware caches: pass neighbours=N (N >= 1)")
+        require_neighbours(parse_methods(self.methods), self.neighbours, "neighbours=N")
 
 
 def method_names(cfg: WholeAnswerConfig) -> list[str]:

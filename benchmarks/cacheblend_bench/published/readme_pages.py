@@ -38,7 +38,7 @@ def _caches(settings: dict, row: dict) -> str:
     plain ones."""
     if not settings.get("neighbour_caches"):
         return "plain caches"
-    if row.get("settings") is not None and not row.get("neighbour_hits"):
+    if headline.neighbours_unserved(row):
         return "plain caches (neighbour caches asked for, none served)"
     return "neighbour caches (" + ("the corpus" if settings.get("neighbour_pool") == "corpus" else "the prompt's chunks") + ")"
 
