@@ -176,7 +176,6 @@ BY_NAME = {c.name: c for c in CASES}
 # a case, commit its file to docs/results and delete its entry: the table then reads the new file
 # and the rule holds it. doc_tables --check lists these and fails on an entry whose rows pass.
 PENDING: dict[str, str] = {
-    "whole-answer-qwen05": "whole_answer_qwen05.jsonl",
     "agreement-qwen05": "fidelity_qwen05_corpus_neighbours.jsonl",
 }
 
