@@ -642,8 +642,29 @@ def _multihop_values(res: Results) -> dict[str, Any]:
     return out
 
 
+RULE = {"rule": "neighbour_rule_replay_prompt_only.jsonl", "any": "neighbour_rule_replay_any_prompt.jsonl"}
+
+
+def _rule_values(res: Results) -> dict[str, Any]:
+    """docs/reliability.md, the neighbour rule's cost: the same replayed stream with learned caches
+    served only to prompts that hold their neighbours (``rule``) and to any prompt (``any``)."""
+    runs = {name: sorted(res.rows(file), key=lambda r: r["query"]) for name, file in RULE.items()}
+    v: dict[str, Any] = {"n": len(runs["rule"])}
+    for name, rows in runs.items():
+        learned = [r["learned"] for r in rows]
+        v[f"{name}.answer_same"] = sum(r["answer_same"] for r in learned)
+        v[f"{name}.first_same"] = sum(r["first_same"] for r in learned)
+        v[f"{name}.answer_share"] = v[f"{name}.answer_same"] / len(learned)
+        v[f"{name}.kl"] = statistics.fmean(r["kl"] for r in learned)
+    moved = [(a["learned"], b["learned"]) for a, b in zip(runs["rule"], runs["any"]) if a["learned"]["kl"] != b["learned"]["kl"]]
+    v["other_cache"] = len(moved)
+    v["other_cache_changed"] = sum(a["answer_same"] != b["answer_same"] for a, b in moved)
+    return v
+
+
 VALUES = {
     "replay": Values((REPLAY,), _replay_values),
+    "rule": Values(tuple(RULE.values()), _rule_values),
     "fp16": _format_values(FP16, QWEN05[:2]),
     "fp16dev": _format_values(FP16_DEV, DEV[:1]),
     "q05": Values(QWEN05, _fidelity_values(_qwen05, PAIRS)),

@@ -172,6 +172,34 @@ def _ingest_rate_values(res: Results) -> dict[str, Any]:
     return v
 
 
+REPLAYS = {"steady": "replay.jsonl", "drift": "replay_drift.jsonl"}
+
+
+def _policy_values(res: Results) -> dict[str, Any]:
+    """docs/cluster.md's reading of the two replay tables: the static oracle's hit rate, the best
+    policy pair's share of it, and what ``lfu`` gains over ``lru`` in the memory tier."""
+    v: dict[str, Any] = {}
+    gains, shares = [], {"lfu": [], "lru": []}
+    for stream, name in REPLAYS.items():
+        rows = res.rows(name)
+        first = next(r["stream"] for r in rows if r["kind"] == "config")
+        rows = [r for r in rows if r["stream"] == first]
+        oracle = next(r["hit_rate"] for r in rows if r["run"] == "static oracle")
+        pairs = {(r["memory_policy"], r["disk_policy"]): r for r in rows if r["kind"] == "summary"}
+        v[f"{stream}.oracle"] = oracle
+        v[f"{stream}.best_of_oracle"] = max(r["hit_rate"] for r in pairs.values()) / oracle
+        for (memory, disk), r in pairs.items():
+            shares[memory].append(r["memory_share_of_reads"])
+            if memory == "lfu" and ("lru", disk) in pairs:
+                gain = 100 * (r["hit_rate"] - pairs[("lru", disk)]["hit_rate"])
+                gains.append(gain)
+                if disk == "least-recently-used":
+                    v[f"{stream}.lfu_gain_default"] = gain
+    v["lfu_gain"] = [min(gains), max(gains)]
+    v["lfu_share"], v["lru_share"] = [min(shares["lfu"]), max(shares["lfu"])], [min(shares["lru"]), max(shares["lru"])]
+    return v
+
+
 VALUES = {
     "ingest_rate": Values((INGEST_RATE,), _ingest_rate_values),
     "kv_qwen": Values(tuple(KV_QWEN.values()), _kv_values),
@@ -181,4 +209,5 @@ VALUES = {
     "tiers": Values((CALIBRATED,), lambda res: _tier_values(res, CALIBRATED)),
     "tiers0": Values((UNCALIBRATED,), lambda res: _tier_values(res, UNCALIBRATED)),
     "redis": Values((REDIS,), lambda res: _tier_values(res, REDIS)),
+    "policies": Values(tuple(REPLAYS.values()), _policy_values),
 }
