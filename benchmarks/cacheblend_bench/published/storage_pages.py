@@ -76,13 +76,17 @@ def _tier_values(res: Results, name: str) -> dict[str, Any]:
     return v
 
 
+def _first_stream(rows: list[dict]) -> list[dict]:
+    """A replay file's rows of its first stream (the one its table shows)."""
+    stream = next(r["stream"] for r in rows if r["kind"] == "config")
+    return [r for r in rows if r["stream"] == stream]
+
+
 def _replay_block(name: str):
     def render(res: Results) -> str:
         from cacheblend_bench.replay import summary_table
 
-        rows = res.rows(name)
-        stream = next(r["stream"] for r in rows if r["kind"] == "config")
-        return summary_table([r for r in rows if r["stream"] == stream])
+        return summary_table(_first_stream(res.rows(name)))
 
     return render
 
@@ -181,9 +185,7 @@ def _policy_values(res: Results) -> dict[str, Any]:
     v: dict[str, Any] = {}
     gains, shares = [], {"lfu": [], "lru": []}
     for stream, name in REPLAYS.items():
-        rows = res.rows(name)
-        first = next(r["stream"] for r in rows if r["kind"] == "config")
-        rows = [r for r in rows if r["stream"] == first]
+        rows = _first_stream(res.rows(name))
         oracle = next(r["hit_rate"] for r in rows if r["run"] == "static oracle")
         pairs = {(r["memory_policy"], r["disk_policy"]): r for r in rows if r["kind"] == "summary"}
         v[f"{stream}.oracle"] = oracle
