@@ -110,22 +110,42 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def report(res: dict[str, Any]) -> str:
-    def line(name: str, s: dict[str, float], pct: bool = False) -> str:
-        f = (lambda v: f"{100 * v:+6.2f}%") if pct else (lambda v: f"{1000 * v:8.1f} ms")
-        return f"{name:<34} median {f(s['median'])}  [p25 {f(s['p25'])}, p75 {f(s['p75'])}]  range {f(s['min'])} .. {f(s['max'])}"
+# What a report shows, in order: (label, key of the result, whether it is a share of TTFT).
+MEASURES = (
+    ("TTFT in process", "in_process_ttft_s", False),
+    ("TTFT through the server", "server_ttft_s", False),
+    ("server / in-process \u2212 1, paired", "paired_ratio_minus_1", True),
+    ("in-request overhead", "in_request_overhead_s", False),
+    ("in-request overhead / engine TTFT", "in_request_overhead_fraction", True),
+)
 
-    return "\n".join(
-        [
-            f"{res['model']}: {res['questions']} HotpotQA questions x {res['chunks']} cached chunks x {res['rounds']} rounds "
-            f"({res['requests']} request pairs; same answer text in {res['same_answers']})",
-            line("TTFT in process", res["in_process_ttft_s"]),
-            line("TTFT through the server", res["server_ttft_s"]),
-            line("server / in-process - 1 (paired)", res["paired_ratio_minus_1"], pct=True),
-            line("in-request overhead", res["in_request_overhead_s"]),
-            line("in-request overhead / engine TTFT", res["in_request_overhead_fraction"], pct=True),
-        ]
+
+def _value(v: float, share: bool) -> str:
+    return f"{100 * v:+.2f}%" if share else f"{1000 * v:.1f} ms"
+
+
+def _setup(res: dict[str, Any]) -> str:
+    return (
+        f"{res['model']}: {res['questions']} HotpotQA questions x {res['chunks']} cached chunks x {res['rounds']} rounds "
+        f"({res['requests']} request pairs; same answer text in {res['same_answers']})"
     )
+
+
+def report(res: dict[str, Any]) -> str:
+    lines = [_setup(res)]
+    for name, key, share in MEASURES:
+        s = {k: f"{_value(v, share):>9}" for k, v in res[key].items()}
+        lines.append(f"{name:<34} median {s['median']}  [p25 {s['p25']}, p75 {s['p75']}]  range {s['min']} .. {s['max']}")
+    return "\n".join(lines)
+
+
+def markdown_table(res: dict[str, Any]) -> str:
+    """The report as docs/server.md shows it (negative values with the docs' minus sign)."""
+    lines = ["| | median | p25 .. p75 | range |", "|---|---|---|---|"]
+    for name, key, share in MEASURES:
+        s = {k: _value(v, share).replace("-", "\u2212") for k, v in res[key].items()}
+        lines.append(f"| {name} | {s['median']} | {s['p25']} .. {s['p75']} | {s['min']} .. {s['max']} |")
+    return "\n".join([*lines, "", _setup(res) + "."])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,9 +16,10 @@ from cacheblend_bench.format_probe import probe_table
 from cacheblend_bench.guard_curve import best_within, by_question, cascade, cascade_table, escalation_cascade, frontier
 from cacheblend_bench.guard_curve import curve as guard_curve
 from cacheblend_bench.guard_curve import table as guard_table
-from cacheblend_bench.published.fmt import MINUS, Stat, pct, x_ci
+from cacheblend_bench.published.fmt import Stat, pct, x_ci
 from cacheblend_bench.published.results import Results, Table, Values
 from cacheblend_bench.server_load import markdown_table as server_load_table
+from cacheblend_bench.server_overhead import markdown_table as server_overhead_table
 from cacheblend_bench.stats import sign_test
 from cacheblend_bench.summary import markdown_table, pooled, speedup_over, summarize
 from cacheblend_bench.whole_answer import WholeAnswerConfig, decode_step_table
@@ -553,35 +554,6 @@ def _batch_step_values(res: Results) -> dict[str, Any]:
 SERVER_OVERHEAD = "server_overhead_smollm2.json"  # python -m cacheblend_bench.server_overhead (docs/server.md)
 
 
-def _server_overhead_table(res: Results) -> str:
-    d = res.json(SERVER_OVERHEAD)
-
-    def ms(v: float) -> str:
-        return f"{1000 * v:.1f} ms"
-
-    def rel(v: float, digits: int = 1) -> str:
-        return f"{100 * v:+.{digits}f}%".replace("-", MINUS)
-
-    lines = ["| | median | p25 .. p75 | range |", "|---|---|---|---|"]
-    for label, key, fmt in (
-        ("TTFT in process", "in_process_ttft_s", ms),
-        ("TTFT through the server", "server_ttft_s", ms),
-        ("server / in-process \u2212 1, paired", "paired_ratio_minus_1", rel),
-        ("in-request overhead", "in_request_overhead_s", ms),
-        ("in-request overhead / engine TTFT", "in_request_overhead_fraction", lambda v: rel(v, 2)),
-    ):
-        e = d[key]
-        lines.append(
-            f"| {label} | {fmt(e['median'])} | {fmt(e['p25'])} .. {fmt(e['p75'])} | {fmt(e['min'])} .. {fmt(e['max'])} |"
-        )
-    lines.append("")
-    lines.append(
-        f"{d['model']}, {d['questions']} questions over {d['chunks']} cached chunks, {d['rounds']} rounds: "
-        f"{d['requests']} request pairs, the same answer text in {d['same_answers']}."
-    )
-    return "\n".join(lines)
-
-
 def _server_overhead_values(res: Results) -> dict[str, Any]:
     d = res.json(SERVER_OVERHEAD)
     return {
@@ -749,7 +721,7 @@ TABLES = {
     "adaptive-qwen05-heldout": Table((ADAPTIVE_HELDOUT,), _adaptive_heldout_table),
     "batch-step-smollm2": Table((BATCH_STEP,), lambda res: batch_step_table(res.json(BATCH_STEP))),
     "server-load-smollm2": Table((SERVER_LOAD,), lambda res: server_load_table(res.json(SERVER_LOAD)["summary"])),
-    "server-overhead-smollm2": Table((SERVER_OVERHEAD,), _server_overhead_table),
+    "server-overhead-smollm2": Table((SERVER_OVERHEAD,), lambda res: server_overhead_table(res.json(SERVER_OVERHEAD))),
     "reliability-load-tiny": Table((RELIABILITY,), lambda res: "```\n" + res.text(RELIABILITY).strip() + "\n```"),
 }
 
