@@ -1,6 +1,6 @@
 """What the server attack tests (rounds three and four) share: the tiny model's name and answer
 length, a live server over a module's ``engine`` fixture, a good request and the in-process answer
-it must get under attack, and the process's resident memory."""
+it must get under attack, and the bytes the process's objects hold."""
 
 from __future__ import annotations
 
@@ -48,34 +48,45 @@ def good(url: str, timeout: float = BOUND_S) -> dict:
     return r.json()
 
 
-def rss_bytes() -> int:
-    """This process's resident bytes, after a garbage collection and after glibc hands back the
-    free memory at the top of its arenas: what the attacks' objects still hold, not what the
-    allocator keeps cached (which threads' arenas a burst of bodies lands in varies from run to
-    run; a 7 MB body's arenas alone had made the check fail one run in three) nor what a refused
-    request's traceback cycles hold until the next collection."""
+def held_bytes() -> int:
+    """Bytes this process's objects hold, after a garbage collection: what glibc's ``malloc`` has
+    handed out and not got back (``mallinfo2``: arenas in use plus mmapped blocks), where every
+    request body, text and container over 512 bytes lives. Not resident memory: which of the free
+    pages ``malloc_trim`` gives back varies with the threads' arenas, so resident memory after
+    the same four refused 7 MB bodies swung by 27 MB either way from run to run (one CI run: 83 MB
+    up) while the bytes in use came back to the byte. Elsewhere than glibc: resident bytes."""
     gc.collect()
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
+    if _MALLINFO2 is not None:
+        info = _MALLINFO2()
+        return info.uordblks + info.hblkhd
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
 
 
-def rss_growth(before: int, slack: int, settle_s: float = 3.0) -> int:
-    """Resident bytes gained since ``before``, waiting up to ``settle_s`` for them to come back
-    within ``slack``: the server's threads may still be releasing a request whose response the
-    client already has (one 7 MB message of four came back 76 MB up at once). A leak stays up."""
+def held_growth(before: int, slack: int, settle_s: float = 3.0) -> int:
+    """Bytes held beyond ``before``, waiting up to ``settle_s`` for them to come back within
+    ``slack``: the server's threads may still be releasing a request whose response the client
+    already has. A leak stays up."""
     deadline = time.monotonic() + settle_s
-    while (grown := rss_bytes() - before) >= slack and time.monotonic() < deadline:
+    while (grown := held_bytes() - before) >= slack and time.monotonic() < deadline:
         time.sleep(0.1)
     return grown
 
 
-def _libc():
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+    ]
+
+
+def _mallinfo2():
     try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc: resident bytes as they are
+        fn = ctypes.CDLL("libc.so.6").mallinfo2  # glibc 2.33 or later
+    except (OSError, AttributeError):
         return None
+    fn.restype = _MallInfo2
+    return fn
 
 
-_LIBC = _libc()
+_MALLINFO2 = _mallinfo2()
