@@ -697,7 +697,7 @@ def test_good_requests_are_answered_while_idle_connections_churn(engine, expecte
         assert not failures, (len(failures), failures[:5], opened[0])
         assert opened[0] > 10 * CHURN_CAP, opened[0]  # the churn ran
         # /health within 0.5 s at every probe, not a percentile: on 2 busy cores the slowest of 400
-        # took 0.064 s, the median 0.025 s. Memory: within 64 MB of before the churn (+21 MB measured).
+        # took 0.064 s, the median 0.025 s. Memory: within 64 MB of before the churn.
         slow = sorted(round(t, 3) for t in health_s if t >= HEALTH_S)
         assert health_s and not slow, (len(slow), len(health_s), slow[-10:])
         assert after - before < MEMORY_SLACK, (before, after)

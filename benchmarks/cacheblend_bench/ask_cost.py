@@ -106,13 +106,11 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The docs' table (docs/cli.md): :func:`markdown_table` and what ran it."""
-    machines = {(r["machine"]["cpu"], r["machine"]["threads"]) for r in rows}
-    where = "; ".join(f"{cpu}, {threads} threads" for cpu, threads in sorted(machines))
     files = len({f for r in rows for f in r.get("files", [])}) or len(FILES)
     return (
         markdown_table(rows)
         + f"\n\nThe bundled SmolLM2-135M, {files} text files of `examples/data`, {NEW_TOKENS} new tokens, medians of "
-        + f"{len({r['repeat'] for r in rows})} repeats from an empty cache home; {where}."
+        + f"{len({r['repeat'] for r in rows})} repeats from an empty cache home; {provenance.machine_label(rows)}."
     )
 
 

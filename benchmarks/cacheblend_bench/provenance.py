@@ -266,6 +266,16 @@ def machine_stamp() -> dict[str, Any]:
     }
 
 
+def machine_label(rows: list[dict[str, Any]]) -> str:
+    """What ran ``rows``, for a table: "AMD EPYC (avx2, avx512f), 2 threads", or "not recorded"
+    where a row does not say or the rows come from more than one machine."""
+    machines = {(m["cpu"], tuple(m["cpu_flags"]), m["threads"]) for r in rows if (m := r.get("machine"))}
+    if len(machines) != 1 or any("machine" not in r for r in rows):
+        return "not recorded"
+    cpu, flags, threads = machines.pop()
+    return f"{cpu} ({', '.join(flags) or 'no AVX2'}), {threads} threads"
+
+
 def caption(results: Path, files: tuple[str, ...]) -> str:
     """The line under a generated table: which files its rows are and which engine made them."""
     parts = [f"`docs/results/{name}` ({of(results, name).label()})" for name in files]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-from cacheblend_bench import headline
+from cacheblend_bench import headline, provenance
 from cacheblend_bench.ask_cost import table as ask_cost_table
 from cacheblend_bench.fidelity import FidelityConfig
 from cacheblend_bench.fidelity import summarize as fidelity_summarize
@@ -43,14 +43,6 @@ def _caches(settings: dict, row: dict) -> str:
     return "neighbour caches (" + ("the corpus" if settings.get("neighbour_pool") == "corpus" else "the prompt's chunks") + ")"
 
 
-def _cpu(rows: list[dict]) -> str:
-    machines = {(m["cpu"], tuple(m["cpu_flags"]), m["threads"]) for r in rows if (m := r.get("machine"))}
-    if len(machines) != 1 or any("machine" not in r for r in rows):
-        return "not recorded"
-    cpu, flags, threads = machines.pop()
-    return f"{cpu} ({', '.join(flags) or 'no AVX2'}), {threads} threads"
-
-
 def _whole_rows(res: Results, case: headline.Case) -> list[list[str]]:
     rows = headline.headline_rows(case, res.rows(headline.rows_file(case)))
     blend = headline.pick_default({r["method"] for r in rows})
@@ -58,7 +50,7 @@ def _whole_rows(res: Results, case: headline.Case) -> list[list[str]]:
     model = NAMES.get(case.model, case.model)
     prompt = f"{statistics.mean(r['prompt_tokens'] for r in rows) / 1000:.1f}k"
     qs = f"{entry['n']}"
-    settings, cpu = _settings(rows), _cpu(rows)
+    settings, cpu = _settings(rows), provenance.machine_label(rows)
 
     def cell(field: str, digits: int = 2) -> str:
         return x_ci(entry[field], entry[f"{field}_ci"], digits) + " sooner"
@@ -82,7 +74,7 @@ def _agreement_rows(res: Results, case: headline.Case) -> list[list[str]]:
             pct_ci(entry["agree"], entry["agree_ci"]) + " of questions",
             f"{entry['n']}",
             _settings(rows),
-            _cpu(rows),
+            provenance.machine_label(rows),
         ]
     ]
 
