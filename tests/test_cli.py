@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -166,6 +167,27 @@ def test_ask_json_matches_the_engine_called_directly(docs, tiny_from_pretrained,
     assert out["answer"] == ref.text and out["finish_reason"] == ref.finish_reason
     assert out["stats"]["chunks"] == 3 and out["stats"]["mode"] == "cacheblend"
     assert out["stats"]["generated_tokens"] == len(ref.token_ids)
+
+
+def test_ask_dash_answers_each_line_of_stdin_in_one_process_as_ask_answers_it_alone(
+    docs, tiny_from_pretrained, monkeypatch, capsys
+):
+    other = "Where does the Thames flow?"
+    alone = []
+    for q in (QUESTION, other):
+        assert cli.main(["ask", q, str(docs), *ASK_ALL, "--no-neighbours"]) == 0
+        alone.append(json.loads(capsys.readouterr().out))
+    loads = len(tiny_from_pretrained)
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"{QUESTION}\n\n  {other}  \n"))
+    assert cli.main(["ask", "-", str(docs), *ASK_ALL, "--no-neighbours"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(tiny_from_pretrained) == loads + 1  # one model load for every question
+    assert len(lines) == 2  # one JSON object a line; the blank line is no question
+    for line, want in zip(lines, alone):
+        got = json.loads(line)
+        assert got["question"] == want["question"]
+        assert got["answer"] == want["answer"] and got["chunks"] == want["chunks"]
+        assert got["stats"]["generated_tokens"] == want["stats"]["generated_tokens"]
 
 
 def test_from_pretrained_keeps_chunk_caches_in_the_default_format():

@@ -8,7 +8,10 @@ is left out) and as separate processes:
    model fingerprint and the load-time checks are all computed);
 2. ``again``: the same question (everything reused);
 3. ``new question``: another question over the same files (its vector is new; the chunks it
-   retrieves may need caches too).
+   retrieves may need caches too);
+4. ``later question, one process``: ``ask -`` given both questions on standard input, in one
+   process; its wall time is from the first answer's line to the second's, what a user of
+   ``ask -`` waits for a later question (everything reused, as in ``again``).
 
 Each row: the run, the process's wall seconds, the answer's first-token and total seconds
 (``ask --json``), the chunks cached and computed, and the machine. Rows append to ``--out``; a
@@ -34,7 +37,7 @@ from cacheblend_bench import provenance
 ROOT = Path(__file__).resolve().parents[2]
 FILES = tuple(sorted(str(p.relative_to(ROOT)) for p in (ROOT / "examples" / "data").glob("*.txt")))
 QUESTIONS = ("Which river flows through Oxford?", "Who developed the theory of general relativity?")
-RUNS = ("first", "again", "new question")
+RUNS = ("first", "again", "new question", "later question, one process")
 NEW_TOKENS = 64
 
 
@@ -58,8 +61,34 @@ def _ask(home: Path, question: str, files: Sequence[str], threads: int) -> dict[
     }
 
 
+def _ask_stream(home: Path, questions: Sequence[str], files: Sequence[str], threads: int) -> dict[str, Any]:
+    """``ask -`` over ``questions`` in one process: the last answer's row, its wall time from the
+    line of the answer before it to its own."""
+    env = {**os.environ, "CACHEBLEND_RAG_HOME": str(home), "OMP_NUM_THREADS": str(threads)}
+    command = ["cacheblend-rag", "ask", "-", *files, "--json", "--max-new-tokens", str(NEW_TOKENS)]
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=ROOT)
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write("".join(f"{q}\n" for q in questions))
+        proc.stdin.close()
+        lines = [(time.perf_counter(), json.loads(line)) for line in proc.stdout]
+        if proc.wait() != 0 or len(lines) != len(questions):
+            err.seek(0)
+            raise RuntimeError(f"{' '.join(command)} failed ({proc.returncode}, {len(lines)} answers):\n{err.read()[-2000:]}")
+    (before, _), (at, out) = lines[-2], lines[-1]
+    s = out["stats"]
+    return {
+        "wall_s": at - before,
+        "ttft_s": out["ttft_s"],
+        "answer_s": out["total_s"],
+        "chunks": s["chunks"],
+        "chunk_hits": s["chunk_hits"],
+        "chunk_misses": s["chunk_misses"],
+    }
+
+
 def repeat(index: int, files: Sequence[str], threads: int) -> list[dict[str, Any]]:
-    """One repeat: the three runs over a fresh cache home."""
+    """One repeat: the four runs over a fresh cache home."""
     from cacheblend_rag.model.loading import default_cache_dir
 
     models = default_cache_dir() / "models"
@@ -71,6 +100,8 @@ def repeat(index: int, files: Sequence[str], threads: int) -> list[dict[str, Any
         for run, question in zip(RUNS, (QUESTIONS[0], QUESTIONS[0], QUESTIONS[1])):
             got = _ask(home, question, files, threads)
             rows.append({"repeat": index, "run": run, "question": question, "files": list(files), **got})
+        got = _ask_stream(home, QUESTIONS, files, threads)
+        rows.append({"repeat": index, "run": RUNS[3], "question": QUESTIONS[1], "files": list(files), **got})
     return rows
 
 

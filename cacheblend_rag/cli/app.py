@@ -47,6 +47,7 @@ def split_text(text: str, tokenizer, max_tokens: int) -> list[str]:
 # file's split and the MiniLM vector of each chunk and question, by content (SplitCache,
 # embedder.CachedEmbedder). Deleting the file only costs the next run the splitting and embedding.
 ASK_CACHE = "ask.sqlite"
+STDIN = "-"  # ask's question argument that reads the questions from standard input
 
 
 class SplitCache:
@@ -126,6 +127,22 @@ def retrieve(question: str, chunks: list[str], top_k: int, embed: Embedder | Non
     return most_similar(question, chunks, top_k, embed)
 
 
+def _questions(text: str):
+    """``ask``'s questions: ``text`` itself, or with ``-`` each non-blank line of standard input
+    (a prompt on standard error where a person types them) until its end."""
+    if text != STDIN:
+        yield text
+        return
+    while True:
+        if sys.stdin.isatty():
+            print("question> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            return
+        if line.strip():
+            yield line.strip()
+
+
 def _ask(args: argparse.Namespace) -> int:
     from cacheblend_rag.serving import Request, Run
 
@@ -140,32 +157,40 @@ def _ask(args: argparse.Namespace) -> int:
     try:
         _guarded(engine, args.guard_margin, args.adaptive)
         corpus = read_chunks(args.files, engine.tokenizer, args.chunk_tokens, splits)
-        chunks = retrieve(args.question, corpus, args.top_k, embed)
-        if not args.no_neighbours and args.mode in FUSED_MODES:
-            # Each retrieved chunk also cached behind its most similar chunks of all the files: the
-            # neighbour index lives in this process, so this runs every time, from the stored
-            # vectors (only chunks not seen before are embedded) and the stored caches.
-            engine.precompute(chunks, neighbours=ASK_NEIGHBOURS, corpus=corpus, embed=embed, progress=not args.json)
-        elif args.precompute:
-            engine.precompute(chunks, progress=not args.json)
-        # The request path every front end takes (the settings checked as the server checks them).
-        request = Request.over_chunks(args.question, chunks).with_settings(
-            mode=args.mode, recompute_ratio=args.ratio, max_new_tokens=args.max_new_tokens, temperature=args.temperature
-        )
-        run = Run(engine, request)
-        for delta in run:
-            if not args.json:
-                print(delta, end="", flush=True)
-        res = run.result
-        assert res is not None
+        # Questions from standard input share this process: the model, splits and caches load once.
+        for question in _questions(args.question):
+            chunks = retrieve(question, corpus, args.top_k, embed)
+            if not args.no_neighbours and args.mode in FUSED_MODES:
+                # Each retrieved chunk also cached behind its most similar chunks of all the files:
+                # the neighbour index lives in this process, so this runs for every question,
+                # from the stored vectors (only chunks not seen before are embedded) and caches.
+                engine.precompute(chunks, neighbours=ASK_NEIGHBOURS, corpus=corpus, embed=embed, progress=not args.json)
+            elif args.precompute:
+                engine.precompute(chunks, progress=not args.json)
+            # The request path every front end takes (the settings checked as the server checks them).
+            request = Request.over_chunks(question, chunks).with_settings(
+                mode=args.mode, recompute_ratio=args.ratio, max_new_tokens=args.max_new_tokens, temperature=args.temperature
+            )
+            run = Run(engine, request)
+            for delta in run:
+                if not args.json:
+                    print(delta, end="", flush=True)
+            assert run.result is not None
+            _report(question, chunks, run.result, args.json, one_line=args.question == STDIN)
     finally:
         splits.close()
         embed.close()
         engine.close()
+    return 0
+
+
+def _report(question: str, chunks: list[str], res, as_json: bool, one_line: bool) -> None:
+    """One answer's JSON object (on one line for a stream of questions), or the stats line after
+    the streamed answer."""
     s = res.stats
-    if args.json:
+    if as_json:
         out = {
-            "question": args.question,
+            "question": question,
             "answer": res.text,
             "finish_reason": res.finish_reason,
             "ttft_s": res.ttft_s,
@@ -173,8 +198,8 @@ def _ask(args: argparse.Namespace) -> int:
             "chunks": chunks,
             "stats": s,
         }
-        print(json.dumps(out, indent=1, default=_jsonable))
-        return 0
+        print(json.dumps(out, indent=None if one_line else 1, default=_jsonable), flush=True)
+        return
     print()
     print(
         f"[{s['mode']}] time to first token {res.ttft_s:.2f}s, {s['chunks']} chunks "
@@ -182,7 +207,6 @@ def _ask(args: argparse.Namespace) -> int:
         f"recomputed {100 * s['recompute_fraction']:.0f}% of token-layers",
         file=sys.stderr,
     )
-    return 0
 
 
 # How many chunks ask caches each retrieved chunk behind (the engine's precompute(neighbours=n)).
@@ -360,7 +384,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     ask = sub.add_parser("ask", help="answer a question over text files or a JSON list of chunks")
-    ask.add_argument("question")
+    ask.add_argument(
+        "question",
+        help="the question, or - to read questions from standard input, one per line, answered in one process "
+        "(the model loads once; with --json one object per line)",
+    )
     ask.add_argument("files", nargs="+", help="text files (split into paragraph chunks) or .json lists of chunks")
     ask.add_argument(
         "--top-k",
@@ -369,7 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="answer over the K chunks most similar to the question (bundled MiniLM embedder; default 6; 0: every chunk)",
     )
     ask.add_argument(
-        "--json", action="store_true", help="print one JSON object (answer, chunks used, stats) instead of streaming"
+        "--json", action="store_true", help="print one JSON object (answer, chunks used, stats) per question instead of streaming"
     )
     ask.add_argument("--model", default=None, help="model dir, .gguf file or hub id (default: bundled SmolLM2-135M-Instruct)")
     ask.add_argument("--mode", default="cacheblend", choices=list(MODES))
