@@ -8,6 +8,7 @@ import json
 import logging
 import sqlite3
 import sys
+from collections.abc import Iterator
 from dataclasses import replace
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -24,6 +25,7 @@ from cacheblend_rag.store.quant import DEFAULT_KV_FORMAT, parse_kv_format
 
 if TYPE_CHECKING:
     from cacheblend_rag.engine.core import CacheBlendEngine
+    from cacheblend_rag.engine.stream import GenerationResult
 
 # Commands beyond ask and serve come from entry points of this group (pyproject.toml: ingest and
 # store, which build on this module's reading and flags, and the benchmarks' sweep, bench,
@@ -127,7 +129,7 @@ def retrieve(question: str, chunks: list[str], top_k: int, embed: Embedder | Non
     return most_similar(question, chunks, top_k, embed)
 
 
-def _questions(text: str):
+def _questions(text: str) -> Iterator[str]:
     """``ask``'s questions: ``text`` itself, or with ``-`` each non-blank line of standard input
     (a prompt on standard error where a person types them) until its end."""
     if text != STDIN:
@@ -184,7 +186,7 @@ def _ask(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report(question: str, chunks: list[str], res, as_json: bool, one_line: bool) -> None:
+def _report(question: str, chunks: list[str], res: GenerationResult, as_json: bool, one_line: bool) -> None:
     """One answer's JSON object (on one line for a stream of questions), or the stats line after
     the streamed answer."""
     s = res.stats
