@@ -33,15 +33,26 @@ for i, line in enumerate(sys.stdin):
     stats = dict(chunks=6, chunk_hits=6, chunk_misses=0)
     print(json.dumps(dict(question=line.strip(), ttft_s=0.1 * (i + 1), total_s=0.2, stats=stats)), flush=True)
 """
+FAILING_ASK = """#!{python}
+import sys
+sys.stdin.read()
+print('no model here', file=sys.stderr)
+sys.exit(3)
+"""
 
 
-def test_a_later_question_in_one_process_is_timed_from_the_answer_before_it(tmp_path, monkeypatch):
+def _fake_ask(tmp_path, monkeypatch, script: str) -> None:
+    """``cacheblend-rag`` on the PATH is ``script`` (a Python program)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake = bin_dir / "cacheblend-rag"
-    fake.write_text(FAKE_ASK.format(python=sys.executable))
+    fake.write_text(script.format(python=sys.executable))
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+
+def test_a_later_question_in_one_process_is_timed_from_the_answer_before_it(tmp_path, monkeypatch):
+    _fake_ask(tmp_path, monkeypatch, FAKE_ASK)
     # The clock as each answer's line arrives: the process start is before the first.
     clock = iter([100.0, 102.5])
     monkeypatch.setattr(ask_cost, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
@@ -51,11 +62,6 @@ def test_a_later_question_in_one_process_is_timed_from_the_answer_before_it(tmp_
 
 
 def test_an_ask_stream_that_answers_fewer_questions_fails_with_its_error(tmp_path, monkeypatch):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    fake = bin_dir / "cacheblend-rag"
-    fake.write_text(f"#!{sys.executable}\nimport sys\nsys.stdin.read()\nprint('no model here', file=sys.stderr)\nsys.exit(3)\n")
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    _fake_ask(tmp_path, monkeypatch, FAILING_ASK)
     with pytest.raises(RuntimeError, match=r"failed \(3, 0 answers\):\nno model here"):
         ask_cost._ask_stream(tmp_path, ["first?", "second?"], [], threads=1)

@@ -41,15 +41,14 @@ RUNS = ("first", "again", "new question", "later question, one process")
 NEW_TOKENS = 64
 
 
-def _ask(home: Path, question: str, files: Sequence[str], threads: int) -> dict[str, Any]:
+def _command(home: Path, question: str, files: Sequence[str], threads: int) -> tuple[list[str], dict[str, str]]:
+    """``ask``'s command line for ``question`` (``-``: standard input) and its environment."""
     env = {**os.environ, "CACHEBLEND_RAG_HOME": str(home), "OMP_NUM_THREADS": str(threads)}
-    command = ["cacheblend-rag", "ask", question, *files, "--json", "--max-new-tokens", str(NEW_TOKENS)]
-    t0 = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
-    wall = time.perf_counter() - t0
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-2000:]}")
-    out = json.loads(done.stdout[done.stdout.index("{") :])
+    return ["cacheblend-rag", "ask", question, *files, "--json", "--max-new-tokens", str(NEW_TOKENS)], env
+
+
+def _row(wall: float, out: dict[str, Any]) -> dict[str, Any]:
+    """A run's row from its wall seconds and ``ask --json``'s object."""
     s = out["stats"]
     return {
         "wall_s": wall,
@@ -61,11 +60,20 @@ def _ask(home: Path, question: str, files: Sequence[str], threads: int) -> dict[
     }
 
 
+def _ask(home: Path, question: str, files: Sequence[str], threads: int) -> dict[str, Any]:
+    command, env = _command(home, question, files, threads)
+    t0 = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
+    wall = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    return _row(wall, json.loads(done.stdout[done.stdout.index("{") :]))
+
+
 def _ask_stream(home: Path, questions: Sequence[str], files: Sequence[str], threads: int) -> dict[str, Any]:
     """``ask -`` over ``questions`` in one process: the last answer's row, its wall time from the
     line of the answer before it to its own."""
-    env = {**os.environ, "CACHEBLEND_RAG_HOME": str(home), "OMP_NUM_THREADS": str(threads)}
-    command = ["cacheblend-rag", "ask", "-", *files, "--json", "--max-new-tokens", str(NEW_TOKENS)]
+    command, env = _command(home, "-", files, threads)
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=ROOT)
         assert proc.stdin is not None and proc.stdout is not None
@@ -76,15 +84,7 @@ def _ask_stream(home: Path, questions: Sequence[str], files: Sequence[str], thre
             err.seek(0)
             raise RuntimeError(f"{' '.join(command)} failed ({proc.returncode}, {len(lines)} answers):\n{err.read()[-2000:]}")
     (before, _), (at, out) = lines[-2], lines[-1]
-    s = out["stats"]
-    return {
-        "wall_s": at - before,
-        "ttft_s": out["ttft_s"],
-        "answer_s": out["total_s"],
-        "chunks": s["chunks"],
-        "chunk_hits": s["chunk_hits"],
-        "chunk_misses": s["chunk_misses"],
-    }
+    return _row(at - before, out)
 
 
 def repeat(index: int, files: Sequence[str], threads: int) -> list[dict[str, Any]]:
