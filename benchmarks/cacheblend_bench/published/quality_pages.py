@@ -601,50 +601,47 @@ def _format_values(fmt: str, refs: tuple[str, ...]) -> Values:
 HEADLINE_AGREEMENT = "headline_fidelity_qwen05.jsonl"
 DEFAULTS15 = "fidelity_defaults_qwen15.jsonl"
 DEFAULT_NB = "question@0.15/nb"
-MODELS = {"qwen2.5-coder-0.5b": "Qwen2.5-Coder-0.5B", "qwen2.5-coder-1.5b": "Qwen2.5-Coder-1.5B"}
 
 
 def _defaults(res: Results) -> dict[str, Any]:
     """The defaults' rows of both readers on the questions the 1.5B run answered (the 0.5B rows
-    are the README's agreement case, a superset), paired by question; ``both`` holds, per
-    question, (0.5B agrees, 1.5B agrees)."""
+    are the README's agreement case, a superset), paired by question: per reader (value key,
+    name) its rows and their summary by dataset; ``both`` holds, per question, (0.5B agrees,
+    1.5B agrees)."""
 
     def compute() -> dict[str, Any]:
         big = [r for r in res.rows(DEFAULTS15) if r["method"] == DEFAULT_NB]
         questions = {(r["dataset"], r["qid"]) for r in big}
         small = [r for r in res.rows(HEADLINE_AGREEMENT) if r["method"] == DEFAULT_NB and (r["dataset"], r["qid"]) in questions]
         agree05 = {(r["dataset"], r["qid"]): r["agree"] for r in small}
-        both = [(agree05[(r["dataset"], r["qid"])], r["agree"]) for r in big]
-        return {"rows": {m: rs for m, rs in (("qwen2.5-coder-0.5b", small), ("qwen2.5-coder-1.5b", big))}, "both": both}
+        readers = {("q05", "Qwen2.5-Coder-0.5B"): small, ("q15", "Qwen2.5-Coder-1.5B"): big}
+        return {
+            "readers": {k: (rows, {e["dataset"]: e for e in summarize(rows)}) for k, rows in readers.items()},
+            "both": [(agree05[(r["dataset"], r["qid"])], r["agree"]) for r in big],
+        }
 
     return res.memo("defaults15", compute)
 
 
 def _defaults_table(res: Results) -> str:
-    d = _defaults(res)
     lines = [
         "| reader | questions | answer = full prefill's | HotpotQA; MuSiQue | F1 − full prefill's | full prefill's F1 "
         "| KL to full prefill (median) |",
         "|---|---|---|---|---|---|---|",
     ]
     C = TABLE_COLUMNS
-    for model, rows in d["rows"].items():
-        s = {e["dataset"]: e for e in summarize(rows)}
+    for (_, name), (rows, s) in _defaults(res)["readers"].items():
         per = "; ".join(f"{s[x]['agree']:.0%}" for x in ("hotpotqa", "musique") if x in s)
         e = s["all"]
         kl = statistics.median(r["kl"] for r in rows)
-        lines.append(
-            f"| {MODELS[model]} | {e['n']} | {C['agree'][1](e)} | {per} | {C['f1_diff'][1](e)} | {e['f1_full']:.3f} | {kl:.3f} |"
-        )
+        lines.append(f"| {name} | {e['n']} | {C['agree'][1](e)} | {per} | {C['f1_diff'][1](e)} | {e['f1_full']:.3f} | {kl:.3f} |")
     return "\n".join(lines)
 
 
 def _defaults_values(res: Results) -> dict[str, Any]:
     d = _defaults(res)
     v: dict[str, Any] = {}
-    for model, rows in d["rows"].items():
-        k = "q05" if "0.5b" in model else "q15"
-        s = {e["dataset"]: e for e in summarize(rows)}
+    for (k, _), (_, s) in d["readers"].items():
         v[f"{k}.n"] = s["all"]["n"]
         v[f"{k}.agree"] = _stat(s["all"], "agree")
         v[f"{k}.f1_diff"] = _stat(s["all"], "f1_diff")
