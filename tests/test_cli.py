@@ -190,6 +190,23 @@ def test_ask_dash_answers_each_line_of_stdin_in_one_process_as_ask_answers_it_al
         assert got["stats"]["generated_tokens"] == want["stats"]["generated_tokens"]
 
 
+def test_ask_dash_reports_a_question_too_long_for_the_model_and_goes_on_to_the_next_line(
+    docs, tiny_from_pretrained, monkeypatch, capsys
+):
+    too_long = "why " * 2000  # the tiny model's window is 1,024 positions
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"{QUESTION}\n{too_long}\n{QUESTION}\n"))
+    assert cli.main(["ask", "-", str(docs), *ASK_ALL, "--no-neighbours"]) == 1  # some question failed
+    first, failed, last = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert failed["question"] == too_long.strip() and "answer" not in failed
+    assert "more than the model's context window of 1024 tokens" in failed["error"]
+    assert "retrieve fewer or shorter chunks" in failed["error"]  # the message says what to do
+    assert last["answer"] == first["answer"] and last["chunks"] == first["chunks"]
+    # Without --json the answer streams and the failure is one line on standard error, no traceback.
+    assert cli.main(["ask", too_long, str(docs), "--max-new-tokens", "4", "--no-neighbours"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: the prompt (instruction + chunks + question) is ") and "Traceback" not in err
+
+
 def test_from_pretrained_keeps_chunk_caches_in_the_default_format():
     import inspect
 

@@ -146,8 +146,6 @@ def _questions(text: str) -> Iterator[str]:
 
 
 def _ask(args: argparse.Namespace) -> int:
-    from cacheblend_rag.serving import Request, Run
-
     if args.top_k < 0:
         raise SystemExit(f"error: --top-k {args.top_k}: pass a number of chunks >= 1, or 0 to send every chunk")
     _check_guard(args.guard_margin)
@@ -159,31 +157,53 @@ def _ask(args: argparse.Namespace) -> int:
     try:
         _guarded(engine, args.guard_margin, args.adaptive)
         corpus = read_chunks(args.files, engine.tokenizer, args.chunk_tokens, splits)
+        failed = 0
         # Questions from standard input share this process: the model, splits and caches load once.
         for question in _questions(args.question):
-            chunks = retrieve(question, corpus, args.top_k, embed)
-            if not args.no_neighbours and args.mode in FUSED_MODES:
-                # Each retrieved chunk also cached behind its most similar chunks of all the files:
-                # the neighbour index lives in this process, so this runs for every question,
-                # from the stored vectors (only chunks not seen before are embedded) and caches.
-                engine.precompute(chunks, neighbours=ASK_NEIGHBOURS, corpus=corpus, embed=embed, progress=not args.json)
-            elif args.precompute:
-                engine.precompute(chunks, progress=not args.json)
-            # The request path every front end takes (the settings checked as the server checks them).
-            request = Request.over_chunks(question, chunks).with_settings(
-                mode=args.mode, recompute_ratio=args.ratio, max_new_tokens=args.max_new_tokens, temperature=args.temperature
-            )
-            run = Run(engine, request)
-            for delta in run:
-                if not args.json:
-                    print(delta, end="", flush=True)
-            assert run.result is not None
-            _report(question, chunks, run.result, args.json, one_line=args.question == STDIN)
+            try:
+                _answer(engine, args, question, corpus, embed)
+            except ValueError as exc:
+                # A question this model cannot take (its prompt too long, a setting out of range)
+                # fails alone: the stream goes on with the next line, and the exit status says so.
+                failed += 1
+                _report_error(question, exc, args.json)
     finally:
         splits.close()
         embed.close()
         engine.close()
-    return 0
+    return 1 if failed else 0
+
+
+def _answer(engine: CacheBlendEngine, args: argparse.Namespace, question: str, corpus: list[str], embed: CachedEmbedder) -> None:
+    """Retrieve ``question``'s chunks from ``corpus``, answer it (streamed unless ``--json``) and report."""
+    from cacheblend_rag.serving import Request, Run
+
+    chunks = retrieve(question, corpus, args.top_k, embed)
+    if not args.no_neighbours and args.mode in FUSED_MODES:
+        # Each retrieved chunk also cached behind its most similar chunks of all the files:
+        # the neighbour index lives in this process, so this runs for every question,
+        # from the stored vectors (only chunks not seen before are embedded) and caches.
+        engine.precompute(chunks, neighbours=ASK_NEIGHBOURS, corpus=corpus, embed=embed, progress=not args.json)
+    elif args.precompute:
+        engine.precompute(chunks, progress=not args.json)
+    # The request path every front end takes (the settings checked as the server checks them).
+    request = Request.over_chunks(question, chunks).with_settings(
+        mode=args.mode, recompute_ratio=args.ratio, max_new_tokens=args.max_new_tokens, temperature=args.temperature
+    )
+    run = Run(engine, request)
+    for delta in run:
+        if not args.json:
+            print(delta, end="", flush=True)
+    assert run.result is not None
+    _report(question, chunks, run.result, args.json, one_line=args.question == STDIN)
+
+
+def _report_error(question: str, exc: ValueError, as_json: bool) -> None:
+    """A failed question's message on standard error, or its JSON object (on one line)."""
+    if as_json:
+        print(json.dumps({"question": question, "error": str(exc)}), flush=True)
+    else:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
 
 
 def _report(question: str, chunks: list[str], res: GenerationResult, as_json: bool, one_line: bool) -> None:
