@@ -162,11 +162,12 @@ def _ask(args: argparse.Namespace) -> int:
         for question in _questions(args.question):
             try:
                 _answer(engine, args, question, corpus, embed)
-            except ValueError as exc:
-                # A question this model cannot take (its prompt too long, a setting out of range)
-                # fails alone: the stream goes on with the next line, and the exit status says so.
+            except ValueError as exc:  # a question the model cannot take fails alone; the exit status says so
                 failed += 1
-                _report_error(question, exc, args.json)
+                if args.json:
+                    print(json.dumps({"question": question, "error": str(exc)}), flush=True)
+                else:
+                    print(f"error: {exc}", file=sys.stderr, flush=True)
     finally:
         splits.close()
         embed.close()
@@ -196,14 +197,6 @@ def _answer(engine: CacheBlendEngine, args: argparse.Namespace, question: str, c
             print(delta, end="", flush=True)
     assert run.result is not None
     _report(question, chunks, run.result, args.json, one_line=args.question == STDIN)
-
-
-def _report_error(question: str, exc: ValueError, as_json: bool) -> None:
-    """A failed question's message on standard error, or its JSON object (on one line)."""
-    if as_json:
-        print(json.dumps({"question": question, "error": str(exc)}), flush=True)
-    else:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
 
 
 def _report(question: str, chunks: list[str], res: GenerationResult, as_json: bool, one_line: bool) -> None:
