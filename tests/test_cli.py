@@ -18,6 +18,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 import cacheblend_rag
 from cacheblend_rag.cli import app as cli
+from cacheblend_rag.cli import ask
 from cacheblend_rag.cli.paths import DataFileError, data_file
 from cacheblend_rag.engine.core import CacheBlendEngine
 from cacheblend_rag.testing import make_engine
@@ -233,7 +234,7 @@ def test_ask_caches_chunks_behind_their_neighbours_of_all_the_files_by_default(d
     out = json.loads(capsys.readouterr().out)
     ref_engine = make_engine("llama", seed=0, pipelined=False)
     try:
-        ref_engine.precompute(PARAGRAPHS, neighbours=cli.ASK_NEIGHBOURS, corpus=PARAGRAPHS, progress=False)
+        ref_engine.precompute(PARAGRAPHS, neighbours=ask.ASK_NEIGHBOURS, corpus=PARAGRAPHS, progress=False)
         ref = ref_engine.generate(QUESTION, PARAGRAPHS, max_new_tokens=N)
     finally:
         ref_engine.close()
@@ -254,7 +255,7 @@ def test_ask_chooses_neighbours_among_every_chunk_of_the_files(docs, tiny_from_p
     monkeypatch.setattr(CacheBlendEngine, "precompute", spy)
     assert cli.main(["ask", QUESTION, str(docs), "--json", "--top-k", "2", "--chunk-tokens", "40", "--max-new-tokens", "1"]) == 0
     ((texts, kwargs),) = calls
-    assert len(texts) == 2 and kwargs["neighbours"] == cli.ASK_NEIGHBOURS and kwargs["corpus"] == PARAGRAPHS
+    assert len(texts) == 2 and kwargs["neighbours"] == ask.ASK_NEIGHBOURS and kwargs["corpus"] == PARAGRAPHS
     calls.clear()
     assert (
         cli.main(["ask", QUESTION, str(docs), "--top-k", "2", "--chunk-tokens", "40", "--max-new-tokens", "1", "--no-neighbours"])
@@ -303,9 +304,9 @@ def test_split_text_keeps_paragraphs_and_splits_one_longer_than_a_chunk():
     eng = make_engine("llama", seed=0, pipelined=False)
     try:
         count = lambda text: len(eng.tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
-        assert cli.split_text("\n\n".join(PARAGRAPHS), eng.tokenizer, 40) == PARAGRAPHS
+        assert ask.split_text("\n\n".join(PARAGRAPHS), eng.tokenizer, 40) == PARAGRAPHS
         long = " ".join(PARAGRAPHS)  # one paragraph of about 110 tokens
-        chunks = cli.split_text(long, eng.tokenizer, 40)
+        chunks = ask.split_text(long, eng.tokenizer, 40)
         assert len(chunks) >= 3 and all(count(c) <= 40 for c in chunks)
         assert " ".join(chunks).split() == long.split()
     finally:

@@ -14,6 +14,7 @@ import torch
 
 from cacheblend_rag import embedder
 from cacheblend_rag.cli import app as cli
+from cacheblend_rag.cli import ask
 from cacheblend_rag.embedder import CachedEmbedder
 from cacheblend_rag.engine.core import CacheBlendEngine
 from cacheblend_rag.testing import make_engine
@@ -60,13 +61,13 @@ def counted(monkeypatch, tmp_path):
 
     monkeypatch.setattr(embedder, "bundled_embedder", lambda: fake_embed)
     monkeypatch.setattr(embedder, "minilm_identity", lambda: "fake-minilm")
-    real_split = cli.split_text
+    real_split = ask.split_text
 
     def split(text, tokenizer, max_tokens):
         calls["split"].append(text)
         return real_split(text, tokenizer, max_tokens)
 
-    monkeypatch.setattr(cli, "split_text", split)
+    monkeypatch.setattr(ask, "split_text", split)
     real_precompute = CacheBlendEngine.precompute
 
     def precompute(self, texts, **kwargs):
@@ -141,7 +142,7 @@ def test_the_cached_vectors_are_the_embedders_and_survive_a_new_process(tmp_path
 
 
 def test_an_unusable_cache_file_only_costs_the_splitting_and_embedding(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(cli, "split_text", lambda text, tokenizer, n: text.split("\n\n"))
+    monkeypatch.setattr(ask, "split_text", lambda text, tokenizer, n: text.split("\n\n"))
     path = tmp_path / "ask.sqlite"
     path.write_bytes(b"not a database" * 100)
     cached = CachedEmbedder(path, _fake_vectors, model="m")
@@ -149,23 +150,23 @@ def test_an_unusable_cache_file_only_costs_the_splitting_and_embedding(tmp_path,
         assert torch.equal(cached(["alpha"]), _fake_vectors(["alpha"]))
         assert torch.equal(cached(["alpha", "beta"]), _fake_vectors(["alpha", "beta"]))
     assert cached.embedded == 2 and len(caplog.records) == 1  # reported once
-    splits = cli.SplitCache(path, "model")
+    splits = ask.SplitCache(path, "model")
     with caplog.at_level(logging.WARNING, logger="cacheblend_rag.cli.app"):
         assert splits.split("a\n\nb", None, 10) == splits.split("a\n\nb", None, 10) == ["a", "b"]
     assert len(caplog.records) == 2
 
 
 def test_a_bad_split_row_is_split_again(tmp_path, monkeypatch):
-    monkeypatch.setattr(cli, "split_text", lambda text, tokenizer, n: text.split("\n\n"))
-    splits = cli.SplitCache(tmp_path / "ask.sqlite", "model")
+    monkeypatch.setattr(ask, "split_text", lambda text, tokenizer, n: text.split("\n\n"))
+    splits = ask.SplitCache(tmp_path / "ask.sqlite", "model")
     assert splits.split("a\n\nb", None, 10) == ["a", "b"]
     splits.close()
     db = sqlite3.connect(tmp_path / "ask.sqlite")
     db.execute("UPDATE splits SET chunks = 'not json'")
     db.commit()
     db.close()
-    monkeypatch.setattr(cli, "split_text", lambda text, tokenizer, n: ["again"])
-    assert cli.SplitCache(tmp_path / "ask.sqlite", "model").split("a\n\nb", None, 10) == ["again"]
+    monkeypatch.setattr(ask, "split_text", lambda text, tokenizer, n: ["again"])
+    assert ask.SplitCache(tmp_path / "ask.sqlite", "model").split("a\n\nb", None, 10) == ["again"]
 
 
 def test_the_bundled_minilms_cached_vectors_equal_its_own(tmp_path):

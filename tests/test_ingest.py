@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent / "reliability_helpers"))
 from rel_common import REPO, engine
 
 from cacheblend_rag.cli import app as cli
-from cacheblend_rag.cli import ingest
+from cacheblend_rag.cli import ask, ingest
 from cacheblend_rag.engine import capacity
 from cacheblend_rag.engine.capacity import StoreTooSmall
 from cacheblend_rag.store.disk import KVStore
@@ -55,7 +55,7 @@ def eng(tmp_path):
 def test_corpus_is_split_as_ask_splits_files(eng, tmp_path) -> None:
     folder = _corpus(tmp_path / "corpus")
     chunks = ingest.read_corpus([str(folder)], eng.tokenizer, 32)
-    river = cli.read_chunks([str(folder / "river.txt")], eng.tokenizer, 32)
+    river = ask.read_chunks([str(folder / "river.txt")], eng.tokenizer, 32)
     assert chunks[:2] == ["A chunk as given.", "Another one."]  # chunks.json, as ask reads it
     assert chunks[2 : 2 + len(river)] == river
     assert "Marie Curie won prize 1 in physics." in chunks and "Alice, 0." in chunks

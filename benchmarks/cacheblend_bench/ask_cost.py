@@ -11,7 +11,12 @@ is left out) and as separate processes:
    retrieves may need caches too);
 4. ``later question, one process``: ``ask -`` given both questions on standard input, in one
    process; its wall time is from the first answer's line to the second's, what a user of
-   ``ask -`` waits for a later question (everything reused, as in ``again``).
+   ``ask -`` waits for a later question (everything reused, as in ``again``);
+5. ``--keep-alive, starting it``: the first question again with ``--keep-alive``, which starts the
+   process that keeps the model loaded (``cli.warm``) and answers from it;
+6. ``--keep-alive, again``: the same, answered by that process;
+7. ``--keep-alive, new question``: a question not asked before, answered by that process (which
+   loads MiniLM for it) and then stopped (``--keep-alive 0``).
 
 Each row: the run, the process's wall seconds, the answer's first-token and total seconds
 (``ask --json``), the chunks cached and computed, and the machine. Rows append to ``--out``; a
@@ -36,15 +41,29 @@ from cacheblend_bench import provenance
 
 ROOT = Path(__file__).resolve().parents[2]
 FILES = tuple(sorted(str(p.relative_to(ROOT)) for p in (ROOT / "examples" / "data").glob("*.txt")))
-QUESTIONS = ("Which river flows through Oxford?", "Who developed the theory of general relativity?")
-RUNS = ("first", "again", "new question", "later question, one process")
+QUESTIONS = (
+    "Which river flows through Oxford?",
+    "Who developed the theory of general relativity?",
+    "When was the Colosseum completed?",
+)
+RUNS = (
+    "first",
+    "again",
+    "new question",
+    "later question, one process",
+    "--keep-alive, starting it",
+    "--keep-alive, again",
+    "--keep-alive, new question",
+)
+KEPT = (("10m", QUESTIONS[0]), ("10m", QUESTIONS[0]), ("0", QUESTIONS[2]))  # RUNS[4:]: --keep-alive, question
 NEW_TOKENS = 64
 
 
-def _command(home: Path, question: str, files: Sequence[str], threads: int) -> tuple[list[str], dict[str, str]]:
+def _command(home: Path, question: str, files: Sequence[str], threads: int, *flags: str) -> tuple[list[str], dict[str, str]]:
     """``ask``'s command line for ``question`` (``-``: standard input) and its environment."""
     env = {**os.environ, "CACHEBLEND_RAG_HOME": str(home), "OMP_NUM_THREADS": str(threads)}
-    return ["cacheblend-rag", "ask", question, *files, "--json", "--max-new-tokens", str(NEW_TOKENS)], env
+    env.pop("CACHEBLEND_RAG_KEEP_ALIVE", None)
+    return ["cacheblend-rag", "ask", question, *files, "--json", "--max-new-tokens", str(NEW_TOKENS), *flags], env
 
 
 def _row(wall: float, out: dict[str, Any]) -> dict[str, Any]:
@@ -60,8 +79,8 @@ def _row(wall: float, out: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _ask(home: Path, question: str, files: Sequence[str], threads: int) -> dict[str, Any]:
-    command, env = _command(home, question, files, threads)
+def _ask(home: Path, question: str, files: Sequence[str], threads: int, *flags: str) -> dict[str, Any]:
+    command, env = _command(home, question, files, threads, *flags)
     t0 = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
     wall = time.perf_counter() - t0
@@ -100,9 +119,27 @@ def repeat(index: int, files: Sequence[str], threads: int) -> list[dict[str, Any
         for run, question in zip(RUNS, (QUESTIONS[0], QUESTIONS[0], QUESTIONS[1])):
             got = _ask(home, question, files, threads)
             rows.append({"repeat": index, "run": run, "question": question, "files": list(files), **got})
-        got = _ask_stream(home, QUESTIONS, files, threads)
+        got = _ask_stream(home, QUESTIONS[:2], files, threads)
         rows.append({"repeat": index, "run": RUNS[3], "question": QUESTIONS[1], "files": list(files), **got})
+        for run, (keep, question) in zip(RUNS[4:], KEPT):
+            got = _ask(home, question, files, threads, "--keep-alive", keep)
+            rows.append({"repeat": index, "run": run, "question": question, "files": list(files), **got})
+        _wait_stopped(home)
     return rows
+
+
+def _wait_stopped(home: Path, timeout_s: float = 60.0) -> None:
+    """Wait for the kept process to end (``--keep-alive 0``), so the next repeat's machine is quiet;
+    its pid is in its lock file."""
+    deadline = time.monotonic() + timeout_s
+    for lock in (home / "warm").glob("*.lock"):
+        pid = int(lock.read_text().strip() or 0)
+        while pid and time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

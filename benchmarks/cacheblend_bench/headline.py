@@ -51,9 +51,9 @@ COMMAND = "cacheblend-rag headline"
 def default_settings() -> dict[str, Any]:
     """What a user gets without choosing: ``from_pretrained``'s weights and chunk record format,
     ``BlendConfig()``'s ratio, strategy, escalation and guard, and neighbour-aware caches as
-    ``ask`` and the integrations make them (``cli.ASK_NEIGHBOURS`` neighbours from the corpus)."""
+    ``ask`` and the integrations make them (``cli.ask.ASK_NEIGHBOURS`` neighbours from the corpus)."""
     from cacheblend_rag import BlendConfig, CacheBlendEngine
-    from cacheblend_rag.cli.app import ASK_NEIGHBOURS
+    from cacheblend_rag.cli.ask import ASK_NEIGHBOURS
 
     params = inspect.signature(CacheBlendEngine.from_pretrained).parameters
     cfg = BlendConfig()

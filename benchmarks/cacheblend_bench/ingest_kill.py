@@ -75,7 +75,8 @@ def _ingest(command: list[str], log: Path, env: dict[str, str]) -> subprocess.Po
 
 def check_store(store_dir: str, corpus: str, ingest_args: Sequence[str]) -> dict[str, Any]:
     """Every chunk of ``corpus`` (split as ``ingest`` splits it) has every layer readable in the store."""
-    from cacheblend_rag.cli.app import build_parser, open_engine
+    from cacheblend_rag.cli.app import build_parser
+    from cacheblend_rag.cli.flags import open_engine
     from cacheblend_rag.cli.ingest import read_corpus
 
     args = build_parser().parse_args(["ingest", corpus, "--store-dir", store_dir, *ingest_args])

@@ -59,7 +59,7 @@ def run(
     format ``from_pretrained`` picks on this CPU); ``cold``: each timed answer reads its store's
     records from the disk, not the page cache."""
     from cacheblend_bench.headline import default_format
-    from cacheblend_rag.cli.app import ASK_NEIGHBOURS
+    from cacheblend_rag.cli.ask import ASK_NEIGHBOURS
     from cacheblend_rag.cli.store import disk_stats
     from cacheblend_rag.store.disk import KVStore
 

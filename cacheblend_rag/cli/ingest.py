@@ -1,6 +1,6 @@
 """``cacheblend-rag ingest``: cache a whole corpus's chunks ahead of the questions, resumably.
 
-The corpus is split as ``ask`` splits it (``cli.read_chunks``: text files into chunks of at most
+The corpus is split as ``ask`` splits it (``cli.ask.read_chunks``: text files into chunks of at most
 ``--chunk-tokens`` tokens, ``.json`` lists as given), plus folders (their text, JSON and JSONL files)
 and JSONL files (one document a line, a string or an object with a ``"text"``, split the same way).
 Before anything is computed the command prints what it will do (chunks, tokens, bytes in the
@@ -67,7 +67,7 @@ def _files(paths: Sequence[str]) -> list[Path]:
 def read_corpus(paths: Sequence[str], tokenizer, max_tokens: int) -> list[str]:
     """The distinct chunks of ``paths`` (files, folders, JSONL corpora), in order, split as ``ask``
     splits its files."""
-    from cacheblend_rag.cli.app import read_chunks, split_text
+    from cacheblend_rag.cli.ask import read_chunks, split_text
 
     chunks: list[str] = []
     for f in _files(paths):
@@ -106,7 +106,7 @@ def run(
 
 
 def _ingest(args: argparse.Namespace) -> int:
-    from cacheblend_rag.cli.app import open_engine
+    from cacheblend_rag.cli.flags import open_engine
 
     if args.neighbours < 0:
         raise SystemExit(f"error: --neighbours {args.neighbours}: pass how many chunks each cache sits behind (0: none)")
@@ -144,7 +144,8 @@ def _size(text: str) -> int:
 
 def register(subparsers) -> None:
     """Add ``ingest`` to the ``cacheblend-rag`` parser."""
-    from cacheblend_rag.cli.app import ASK_NEIGHBOURS, STORE_HELP, WEIGHTS_HELP, add_kv_format
+    from cacheblend_rag.cli.ask import ASK_NEIGHBOURS
+    from cacheblend_rag.cli.flags import STORE_HELP, WEIGHTS_HELP, add_kv_format
     from cacheblend_rag.model.weights import AUTO, WEIGHT_CHOICES
 
     p = subparsers.add_parser(
