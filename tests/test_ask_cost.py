@@ -17,7 +17,11 @@ def _row(repeat: int, run: str, wall: float, misses: int) -> dict:
 
 
 def test_each_run_gets_its_median_and_range_in_order():
-    rows = [_row(i, run, wall, misses) for i, wall in enumerate((9.0, 7.0, 20.0)) for run, misses in zip(RUNS, (12, 0, 2, 0, 0, 0, 0), strict=True)]
+    rows = [
+        _row(i, run, wall, misses)
+        for i, wall in enumerate((9.0, 7.0, 20.0))
+        for run, misses in zip(RUNS, (12, 0, 2, 0, 0, 0, 0), strict=True)
+    ]
     rows[1]["wall_s"] = 5.0  # repeat 0's second run
     got = {e["run"]: e for e in summarize(rows)}
     assert [e["run"] for e in summarize(rows)] == list(RUNS)

@@ -149,6 +149,23 @@ def test_kept_process_reports_an_asks_errors_survives_a_client_that_leaves_and_s
     assert lock.with_suffix(".log").read_text().rstrip().endswith("stopped")
 
 
+def test_two_asks_at_once_start_one_kept_process_which_stops_when_idle(tmp_path, home, model_dir):
+    docs = _docs(tmp_path)
+    [want] = _answers(_ask(home, model_dir, docs, QUESTIONS[1]))  # computes the chunk cache both asks read
+    env = {**os.environ, "CACHEBLEND_RAG_HOME": str(home), "OMP_NUM_THREADS": "1", warm.ENV: "3s"}
+    command = [sys.executable, "-m", "cacheblend_rag", "ask", QUESTIONS[1], str(docs), "--model", str(model_dir)]
+    command += ["--json", "--max-new-tokens", "6", "--top-k", "0", "--no-neighbours"]  # --keep-alive from the environment
+    both = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    for proc in both:
+        out, err = proc.communicate(timeout=600)
+        assert _answers(subprocess.CompletedProcess(command, proc.returncode, out, err)) == [(*want[:2], 1)]
+        assert "warning" not in err  # neither fell back to its own process
+    [lock] = _kept(home)  # the second launcher found the lock taken and waited for the first's process
+    assert lock.with_suffix(".log").read_text().count("loading") == 1
+    assert _gone(_pid(lock)), "idle for its keep-alive (3 s), it stops"
+    assert not lock.with_suffix(".sock").exists()
+
+
 def _namespace(docs: Path, model_dir: Path) -> argparse.Namespace:
     """``ask``'s parsed flags as the tests' ``_ask`` passes them."""
     from cacheblend_rag.cli.app import build_parser

@@ -50,7 +50,7 @@ START_TIMEOUT_S = 600.0
 _SOCKET_PATH_MAX = 100  # sun_path holds 108 bytes on Linux, 104 on macOS
 
 
-class ClientGone(Exception):
+class Disconnected(Exception):
     """The other end of a kept-process connection closed it."""
 
 
@@ -116,11 +116,11 @@ def _key(flags: dict[str, Any]) -> str:
 
 
 def send(conn: socket.socket, message: dict[str, Any]) -> None:
-    """One protocol line; :class:`ClientGone` when the other end has closed."""
+    """One protocol line; :class:`Disconnected` when the other end has closed."""
     try:
         conn.sendall((json.dumps(message) + "\n").encode())
     except OSError as exc:
-        raise ClientGone(str(exc)) from None
+        raise Disconnected(str(exc)) from None
 
 
 def ask(args: argparse.Namespace, questions: Iterator[str]) -> int | None:
@@ -143,7 +143,7 @@ def ask(args: argparse.Namespace, questions: Iterator[str]) -> int | None:
     with conn, conn.makefile("r", encoding="utf-8") as reader:
         try:
             send(conn, {"ask": sent, "keep_alive": args.keep_alive})
-        except ClientGone:
+        except Disconnected:
             return None  # it closed as it went idle: nothing asked yet
         try:
             for question in questions:
@@ -155,7 +155,7 @@ def ask(args: argparse.Namespace, questions: Iterator[str]) -> int | None:
             while (status := _relay(reader)) is None:
                 pass
             return status
-        except (ClientGone, ConnectionError, ValueError) as exc:
+        except (Disconnected, ConnectionError, ValueError) as exc:
             print(f"error: the process keeping the model loaded stopped ({exc}); its log: {place.log}", file=sys.stderr)
             return 1
 

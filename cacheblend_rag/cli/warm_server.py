@@ -147,14 +147,14 @@ def _serve_one(conn: socket.socket, engine: CacheBlendEngine, embed: CachedEmbed
                     status = ask.answer(engine, args, _questions(reader, conn), embed)
                 except SystemExit as exc:  # a refusal (a missing file, ...), as ask's own process exits with it
                     status = _status(exc)
-                except warm.ClientGone:
+                except warm.Disconnected:
                     raise
                 except Exception:  # noqa: BLE001 - reported to the ask and the log; this process then ends
                     traceback.print_exc()  # to the ask, and below to the log
                     traceback.print_exc(file=sys.__stderr__)
                     status, healthy = 1, False
             warm.send(conn, {"exit": status})
-        except warm.ClientGone:
+        except warm.Disconnected:
             pass  # the ask was stopped (Ctrl-C): its answer is dropped, the engine is fine
     return keep_alive, healthy
 
