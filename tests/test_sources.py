@@ -63,6 +63,7 @@ PLANTED = "The Harwick lighthouse was painted blue in 1921 by Margaret Oyelaran,
 
 
 @pytest.mark.slow
+@pytest.mark.qwen  # .ci/qwen installs the model and runs it; .ci/run, on a machine without it, deselects it
 @pytest.mark.skipif(not QWEN_PARTS, reason="Qwen2.5-Coder-0.5B is not installed (see docs/quality.md for the command)")
 def test_the_chunk_holding_the_answer_draws_more_attention_than_a_neutral_one_in_its_place(tmp_path):
     """Qwen2.5-Coder-0.5B: wherever the chunk holding the answer sits, its share is larger than
