@@ -145,8 +145,24 @@ def test_benchmark_commands_plug_in_through_the_entry_point(monkeypatch):
         "store",
     ]
     # Without the entry points the parser has only its own commands.
+    assert _commands(cli.build_parser(plugins=False)) == ["ask", "serve"]
     monkeypatch.setattr(cli, "entry_points", lambda group: [])
     assert _commands(cli.build_parser()) == ["ask", "serve"]
+
+
+def test_ask_and_serve_are_parsed_without_loading_the_plugged_in_commands():
+    """An ``ask`` (and ``serve``) parses its flags without importing the benchmarks' commands;
+    any other command line (``--help``, a plugged-in command, a typo) gets every command."""
+    probe = (
+        "import sys; from cacheblend_rag.cli import app\n"
+        "try:\n    app.main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+        "print('cacheblend_bench.commands' in sys.modules)"
+    )
+    seen = {}
+    for argv in (["ask", "--help"], ["serve", "--help"], ["--help"], ["bench", "--help"], ["asks"]):
+        done = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, cwd=ROOT, timeout=300)
+        seen[argv[0]] = done.stdout.strip().splitlines()[-1]
+    assert seen == {"ask": "False", "serve": "False", "--help": "True", "bench": "True", "asks": "True"}
 
 
 # ---------------------------------------------------------------------- ask

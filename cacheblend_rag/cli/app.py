@@ -97,7 +97,14 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+# The commands of this module's own: parsing one needs none of the plugged-in commands, whose
+# modules (the benchmarks' import the store's Redis client) would cost every ask ~0.3 s to load.
+OWN_COMMANDS = ("ask", "serve")
+
+
+def build_parser(plugins: bool = True) -> argparse.ArgumentParser:
+    """The ``cacheblend-rag`` parser; ``plugins``: with the ``cacheblend_rag.commands`` entry points'
+    commands (without: ``ask`` and ``serve`` only)."""
     parser = argparse.ArgumentParser(prog="cacheblend-rag", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -136,13 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--weights", default=AUTO, choices=WEIGHT_CHOICES, help=WEIGHTS_HELP)
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.set_defaults(func=_serve)
-    for entry in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
+    for entry in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name) if plugins else ():
         entry.load()(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(plugins=not argv or argv[0] not in OWN_COMMANDS).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except (DataFileError, ModelLoadError) as err:
