@@ -105,7 +105,7 @@ OWN_COMMANDS = ("ask", "serve")
 def build_parser(plugins: bool = True) -> argparse.ArgumentParser:
     """The ``cacheblend-rag`` parser; ``plugins``: with the ``cacheblend_rag.commands`` entry points'
     commands (without: ``ask`` and ``serve`` only)."""
-    parser = argparse.ArgumentParser(prog="cacheblend-rag", description=__doc__)
+    parser = argparse.ArgumentParser(prog="cacheblend-rag", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     ask.register(sub)
