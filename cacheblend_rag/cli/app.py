@@ -14,15 +14,14 @@ from cacheblend_rag.cli.flags import (
     ADAPTIVE_HELP,
     GUARD_HELP,
     STORE_HELP,
-    WEIGHTS_HELP,
     add_kv_format,
+    add_model_flags,
     check_guard,
     guarded,
     open_engine,
 )
 from cacheblend_rag.cli.paths import DataFileError
 from cacheblend_rag.errors import ModelLoadError
-from cacheblend_rag.model.weights import AUTO, WEIGHT_CHOICES
 
 # Commands beyond ask and serve come from entry points of this group (pyproject.toml: ingest and
 # store, which build on ask's reading and the shared flags, and the benchmarks' sweep, bench,
@@ -110,7 +109,7 @@ def build_parser(plugins: bool = True) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     ask.register(sub)
     serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (docs/server.md)")
-    serve.add_argument("--model", default=None, help="model dir, .gguf file or hub id (default: bundled SmolLM2-135M-Instruct)")
+    add_model_flags(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--store-dir", default=None, help="chunk KV store directory (default: <cache home>/kv)")
@@ -138,9 +137,6 @@ def build_parser(plugins: bool = True) -> argparse.ArgumentParser:
     serve.add_argument("--guard-margin", type=float, default=None, help=GUARD_HELP)
     serve.add_argument("--adaptive", action="store_true", help=ADAPTIVE_HELP)
     serve.add_argument("--served-model-name", default=None, help="the name clients pass as model (default: the model's id)")
-    serve.add_argument("--device", default="cpu")
-    serve.add_argument("--dtype", default="float32")
-    serve.add_argument("--weights", default=AUTO, choices=WEIGHT_CHOICES, help=WEIGHTS_HELP)
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.set_defaults(func=_serve)
     for entry in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name) if plugins else ():

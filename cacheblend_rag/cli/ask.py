@@ -24,8 +24,8 @@ from cacheblend_rag.cli.flags import (
     ADAPTIVE_HELP,
     GUARD_HELP,
     STORE_HELP,
-    WEIGHTS_HELP,
     add_kv_format,
+    add_model_flags,
     check_guard,
     check_weights,
     guarded,
@@ -33,7 +33,6 @@ from cacheblend_rag.cli.flags import (
 )
 from cacheblend_rag.config import FUSED_MODES, MODES
 from cacheblend_rag.model.loading import default_cache_dir
-from cacheblend_rag.model.weights import AUTO, WEIGHT_CHOICES
 
 if TYPE_CHECKING:
     from cacheblend_rag.embedder import CachedEmbedder, Embedder
@@ -279,15 +278,12 @@ def register(sub) -> None:
     ask.add_argument(
         "--json", action="store_true", help="print one JSON object (answer, chunks used, stats) per question instead of streaming"
     )
-    ask.add_argument("--model", default=None, help="model dir, .gguf file or hub id (default: bundled SmolLM2-135M-Instruct)")
+    add_model_flags(ask)
     ask.add_argument("--mode", default="cacheblend", choices=list(MODES))
     ask.add_argument("--ratio", type=float, default=None, help="recompute ratio (default 0.15)")
     ask.add_argument("--chunk-tokens", type=int, default=256, help="max tokens per chunk when splitting text files")
     ask.add_argument("--max-new-tokens", type=int, default=64)
     ask.add_argument("--temperature", type=float, default=0.0)
-    ask.add_argument("--device", default="cpu")
-    ask.add_argument("--dtype", default="float32")
-    ask.add_argument("--weights", default=AUTO, choices=WEIGHT_CHOICES, help=WEIGHTS_HELP)
     ask.add_argument(
         "--precompute",
         action="store_true",

@@ -8,6 +8,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from cacheblend_rag.config import ADAPTIVE_ESCALATION, BlendConfig
+from cacheblend_rag.model.weights import AUTO, WEIGHT_CHOICES
 from cacheblend_rag.store.quant import DEFAULT_KV_FORMAT, parse_kv_format
 
 if TYPE_CHECKING:
@@ -83,6 +84,14 @@ def _kv_format(text: str) -> str:
 def store_tiers(text: str | None) -> list[str] | None:
     """``--store disk,redis://...`` -> the tier list ``from_pretrained(store=...)`` takes."""
     return None if text is None else [part.strip() for part in text.split(",") if part.strip()]
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """``--model``, ``--device``, ``--dtype`` and ``--weights``: the model :func:`open_engine` loads."""
+    parser.add_argument("--model", default=None, help="model dir, .gguf file or hub id (default: bundled SmolLM2-135M-Instruct)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--weights", default=AUTO, choices=WEIGHT_CHOICES, help=WEIGHTS_HELP)
 
 
 def open_engine(args: argparse.Namespace, **options: Any) -> CacheBlendEngine:

@@ -145,8 +145,7 @@ def _size(text: str) -> int:
 def register(subparsers) -> None:
     """Add ``ingest`` to the ``cacheblend-rag`` parser."""
     from cacheblend_rag.cli.ask import ASK_NEIGHBOURS
-    from cacheblend_rag.cli.flags import STORE_HELP, WEIGHTS_HELP, add_kv_format
-    from cacheblend_rag.model.weights import AUTO, WEIGHT_CHOICES
+    from cacheblend_rag.cli.flags import STORE_HELP, add_kv_format, add_model_flags
 
     p = subparsers.add_parser(
         "ingest",
@@ -175,10 +174,7 @@ def register(subparsers) -> None:
         "--store-size-limit", type=_size, default=8 * 2**30, help="the disk store's size limit (default 8G; e.g. 500M, 64G)"
     )
     p.add_argument("--store", default=None, help=STORE_HELP)
-    p.add_argument("--model", default=None, help="model dir, .gguf file or hub id (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--weights", default=AUTO, choices=WEIGHT_CHOICES, help=WEIGHTS_HELP)
+    add_model_flags(p)
     p.add_argument("--dry-run", action="store_true", help="print the plan (and any refusal) and compute nothing")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_ingest)
